@@ -1,0 +1,7 @@
+"""CPU performance benchmarks (issue "Performance on CPU").
+
+Modules:
+  checkpoints          -- random, cached Qwen3.5-MoE / Clover checkpoints (``small`` and ``full`` variants)
+  common               -- timing, bandwidth, RSS, weight-byte (roofline) helpers, table/JSON output
+  bench_transformers   -- transformers ``Qwen3_5MoeForCausalLM`` baseline (run in its own process)
+"""

@@ -1,0 +1,399 @@
+"""Shared benchmark helpers: timing, memory bandwidth, peak RSS, weight bytes (roofline), output.
+
+Conventions
+-----------
+* Times are seconds (``timeit``) unless a field name says ``_ms``.
+* Bandwidth is in GB/s with GB = 1e9 bytes.  ``measure_bandwidth`` times ``dst.copy_(src)`` on N-byte buffers and
+  counts **2N bytes moved** (N read + N written; write-allocate traffic is not counted).  The decode/block/prefill
+  roofline numbers divide *weight bytes read* (below) by that figure, i.e. they assume reads stream at the copy's
+  read+write rate -- an optimistic-but-achievable ceiling on most CPUs.
+* Weight-byte formulas (``dtype_bytes`` = bytes per weight, 2 for bf16), per forward pass:
+
+  non-expert bytes of layer l  (``layer_dense_params``)
+      GDN layer:        in_proj_qkv (2Kd+Vd)*H + in_proj_z Vd*H + in_proj_b/a 2*Hv*H + conv1d C*k
+                        [+ conv1d_right C*k_r + block_mix_logits 2*Hv for Clover] + dt_bias/A_log 2*Hv + norm Dv
+                        + out_proj H*Vd
+      attention layer:  q_proj 2*nh*hd*H (query + gate) + k_proj/v_proj 2*nkv*hd*H + o_proj H*nh*hd + q/k_norm 2*hd
+      every layer:      2 RMSNorms 2H + router E*H + shared expert 3*Is*H + shared_expert_gate H
+  one routed expert      3*I*H  (gate_up_proj rows 2I*H + down_proj H*I)
+  head                   final norm H + lm_head V*H (embed_tokens if tied)
+
+  decode_token_bytes  = sum_l [dense_l + k * expert]          + head + 1 embedding row (H)
+  block_step_bytes(n) = sum_l [dense_l + n_l * expert]        + head + T embedding rows (T = block size, 32)
+                        n_l = distinct experts the block's tokens route to in layer l (k <= n_l <= min(E, T*k))
+  prefill_bytes(T)    = sum_l [dense_l + min(E, T*k) * expert] + head + min(T, V) embedding rows
+                        (every weight read once; routed experts capped at what T*k routings can touch.  Prefill is
+                        normally compute-bound, so this is a lower bound on traffic, not a time predictor.)
+
+  The full lm_head is counted in every case (logits over the whole vocabulary; it is read once per forward whether
+  1 or 32 rows of logits are produced).  KV-cache / recurrent-state traffic is separate: ``state_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+GB = 1e9
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(values: Iterable[float]) -> dict:
+    """dict(median, min, max, p10, p90, all) of a list of numbers."""
+    vals = list(values)
+    s = sorted(vals)
+    return {
+        "median": statistics.median(s) if s else float("nan"),
+        "min": s[0] if s else float("nan"),
+        "max": s[-1] if s else float("nan"),
+        "p10": _percentile(s, 10),
+        "p90": _percentile(s, 90),
+        "all": vals,
+    }
+
+
+def timeit(fn: Callable, warmup: int = 1, repeats: int = 5, setup: Callable[[], Any] | None = None) -> dict:
+    """Wall-clock seconds of ``fn`` over ``repeats`` runs after ``warmup`` untimed runs.
+
+    If ``setup`` is given it is called (untimed) before every run and its result is passed as ``fn(state)``
+    -- e.g. to hand each run a fresh copy of a KV cache.  Returns ``summarize(times)``:
+    dict(median, min, max, p10, p90, all) in seconds.
+    """
+    def once() -> float:
+        state = setup() if setup is not None else None
+        t0 = time.perf_counter()
+        if setup is not None:
+            fn(state)
+        else:
+            fn()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        once()
+    return summarize(once() for _ in range(repeats))
+
+
+def scale_stats(stats: Mapping, factor: float = 1.0, invert: bool = False) -> dict:
+    """Convert a ``timeit`` dict: ``factor * x`` (e.g. 1e3 for ms) or, with ``invert``, ``factor / x`` (e.g. tokens
+    per second from seconds; min/max and p10/p90 swap so that they stay ordered)."""
+    conv = (lambda x: factor / x if x > 0 else float("inf")) if invert else (lambda x: factor * x)
+    vals = [conv(x) for x in stats["all"]]
+    return summarize(vals)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, warmup: int = 2, threads: int | None = None,
+                      return_stats: bool = False) -> float | dict:
+    """Memory bandwidth in GB/s from ``dst.copy_(src)`` of two ``nbytes`` buffers (default 1 GiB each), median of
+    ``repeats``.  Bytes counted per copy: 2 * nbytes (read + write).  Uses ``threads`` torch threads (default: the
+    current torch setting).  With ``return_stats`` returns dict(gbps, stats (GB/s summary), nbytes, bytes_counted,
+    threads)."""
+    import torch
+
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        src = torch.empty(nbytes // 8, dtype=torch.float64).fill_(1.0)  # touch every page
+        dst = torch.zeros_like(src)
+        moved = 2 * src.numel() * src.element_size()
+        t = timeit(lambda: dst.copy_(src), warmup=warmup, repeats=repeats)
+        del src, dst
+    finally:
+        torch.set_num_threads(old)
+    bw = scale_stats(t, moved / GB, invert=True)
+    if not return_stats:
+        return bw["median"]
+    return {"gbps": bw["median"], "stats": bw, "nbytes": nbytes, "bytes_counted": moved,
+            "threads": threads if threads is not None else old}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (ru_maxrss; psutil's peak_wset/peak fields as fallback)."""
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak) * (1 if sys.platform == "darwin" else 1024)  # Linux reports KiB, macOS bytes
+    except Exception:  # pragma: no cover - non-POSIX
+        import psutil
+
+        info = psutil.Process().memory_info()
+        return int(getattr(info, "peak_wset", getattr(info, "rss", 0)))
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+# ------------------------------------------------------------------------------------------------ weight bytes
+def _cfg(config) -> dict:
+    """Accept a config dict, a ``clover.config.CloverConfig`` or a transformers config; return a plain dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    return dict(vars(config))
+
+
+def _is_clover(c: dict) -> bool:
+    return c.get("model_type") == "clover"
+
+
+def expert_params(config) -> int:
+    """Parameters of one routed expert (gate + up + down)."""
+    c = _cfg(config)
+    return 3 * c["moe_intermediate_size"] * c["hidden_size"]
+
+
+def layer_dense_params(config, layer: int) -> int:
+    """Parameters of layer ``layer`` every token reads: mixer (GDN or attention) + norms + router + shared expert.
+    Excludes routed experts."""
+    c = _cfg(config)
+    H = c["hidden_size"]
+    kind = c["layer_types"][layer]
+    if kind == "linear_attention":
+        hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        key_dim, value_dim = hk * dk, hv * dv
+        conv_dim = 2 * key_dim + value_dim
+        mixer = (conv_dim * H + value_dim * H + 2 * hv * H + conv_dim * c["linear_conv_kernel_dim"]
+                 + 2 * hv + dv + H * value_dim)
+        if _is_clover(c):
+            mixer += conv_dim * c.get("gdn_right_conv_kernel_dim", 4) + 2 * hv
+    elif kind == "full_attention":
+        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        mixer = 2 * nh * hd * H + 2 * nkv * hd * H + H * nh * hd + 2 * hd
+    else:
+        raise ValueError(f"layer_types[{layer}] = {kind!r}")
+    Is = c.get("shared_expert_intermediate_size", 0)
+    moe_dense = c["num_experts"] * H + (3 * Is * H + H if Is else 0)
+    return mixer + 2 * H + moe_dense
+
+
+def head_params(config) -> int:
+    """Final norm + lm_head (the output projection, which is embed_tokens when tied)."""
+    c = _cfg(config)
+    return c["hidden_size"] + c["vocab_size"] * c["hidden_size"]
+
+
+def total_params(config) -> int:
+    """All parameters in the checkpoint (embedding counted separately from lm_head unless tied)."""
+    c = _cfg(config)
+    L = c["num_hidden_layers"]
+    n = sum(layer_dense_params(c, l) + c["num_experts"] * expert_params(c) for l in range(L))
+    n += head_params(c)
+    if not c.get("tie_word_embeddings", False):
+        n += c["vocab_size"] * c["hidden_size"]
+    return n
+
+
+def _per_layer(value, n_layers: int) -> list:
+    if isinstance(value, (int, float)):
+        return [value] * n_layers
+    value = list(value)
+    if len(value) != n_layers:
+        raise ValueError(f"need one value per layer ({n_layers}), got {len(value)}")
+    return value
+
+
+def weight_bytes(config, dtype_bytes: float = 2, *, tokens: int = 1, experts_per_layer=None) -> int:
+    """Weight bytes one forward must read.  General form used by the three helpers below:
+
+        sum_l [layer_dense_params(l) + experts_per_layer[l] * expert_params] + head_params + min(tokens, V) * H
+
+    ``experts_per_layer`` (int or per-layer list) defaults to min(E, tokens * k) -- every routing on a distinct
+    expert.  Times ``dtype_bytes``."""
+    c = _cfg(config)
+    L, E, k = c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"]
+    if experts_per_layer is None:
+        experts_per_layer = min(E, tokens * k)
+    per = _per_layer(experts_per_layer, L)
+    e = expert_params(c)
+    n = sum(layer_dense_params(c, l) + min(E, per[l]) * e for l in range(L))
+    n += head_params(c) + min(tokens, c["vocab_size"]) * c["hidden_size"]
+    return int(n * dtype_bytes)
+
+
+def decode_token_bytes(config, dtype_bytes: float = 2) -> int:
+    """AR decode, one token: dense weights + shared expert + top-k routed experts per layer + full lm_head."""
+    c = _cfg(config)
+    return weight_bytes(c, dtype_bytes, tokens=1, experts_per_layer=c["num_experts_per_tok"])
+
+
+def block_step_bytes(config, distinct_experts, dtype_bytes: float = 2, block_size: int = 32) -> int:
+    """One forward over a ``block_size``-token block; ``distinct_experts`` = distinct experts touched per MoE layer
+    (int, or a per-layer list)."""
+    return weight_bytes(config, dtype_bytes, tokens=block_size, experts_per_layer=distinct_experts)
+
+
+def prefill_bytes(config, num_tokens: int, dtype_bytes: float = 2) -> int:
+    """Prefill of ``num_tokens``: all dense weights once + min(E, T*k) experts per layer + lm_head once."""
+    return weight_bytes(config, dtype_bytes, tokens=num_tokens)
+
+
+def state_bytes(config, context_len: int, kv_dtype_bytes: float = 2, state_dtype_bytes: float = 4) -> int:
+    """Per-token cache traffic (read): KV cache of the attention layers at ``context_len`` plus the GDN recurrent
+    state (Hv * Dk * Dv) and conv state (C * (k-1)) of each GDN layer."""
+    c = _cfg(config)
+    n = 0.0
+    for kind in c["layer_types"]:
+        if kind == "full_attention":
+            n += 2 * c["num_key_value_heads"] * c["head_dim"] * context_len * kv_dtype_bytes
+        else:
+            hv, dk, dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+            conv_dim = 2 * c["linear_num_key_heads"] * dk + hv * dv
+            n += hv * dk * dv * state_dtype_bytes + conv_dim * (c["linear_conv_kernel_dim"] - 1) * kv_dtype_bytes
+    return int(n)
+
+
+def expected_distinct_experts(num_experts: int, routings: int, top_k: int = 1) -> float:
+    """Expected distinct experts hit by ``routings`` tokens each choosing ``top_k`` distinct experts uniformly at
+    random: E * (1 - (1 - k/E)^tokens).  (Uniform routing; real routers are more concentrated.)"""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** routings)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        a = abs(value)
+        if a == 0:
+            return "0"
+        if a >= 1000:
+            return f"{value:,.0f}"
+        if a >= 100:
+            return f"{value:.1f}"
+        if a >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]], headers: Sequence[str] | None = None,
+                file=None, title: str | None = None) -> str:
+    """Print an aligned text table and return it.  ``rows`` is a list of dicts (columns = union of keys in first-seen
+    order; missing cells blank) or a list of sequences with ``headers``.  Numbers are right-aligned, text left."""
+    file = file if file is not None else sys.stdout
+    if rows and isinstance(rows[0], Mapping):
+        if headers is None:
+            headers = []
+            for r in rows:
+                for k in r:
+                    if k not in headers:
+                        headers.append(k)
+        body = [[r.get(h, "") for h in headers] for r in rows]
+    else:
+        body = [list(r) for r in rows]
+        if headers is None:
+            headers = [f"c{i}" for i in range(max((len(r) for r in body), default=0))]
+    cells = [[_fmt(v) if v != "" else "" for v in r] for r in body]
+    numeric = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] == ""
+                   for r in body if i < len(r)) for i in range(len(headers))]
+    widths = [max([len(str(h))] + [len(r[i]) for r in cells if i < len(r)]) for i, h in enumerate(headers)]
+
+    def line(vals):
+        out = []
+        for i, w in enumerate(widths):
+            v = vals[i] if i < len(vals) else ""
+            out.append(v.rjust(w) if numeric[i] else v.ljust(w))
+        return "  ".join(out).rstrip()
+
+    text_lines = []
+    if title:
+        text_lines.append(title)
+    text_lines.append(line([str(h) for h in headers]))
+    text_lines.append("  ".join("-" * w for w in widths))
+    text_lines += [line(r) for r in cells]
+    text = "\n".join(text_lines)
+    print(text, file=file, flush=True)
+    return text
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        try:
+            return _jsonable(obj.item())
+        except Exception:
+            pass
+    return str(obj)
+
+
+def emit_json(obj: Any, file=None) -> str:
+    """Print ``obj`` as one compact JSON line (the last line a benchmark prints; NaN/inf -> null)."""
+    text = json.dumps(_jsonable(obj), separators=(",", ":"))
+    print(text, file=file if file is not None else sys.stdout, flush=True)
+    return text
+
+
+def parse_last_json(stdout: str) -> Any:
+    """Inverse of ``emit_json`` for a driver: the last line of ``stdout`` that parses as JSON."""
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{") or line.startswith("["):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError("no JSON line found")
+
+
+def set_threads(n: int | None = None) -> int:
+    """``torch.set_num_threads(n or os.cpu_count())``; returns the count."""
+    import torch
+
+    n = n or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def system_info() -> dict:
+    import platform
+
+    import torch
+
+    info = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "machine": platform.machine()}
+    try:
+        import psutil
+
+        info["ram_total_gb"] = round(psutil.virtual_memory().total / GB, 2)
+        info["ram_available_gb"] = round(psutil.virtual_memory().available / GB, 2)
+    except Exception:
+        pass
+    try:
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        pass
+    return info

@@ -1,0 +1,38 @@
+"""Clover: an inference system for block-diffusion language models with a Qwen3.5-MoE backbone.
+
+The core import is light (torch, safetensors). Public API:
+    clover.load(path, dtype=None, device="cpu") -> CloverForCausalLM
+    model(input_ids) -> causal logits;  model.block_logits(prefix_ids, block_ids) -> block logits
+    model.generate(input_ids, **settings) -> [prompt | completion]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
+
+
+def load(path=None, dtype=None, device="cpu"):
+    """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
+
+    `dtype`: None (as stored), torch.float32, torch.bfloat16 or torch.float64."""
+    from .checkpoint import load_model
+
+    path = Path(path) if path is not None else DEMO_MODEL_DIR
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    model = load_model(path, dtype=dtype, device=device)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        try:
+            model.generation_defaults = json.loads(gen.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{gen}: invalid JSON ({exc})") from None
+    return model
+
+
+__all__ = ["load", "DEMO_MODEL_DIR", "__version__"]

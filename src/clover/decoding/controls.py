@@ -1,0 +1,226 @@
+"""Generation controls (SPEC §7): logit biases applied to every prediction, greedy or sampled.
+
+Order: repetition penalty, then length penalty on EOS ids, then the think-end push on ``</think>``.
+Everything here is a pure function of tensors so that generation, self-speculative decoding and the
+batched engine apply exactly the same arithmetic (float32, vectorised, no host syncs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["ControlSettings", "think_distances", "apply_controls"]
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """The ``dllm_*`` settings of SPEC §7 (defaults as in the spec's table)."""
+
+    dllm_repetition_penalty: float = 1.05
+    dllm_repetition_window: int = 512
+    dllm_length_penalty_start: int = 8192
+    dllm_length_penalty_window: int = 8192
+    dllm_length_penalty_strength: float = 10.0
+    dllm_think_end_start: int = 4096
+    dllm_think_end_window: int = 4096
+    dllm_think_end_strength: float = 10.0
+
+    @classmethod
+    def field_names(cls) -> tuple:
+        """Names of all settings (handy for reading them out of generation configs / kwargs)."""
+        return tuple(f.name for f in fields(cls))
+
+    def validate(self) -> "ControlSettings":
+        """Raise ``ValueError`` naming the offending field; return ``self`` so calls can chain.
+
+        SPEC §7: a penalty ≤ 0 or a window ≤ 0 is an error. Negative starts are rejected too
+        (a response offset / think distance is never negative, so they would only hide a typo).
+        Non-finite values are rejected because they would poison the logits.
+        """
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{f.name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"{f.name} must be finite, got {v!r}")
+        if self.dllm_repetition_penalty <= 0:
+            raise ValueError(
+                f"dllm_repetition_penalty must be > 0, got {self.dllm_repetition_penalty!r}"
+            )
+        for name in ("dllm_repetition_window", "dllm_length_penalty_window", "dllm_think_end_window"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("dllm_length_penalty_start", "dllm_think_end_start"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        return self
+
+    @property
+    def repetition_active(self) -> bool:
+        return self.dllm_repetition_penalty != 1.0
+
+    @property
+    def length_active(self) -> bool:
+        return self.dllm_length_penalty_strength != 0.0
+
+    @property
+    def think_end_active(self) -> bool:
+        """Settings-wise only: the control also needs a ``</think>`` id at run time."""
+        return self.dllm_think_end_strength != 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether any control can change logits (lets callers skip ``apply_controls``)."""
+        return self.repetition_active or self.length_active or self.think_end_active
+
+
+def think_distances(
+    context: Tensor,
+    query_positions: Tensor,
+    think_id: Optional[int],
+    think_end_id: Optional[int],
+) -> Tensor:
+    """Distance ``j`` from the governing ``<think>`` for each query position, or −1 if not thinking.
+
+    ``context[t]`` is the token at absolute position ``t`` (prompt + resolved tokens; unresolved
+    positions hold the mask id, which matches neither marker, so they count as neither — SPEC §7).
+    For a query ``q`` only positions ``< q`` are looked at; ``q`` may be ``T`` (the next position) or
+    beyond, positions ``≥ T`` then simply contain no marker. If the last marker before ``q`` is
+    ``<think>`` at ``p``, the result is ``q − p − 1``; otherwise −1.
+
+    Vectorised with a cumulative max of marker positions: O(T) and no host sync.
+    """
+    context = torch.as_tensor(context)
+    query_positions = torch.as_tensor(query_positions, device=context.device).long()
+    if context.dim() != 1:
+        raise ValueError(f"context must be 1-D, got shape {tuple(context.shape)}")
+    minus_one = torch.full_like(query_positions, -1)
+    if think_id is None:
+        return minus_one
+    T = context.shape[0]
+    pos = torch.arange(T, device=context.device, dtype=torch.long)
+    none = torch.full((1,), -1, device=context.device, dtype=torch.long)
+
+    def last_before(token_id: Optional[int]) -> Tensor:
+        # lb[q] = last position < q holding token_id (or −1), for q = 0..T.
+        if token_id is None or T == 0:
+            return none.expand(T + 1)
+        marks = torch.where(context == token_id, pos, -1)
+        return torch.cat([none, torch.cummax(marks, dim=0).values])
+
+    idx = query_positions.clamp(0, T)
+    last_think = last_before(think_id)[idx]
+    last_end = last_before(think_end_id)[idx]
+    # Markers sit at distinct positions, so ">" decides which came last; both −1 ⇒ not thinking.
+    inside = (last_think > last_end) & (query_positions > 0)
+    return torch.where(inside, query_positions - last_think - 1, minus_one)
+
+
+def _ramp(x: Tensor, start: float, window: float) -> Tensor:
+    """``clamp((x − start)/window, 0, 1)`` in float32."""
+    return ((x.to(torch.float32) - float(start)) / float(window)).clamp_(0.0, 1.0)
+
+
+def _penalise(x: Tensor, r: float) -> Tensor:
+    return torch.where(x > 0, x / r, x * r)
+
+
+def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
+    """Penalise, in place, the history ids of each row of ``out[N, V]``.
+
+    Works on the gathered (row, id) pairs only — O(N·window) memory, never an [N, V] mask.
+    A repeated id writes the same penalised value several times, so it is penalised once.
+    """
+    N, V = out.shape
+    window = int(window)
+    device = out.device
+    if histories is None:
+        return out
+    if isinstance(histories, Tensor):
+        if histories.dim() != 1:
+            raise ValueError("a shared history must be a 1-D tensor; pass a list for per-row histories")
+        h = histories[-window:].to(device=device, dtype=torch.long)
+        h = h[(h >= 0) & (h < V)]
+        if h.numel():
+            out[:, h] = _penalise(out[:, h], r)
+        return out
+    hs = list(histories)
+    if len(hs) != N:
+        raise ValueError(f"got {len(hs)} histories for {N} rows")
+    parts, lengths = [], []
+    for h in hs:
+        h = torch.as_tensor(h)
+        if h.dim() != 1:
+            raise ValueError("each per-row history must be 1-D")
+        h = h[-window:]
+        parts.append(h.to(device=device, dtype=torch.long))
+        lengths.append(h.shape[0])
+    if sum(lengths) == 0:
+        return out
+    ids = torch.cat(parts)
+    rows = torch.repeat_interleave(
+        torch.arange(N, device=device), torch.tensor(lengths, device=device)
+    )
+    ok = (ids >= 0) & (ids < V)
+    rows, ids = rows[ok], ids[ok]
+    out[rows, ids] = _penalise(out[rows, ids], r)
+    return out
+
+
+def apply_controls(
+    logits: Tensor,
+    *,
+    histories: Union[Tensor, Sequence[Tensor], None],
+    response_offsets: Optional[Tensor],
+    think_distance: Optional[Tensor],
+    eos_ids: Union[int, Sequence[int], None],
+    think_end_id: Optional[int],
+    settings: ControlSettings,
+) -> Tensor:
+    """Apply SPEC §7 to ``logits[N, V]`` and return a new float32 tensor (input untouched).
+
+    ``histories``: one 1-D LongTensor shared by all rows, or a list of N of them; the response
+    tokens so far, oldest first (never the prompt: the caller passes only what counts). Only the last
+    ``dllm_repetition_window`` count; each distinct id once; ids outside ``[0, V)`` are ignored.
+    ``response_offsets[N]``: ``i`` = position − prompt length (needed when the length control is on).
+    ``think_distance[N]``: ``j`` from :func:`think_distances` (−1 = not thinking); ``None`` skips the
+    think-end control. Controls that are switched off (penalty 1, strength 0) cost nothing.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    out = logits.to(torch.float32, copy=True)
+    N, V = out.shape
+    device = out.device
+
+    # 1. repetition
+    r = float(settings.dllm_repetition_penalty)
+    if r != 1.0:
+        out = _apply_repetition(out, histories, settings.dllm_repetition_window, r)
+
+    # 2. length: push every EOS id up as the response grows past `start`
+    s = float(settings.dllm_length_penalty_strength)
+    if s != 0.0 and eos_ids is not None:
+        eos = torch.as_tensor(eos_ids).reshape(-1).tolist()  # int, list, or tensor of ids
+        eos = sorted({int(e) for e in eos if 0 <= int(e) < V})  # distinct: each EOS biased once
+        if eos:
+            if response_offsets is None:
+                raise ValueError("response_offsets is required when the length penalty is on")
+            offs = torch.as_tensor(response_offsets, device=device).reshape(-1)
+            bias = s * _ramp(offs, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
+            eos_t = torch.tensor(eos, device=device, dtype=torch.long)
+            out[:, eos_t] += bias.expand(N)[:, None]
+
+    # 3. think-end: inside thinking, push </think> as thinking grows long
+    s = float(settings.dllm_think_end_strength)
+    if s != 0.0 and think_end_id is not None and think_distance is not None and 0 <= think_end_id < V:
+        j = torch.as_tensor(think_distance, device=device).reshape(-1)
+        bias = s * _ramp(j, settings.dllm_think_end_start, settings.dllm_think_end_window)
+        bias = torch.where(j >= 0, bias, torch.zeros_like(bias))
+        out[:, think_end_id] += bias.expand(N)
+
+    return out

@@ -1,0 +1,144 @@
+"""LowConfidence unmasking (SPEC §5): candidates with confidences, and which positions to fill.
+
+Pure tensor functions shared by generation, self-speculative drafting and the batched engine, so
+they all make the same choices (ties: lowest token id, lowest position).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["candidates", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
+
+
+def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Index of the first maximum along ``dim``.
+
+    ``torch.argmax`` documents "first occurrence" but we make the tie rule explicit (it decides
+    tokens, so it must not depend on a backend's kernel): smallest index among entries equal to
+    the max. A row that is all NaN returns index 0 instead of an out-of-range value.
+    """
+    n = x.shape[dim]
+    m = x.amax(dim=dim, keepdim=True)
+    shape = [1] * x.dim()
+    shape[dim] = n
+    ar = torch.arange(n, device=x.device).view(shape)
+    idx = torch.where(x == m, ar, n).amin(dim=dim)
+    return torch.where(idx == n, torch.zeros_like(idx), idx)
+
+
+def _validate_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k!r}")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must lie in (0, 1] (None or 1.0 = off), got {top_p!r}")
+
+
+def candidates(
+    logits: Tensor,
+    *,
+    do_sample: bool,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Tuple[Tensor, Tensor]:
+    """One candidate token per row of ``logits[M, V]`` and its confidence (SPEC §5).
+
+    Greedy (``do_sample=False`` or ``temperature == 0``): argmax, ties → lowest id; confidence = its
+    softmax probability at temperature 1 (top-k/top-p play no role).
+    Sampling: ``softmax(logits / temperature)`` restricted to the top-k ids (ties at the k-th value
+    → lower ids), then to the top-p nucleus (smallest prefix of the most likely ids whose cumulative
+    probability ≥ p, never empty), renormalised; one ``torch.multinomial`` draw per row with
+    ``generator``; confidence = the sampled id's probability under that filtered distribution,
+    i.e. the distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
+    Returns ``(tokens LongTensor[M], confidence float32[M])``.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
+    _validate_sampling(temperature, top_k, top_p)
+    x = logits.to(torch.float32)
+    M, V = x.shape
+
+    if not do_sample or temperature == 0:
+        tokens = first_argmax(x, dim=-1)
+        conf = torch.softmax(x, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, conf
+
+    if M == 0:
+        return torch.zeros(0, dtype=torch.long, device=x.device), x.new_zeros(0)
+
+    probs = torch.softmax(x / float(temperature), dim=-1)
+    use_k = top_k is not None and 0 < top_k < V
+    use_p = top_p is not None and top_p < 1.0
+    if not (use_k or use_p):
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+    # Work in sorted order (descending prob, stable ⇒ lower id first among ties).
+    sp, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)
+    if use_k:
+        keep[:, top_k:] = False
+        sp = sp * keep
+        sp = sp / sp.sum(-1, keepdim=True)
+    if use_p:
+        # Keep rank r while the mass of the ranks before it is still < p (rank 0 always kept).
+        before = torch.cumsum(sp, dim=-1) - sp
+        before[:, 0] = 0.0
+        keep &= before < float(top_p)
+        sp = sp * keep
+        sp = sp / sp.sum(-1, keepdim=True)
+    choice = torch.multinomial(sp, 1, generator=generator)  # index into sorted order
+    tokens = order.gather(-1, choice).squeeze(-1)
+    conf = sp.gather(-1, choice).squeeze(-1)
+    return tokens, conf
+
+
+def positions_to_fill(confidence: Tensor, threshold: float) -> Tensor:
+    """Bool[M]: every entry with confidence ``> threshold``; if none, only the most confident one.
+
+    ``confidence`` holds the masked positions of one block in position order, so "ties → lowest
+    index" is SPEC §5's "ties: lowest position". Always fills ≥1 when M ≥ 1 (progress guarantee).
+    """
+    if confidence.dim() != 1:
+        raise ValueError(f"confidence must be 1-D, got shape {tuple(confidence.shape)}")
+    M = confidence.shape[0]
+    if M == 0:
+        return torch.zeros(0, dtype=torch.bool, device=confidence.device)
+    above = confidence > threshold
+    best = torch.arange(M, device=confidence.device) == first_argmax(confidence, dim=0)
+    return torch.where(above.any(), above, best)
+
+
+def positions_to_fill_batched(
+    confidence: Tensor, is_masked: Tensor, threshold: Union[Tensor, float]
+) -> Tensor:
+    """Bool[B, L]: :func:`positions_to_fill` per row, restricted to masked entries.
+
+    Non-masked entries are never selected; a row with at least one masked entry fills ≥1 (the
+    most confident masked entry, ties → lowest position, when none beats its threshold); a row
+    with no masked entry fills nothing. ``threshold`` is per row ``[B]`` (or one number).
+    """
+    if confidence.dim() != 2 or confidence.shape != is_masked.shape:
+        raise ValueError("confidence and is_masked must both be [B, L]")
+    B, L = confidence.shape
+    is_masked = is_masked.to(torch.bool)
+    if L == 0:
+        return is_masked.clone()
+    # NaN confidence must not stall a row: treat it as the lowest possible confidence.
+    conf = torch.nan_to_num(confidence.to(torch.float32), nan=float("-inf"))
+    thr = torch.as_tensor(threshold, dtype=torch.float32, device=conf.device).reshape(-1)
+    thr = thr.expand(B)[:, None]
+    above = is_masked & (conf > thr)
+    masked_conf = torch.where(is_masked, conf, float("-inf"))
+    row_max = masked_conf.amax(dim=-1, keepdim=True)
+    ar = torch.arange(L, device=conf.device)
+    best_idx = torch.where(is_masked & (masked_conf == row_max), ar, L).amin(dim=-1, keepdim=True)
+    best = ar == best_idx  # a row without masked entries has best_idx == L: nothing selected
+    return torch.where(above.any(dim=-1, keepdim=True), above, best)

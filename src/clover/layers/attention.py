@@ -1,0 +1,83 @@
+"""Gated full attention (SPEC §2) with a K/V cache, in causal mode and in block mode (SPEC §4).
+
+Causal: each new query sees the cached prefix and the new tokens up to itself.
+Block: each block query sees the cached prefix and the whole block; nothing is committed (the block's
+K/V are written as scratch past the cache's length, so the prefix is never copied).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import ZeroCenteredRMSNorm
+from .rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        H, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=bias)      # [query | gate] per head
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, states, starts, block: bool):
+        """x [B, T, H]; states: per-row AttentionState or None (no cache); starts: per-row prefix length."""
+        B, T, _ = x.shape
+        D = self.head_dim
+        qg = self.q_proj(x).view(B, T, self.num_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
+        q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if states is None:
+            keys, values = k, v
+            mask = None if block else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            for b, state in enumerate(states):
+                state.write(k[b], v[b], starts[b])
+                if not block:
+                    state.length = starts[b] + T
+            out = self._attend_cached(q, states, starts, T, block)
+
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def _attend_cached(self, q, states, starts, T, block):
+        device = q.device
+        ends = [s + T for s in starts]
+        S = max(ends)
+        if len(states) == 1:
+            keys, values = states[0].k[None, :, :S], states[0].v[None, :, :S]
+        else:
+            keys = q.new_zeros(len(states), self.num_kv_heads, S, self.head_dim)
+            values = torch.zeros_like(keys)
+            for b, state in enumerate(states):
+                keys[b, :, : ends[b]] = state.k[:, : ends[b]]
+                values[b, :, : ends[b]] = state.v[:, : ends[b]]
+        if block:
+            if len(states) == 1:
+                mask = None
+            else:
+                key_pos = torch.arange(S, device=device)
+                mask = (key_pos[None, :] < torch.tensor(ends, device=device)[:, None])[:, None, None, :]
+        else:
+            if T == 1 and len(states) == 1:
+                mask = None
+            else:
+                key_pos = torch.arange(S, device=device)
+                query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+                mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]   # [B, 1, T, S]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

@@ -1,0 +1,139 @@
+"""Block expert selection (SPEC §6) and restricted top-k routing, as pure tensor functions.
+
+In block mode a whole block of tokens is routed together; keeping only the experts that carry most of
+the block's top-k router mass cuts the number of distinct experts whose weights a forward touches
+(the quantity selection reduces). Ties, both in mass and in top-k, go to the lower expert index; a
+stable descending sort gives exactly that on every backend, which ``torch.topk`` does not promise.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "validate_block_expert_top_p",
+    "select_block_experts",
+    "select_block_experts_batched",
+    "route_top_k",
+]
+
+
+def validate_block_expert_top_p(top_p: Union[float, Tensor, None]) -> None:
+    """Raise ``ValueError`` unless every p lies in (0, 1] (SPEC §6; ``None`` means off)."""
+    if top_p is None:
+        return
+    if isinstance(top_p, Tensor):
+        bad = ~((top_p > 0) & (top_p <= 1))  # NaN fails both comparisons ⇒ bad
+        if bool(bad.any()):
+            raise ValueError(
+                f"block_expert_top_p must lie in (0, 1], got {top_p[bad].flatten()[:4].tolist()}"
+            )
+        return
+    p = float(top_p)
+    if math.isnan(p) or not (0.0 < p <= 1.0):
+        raise ValueError(f"block_expert_top_p must lie in (0, 1], got {top_p!r}")
+
+
+def _check_k(top_k: int, E: int, min_experts: int) -> Tuple[int, int]:
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k!r}")
+    if min_experts < 0:
+        raise ValueError(f"block_expert_min_experts must be >= 0, got {min_experts!r}")
+    # At least one expert is always kept so that every token can route somewhere.
+    return min(int(top_k), E), min(max(int(min_experts), 1), E)
+
+
+def select_block_experts_batched(
+    router_probs: Tensor,
+    top_k: int,
+    top_p: Union[Tensor, float],
+    min_experts: int,
+    *,
+    check: bool = True,
+) -> Tensor:
+    """Kept experts ``Bool[B, E]`` for each sequence's block (``router_probs[B, L, E]``).
+
+    Per row: ``m_e = Σ_t Σ_{e∈C_t} π_t[e]`` over each token's top-k candidates ``C_t``; experts ranked
+    by ``m_e`` descending (ties → lower index); keep the shortest prefix with cumulative mass
+    ``≥ p·Σ m``, and at least ``min_experts`` (capped at E; ≥1 always). Zero-mass experts enter
+    only to reach the minimum. Rows with ``p == 1`` keep all experts. ``check=False`` skips the
+    validation of ``top_p`` (a host sync), for callers that validated it once per request.
+    """
+    if router_probs.dim() != 3:
+        raise ValueError(f"router_probs must be [B, L, E], got shape {tuple(router_probs.shape)}")
+    B, L, E = router_probs.shape
+    device = router_probs.device
+    k, n_min = _check_k(top_k, E, min_experts)
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=device).reshape(-1).expand(B)
+    if check:
+        validate_block_expert_top_p(p)
+    probs = router_probs.to(torch.float32)
+
+    # Aggregate top-k mass per expert.
+    _, cand = torch.sort(probs, dim=-1, descending=True, stable=True)
+    in_cand = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, cand[..., :k], True)
+    mass = (probs * in_cand).sum(dim=1)  # [B, E]
+
+    # Shortest prefix (in rank order) reaching p of the total, plus the minimum.
+    m_sorted, rank_order = torch.sort(mass, dim=-1, descending=True, stable=True)
+    cum = torch.cumsum(m_sorted, dim=-1)
+    total = cum[:, -1:]  # same rounding as the prefix sums it is compared with
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    keep_sorted = before < p[:, None] * total  # rank r is needed while the prefix before it is short
+    keep_sorted |= torch.arange(E, device=device) < n_min
+    keep_sorted |= (p >= 1.0)[:, None]  # p = 1: selection off for that row
+    return torch.zeros_like(keep_sorted).scatter_(-1, rank_order, keep_sorted)
+
+
+def select_block_experts(
+    router_probs: Tensor, top_k: int, top_p: float, min_experts: int
+) -> Tensor:
+    """Kept experts ``Bool[E]`` for one block (``router_probs[L, E]``); see the batched version."""
+    validate_block_expert_top_p(top_p)
+    if router_probs.dim() != 2:
+        raise ValueError(f"router_probs must be [L, E], got shape {tuple(router_probs.shape)}")
+    E = router_probs.shape[-1]
+    if float(top_p) >= 1.0:
+        _check_k(top_k, E, min_experts)
+        return torch.ones(E, dtype=torch.bool, device=router_probs.device)
+    return select_block_experts_batched(
+        router_probs[None], top_k, float(top_p), min_experts, check=False
+    )[0]
+
+
+def route_top_k(
+    router_probs: Tensor, top_k: int, allowed: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
+    """Top-k routing of ``router_probs[N, E]``, optionally restricted to ``allowed[N, E]``.
+
+    Returns ``(weights float32[N, k], indices long[N, k])``, slots in descending probability
+    (ties → lower index), weights renormalised to sum 1 over the kept slots. With ``allowed=None``
+    this is ``torch.topk`` + renormalisation, as in Qwen3.5-MoE's router. When a row allows fewer
+    than k experts, the missing slots get weight 0 and repeat the row's best allowed index, so a
+    caller's gather/index stays in range; a row allowing no expert gets all-zero weights (indices
+    still in ``[0, E)``). ``allowed`` may also be ``[E]`` (one kept set for all rows).
+    """
+    if router_probs.dim() != 2:
+        raise ValueError(f"router_probs must be [N, E], got shape {tuple(router_probs.shape)}")
+    N, E = router_probs.shape
+    if top_k < 1 or top_k > E:
+        raise ValueError(f"top_k must lie in [1, {E}], got {top_k!r}")
+    probs = router_probs.to(torch.float32)
+    if allowed is None:
+        vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+        w, idx = vals[:, :top_k], idx[:, :top_k]
+        return w / w.sum(-1, keepdim=True), idx
+    allowed = allowed.to(torch.bool).expand(N, E)
+    keys = torch.where(allowed, probs, float("-inf"))
+    _, idx = torch.sort(keys, dim=-1, descending=True, stable=True)
+    idx = idx[:, :top_k]
+    ok = allowed.gather(-1, idx)
+    idx = torch.where(ok, idx, idx[:, :1])  # pad with the best allowed index (valid, weight 0)
+    w = probs.gather(-1, idx) * ok
+    denom = w.sum(-1, keepdim=True)
+    w = w / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return w, idx

@@ -1,0 +1,119 @@
+"""Sparse mixture of experts with a shared expert (SPEC §2) and block expert selection (SPEC §6).
+
+Expert weights are stored fused, as transformers 5 does: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`.
+The fast path groups token-slots by expert so each routed expert's weights are read once per forward
+for all of its tokens, and experts nobody routed to are never touched. `reference_experts` is the
+plain per-slot definition kept beside it for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .expert_selection import route_top_k, select_block_experts_batched
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+
+    def forward(self, x):
+        """x [N, H] → router probabilities [N, E] in float32 (float64 for float64 models)."""
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return torch.softmax(F.linear(x, self.weight).to(cdt), dim=-1)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x, indices, weights):
+        """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. Grouped by expert."""
+        N, k = indices.shape
+        flat_expert = indices.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of_slot = order // k
+        counts = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0]).tolist()
+        xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
+        ys = torch.empty_like(xs)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = F.linear(xs[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            start = end
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of_slot, ys)
+        return out
+
+
+def reference_experts(experts: Experts, x, indices, weights):
+    """Per-slot definition (slow): Σ_j w_j · down(silu(gate(x)) · up(x)) for each token's k experts."""
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j in range(indices.shape[1]):
+            e = int(indices[n, j])
+            gate, up = F.linear(x[n], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out[n] += weights[n, j].to(x.dtype) * F.linear(F.silu(gate) * up, experts.down_proj[e])
+    return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        H = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.min_block_experts = config.min_block_experts
+        self.gate = Router(config.num_experts, H)
+        self.experts = Experts(config.num_experts, H, config.moe_intermediate_size)
+        self.shared_expert = SwiGLU(H, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x, block_len: int = 0, block_top_p=None):
+        """x [B, T, H]. The last `block_len` tokens of each row are a noisy block; `block_top_p` [B]
+        (1.0 = off) restricts their routing per row (SPEC §6). Returns (out [B, T, H], distinct [B] | None):
+        the number of distinct experts each row's block used, when there is a block."""
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)
+        probs = self.gate(flat)                                            # [B·T, E]
+        allowed = None
+        if block_len and block_top_p is not None:
+            block_probs = probs.view(B, T, -1)[:, T - block_len:]
+            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts)
+            allowed = torch.ones(B, T, self.num_experts, dtype=torch.bool, device=x.device)
+            allowed[:, T - block_len:] = kept[:, None, :]
+            allowed = allowed.view(B * T, -1)
+        weights, indices = route_top_k(probs, self.top_k, allowed)
+        weights = weights.to(x.dtype)
+        out = self.experts(flat, indices, weights)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        out = (out + shared).view(B, T, H)
+
+        distinct = None
+        if block_len:
+            hits = torch.zeros(B, self.num_experts, dtype=torch.long, device=x.device)
+            block_idx = indices.view(B, T, -1)[:, T - block_len:].reshape(B, -1)
+            block_w = weights.view(B, T, -1)[:, T - block_len:].reshape(B, -1)
+            hits.scatter_add_(1, block_idx, (block_w > 0).long())
+            distinct = (hits > 0).sum(1)
+        return out, distinct

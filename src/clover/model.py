@@ -1,0 +1,161 @@
+"""The Clover model: Qwen3.5-MoE causal mode (SPEC §2) plus the bidirectional block mode (SPEC §4).
+
+Parameter names equal checkpoint keys (`model.layers.{i}.linear_attn.in_proj_qkv.weight`, …), so the
+loader needs almost no remapping. Two entry points:
+  - without a cache, `forward(ids, block_len)` runs `[prefix | block]` from scratch (tests, training);
+  - with caches, `step(ids, caches, block=…)` runs new tokens over each row's cached prefix: a causal
+    step extends the caches, a block step leaves them unchanged.
+The model never samples and never tokenizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import AttentionState, GDNState, SequenceCache
+from .config import CloverConfig
+from .layers.attention import Attention
+from .layers.gated_deltanet import GatedDeltaNet
+from .layers.moe import SparseMoE
+from .layers.norms import ZeroCenteredRMSNorm, compute_dtype
+from .layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: CloverConfig, index: int):
+        super().__init__()
+        self.kind = config.layer_types[index]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = Attention(config)
+        self.mlp = SparseMoE(config)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, states, starts, block_len, block_top_p):
+        x = self.input_layernorm(h)
+        if self.kind == "linear_attention":
+            h = h + self.linear_attn(x, states, block_len)
+        else:
+            h = h + self.self_attn(x, cos, sin, states, starts, block_len)
+        moe_out, distinct = self.mlp(self.post_attention_layernorm(h), block_len, block_top_p)
+        return h + moe_out, distinct
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+
+
+class CloverForCausalLM(nn.Module):
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.generation_defaults: dict = {}   # filled from generation_config.json by the loader
+        self.source_path = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ---- caches --------------------------------------------------------------------------------
+    def make_cache(self, capacity: int = 256) -> SequenceCache:
+        c, dt, dev = self.config, self.dtype, self.device
+        states = []
+        for kind in c.layer_types:
+            if kind == "linear_attention":
+                states.append(
+                    GDNState(c.linear_conv_dim, c.linear_conv_kernel_dim, c.linear_num_value_heads,
+                             c.linear_key_head_dim, c.linear_value_head_dim, dt, compute_dtype(dt), dev)
+                )
+            else:
+                states.append(AttentionState(c.num_key_value_heads, c.head_dim, dt, dev, capacity))
+        return SequenceCache(states)
+
+    # ---- forwards ------------------------------------------------------------------------------
+    def _run(self, ids, positions, caches, starts, block_len, block_top_p, logits_at, stats):
+        h = self.model.embed_tokens(ids)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            states = None if caches is None else [c.layers[i] for c in caches]
+            h, distinct = layer(h, cos, sin, states, starts, block_len, block_top_p)
+            if stats is not None and distinct is not None:
+                stats.append(distinct)
+        if logits_at == "last":
+            h = h[:, -1:]
+        elif logits_at == "block":
+            h = h[:, h.shape[1] - block_len:]
+        return self.lm_head(self.model.norm(h))
+
+    def forward(self, input_ids: torch.Tensor, block_len: int = 0, block_top_p=None, stats=None):
+        """Logits from scratch, no cache kept. input_ids [B, T]; the last `block_len` tokens form a
+        noisy block over the causal prefix before them. Returns [B, T, V] (causal rows predict the
+        next token; block rows the token at their own position). `block_top_p`: float or [B]."""
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        return self._run(input_ids, positions, None, [0] * B, block_len, self._top_p(block_top_p, B),
+                         "all", stats)
+
+    def block_logits(self, prefix_ids: torch.Tensor, block_ids: torch.Tensor, block_top_p=None) -> torch.Tensor:
+        """Block-mode logits [B, L, V] of `block_ids` [B, L] after the causal prefix `prefix_ids` [B, P]."""
+        ids = torch.cat([prefix_ids, block_ids], dim=1)
+        L = block_ids.shape[1]
+        logits = self.forward(ids, block_len=L, block_top_p=block_top_p)
+        return logits[:, -L:]
+
+    def step(self, ids, caches, *, block: bool = False, block_top_p=None, logits_at: str = "all", stats=None):
+        """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row).
+
+        Causal (`block=False`): appends the tokens to the caches; logits predict the next tokens.
+        Block (`block=True`): the tokens are a noisy block at the end of each prefix; caches unchanged.
+        `logits_at`: "all" or "last" (only the final position, for the next-token prediction).
+        `stats`: a list that receives, per MoE layer, the distinct experts [B] of a block step."""
+        B, T = ids.shape
+        starts = [c.length for c in caches]
+        for s in starts:
+            if s + T > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"position {s + T} exceeds max_position_embeddings {self.config.max_position_embeddings}"
+                )
+        positions = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(T, device=ids.device)
+        logits = self._run(ids, positions, caches, starts, T if block else 0,
+                           self._top_p(block_top_p, B) if block else None, logits_at, stats)
+        if not block:
+            for c in caches:
+                c.length += T
+        return logits
+
+    def prefill(self, ids: torch.Tensor, cache: SequenceCache | None = None, logits_at: str = "last"):
+        """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""
+        cache = cache or self.make_cache(capacity=max(256, ids.shape[-1] + 64))
+        logits = self.step(ids.view(1, -1), [cache], logits_at=logits_at)
+        return logits, cache
+
+    def _top_p(self, block_top_p, B):
+        """Normalise a per-call expert-selection setting to a [B] tensor (1.0 = off), or None if off."""
+        if block_top_p is None:
+            block_top_p = self.config.block_expert_top_p
+        if block_top_p is None:
+            return None
+        t = torch.as_tensor(block_top_p, dtype=torch.float32).flatten()
+        if t.numel() == 1:
+            t = t.expand(B)
+        if bool((t <= 0).any() or (t > 1).any() or torch.isnan(t).any()):
+            raise ValueError(f"block_expert_top_p must lie in (0, 1], got {t.tolist()}")
+        if bool((t >= 1).all()):
+            return None
+        return t.to(self.device)

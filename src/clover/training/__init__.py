@@ -1,0 +1,1 @@
+"""Training the tiny demo model: locally generated chat tasks, the tokenizer built from them."""

@@ -1,0 +1,114 @@
+"""Generated chat tasks: correct answers and traces, varied phrasings, disjoint deterministic splits."""
+
+import random
+import re
+
+import pytest
+
+from clover.training.tasks import (TASK_NAMES, addition_steps, check_answer, extract_answer,
+                                   generate_example, sample_examples, split_of, subtraction_steps)
+
+
+def _ints(text):
+    return [int(x) for x in re.findall(r"\d+", text)]
+
+
+def _examples(task, n=300, seed=0):
+    rng = random.Random(seed)
+    return [generate_example(task, rng) for _ in range(n)]
+
+
+def test_task_names():
+    assert {"addition", "subtraction"} <= set(TASK_NAMES) and len(TASK_NAMES) >= 4
+
+
+def test_addition_steps_hand_checked():
+    assert addition_steps(348, 275) == "8+5=13 write 3 carry 1\n4+7+1=12 write 2 carry 1\n3+2+1=6 write 6"
+    assert addition_steps(548, 75) == "8+5=13 write 3 carry 1\n4+7+1=12 write 2 carry 1\n5+0+1=6 write 6"
+    assert addition_steps(95, 17) == "5+7=12 write 2 carry 1\n9+1+1=11 write 11"
+
+
+def test_subtraction_steps_hand_checked():
+    assert subtraction_steps(722, 99) == "12-9=3 write 3 borrow 1\n12-9-1=2 write 2 borrow 1\n7-0-1=6 write 6"
+    assert subtraction_steps(348, 345) == "8-5=3 write 3\n4-4=0 write 0\n3-3=0 write 0"
+
+
+def test_addition_and_subtraction_answers_and_traces():
+    for task in ("addition", "subtraction"):
+        for ex in _examples(task):
+            a, b = _ints(ex.messages[0]["content"])
+            assert 10 <= a <= 999 and 10 <= b <= 999
+            want = a + b if task == "addition" else max(a, b) - min(a, b)
+            assert ex.answer == str(want)
+            written = []
+            for line in ex.thinking.split("\n"):  # every step is right arithmetic
+                m = re.fullmatch(r"([\d+\-]+)=(\d+) write (\d+)( carry 1| borrow 1)?", line)
+                assert m, line
+                assert eval(m.group(1)) == int(m.group(2))
+                written.append(m.group(3))
+            assert "".join(reversed(written)).lstrip("0").rjust(1, "0") == ex.answer
+
+
+def test_other_tasks_answers():
+    for ex in _examples("reverse"):
+        letters = re.findall(r"\b[a-z]\b", ex.messages[0]["content"])
+        assert ex.answer == " ".join(letters[::-1])
+    for ex in _examples("sort"):
+        assert ex.answer == ", ".join(map(str, sorted(_ints(ex.messages[0]["content"]))))
+    for ex in _examples("count"):
+        c, s = ex.key.split(":", 1)[1].split("|")
+        assert c in ex.messages[0]["content"] and s in ex.messages[0]["content"]
+        assert ex.answer == str(s.split().count(c))
+    for ex in _examples("recall"):
+        q = ex.messages[0]["content"]
+        pairs = dict(re.findall(r"\b([a-z])=(\d+)", q))
+        asked = re.search(r"(?:is|me|of) ([a-z])\b(?: equal to)?[?.]$", q).group(1)
+        assert ex.answer == pairs[asked]
+
+
+def test_thinking_is_short():
+    for task in TASK_NAMES:
+        for ex in _examples(task, 100):
+            assert ex.thinking and ex.thinking.count("\n") <= 2, (task, ex.thinking)
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_phrasings_vary(task):
+    shapes = {re.sub(r"\d+|\b[a-z]\b", "#", ex.messages[0]["content"]) for ex in _examples(task, 200)}
+    assert len(shapes) >= 5
+
+
+def test_completion_text_and_check_answer():
+    ex = generate_example("addition", random.Random(3))
+    with_think = ex.completion_text()
+    assert with_think == f"{ex.thinking}\n</think>\n\n{ex.answer}<|im_end|>"
+    assert ex.completion_text(enable_thinking=False) == f"{ex.answer}<|im_end|>"
+    assert ex.prompt_text().endswith("<|im_start|>assistant\n<think>\n")
+    assert check_answer(ex, with_think) and check_answer(ex, ex.completion_text(False))
+    assert check_answer(ex, f" {ex.answer} <|im_end|><|endoftext|>")
+    assert not check_answer(ex, with_think.replace(f"\n\n{ex.answer}", "\n\n1" + ex.answer))
+    assert not check_answer(ex, ex.thinking)  # unfinished thinking is not an answer
+    assert extract_answer("a</think>b</think> 7 <|im_end|>") == "7"
+
+
+def test_splits_disjoint_deterministic_and_about_ten_percent():
+    for task in TASK_NAMES:
+        train = list(sample_examples(300, "train", seed=1, tasks=[task]))
+        held = list(sample_examples(100, "heldout", seed=1, tasks=[task]))
+        assert all(split_of(e) == "train" for e in train) and all(split_of(e) == "heldout" for e in held)
+        assert not {e.key for e in train} & {e.key for e in held}
+        assert [e.key for e in held] == [e.key for e in sample_examples(100, "heldout", 1, [task])]
+    # the split depends on the problem, not on its phrasing
+    rng = random.Random(0)
+    exs = [generate_example(TASK_NAMES[i % len(TASK_NAMES)], rng) for i in range(3000)]
+    frac = sum(split_of(e) == "heldout" for e in exs) / len(exs)
+    assert 0.07 < frac < 0.13
+
+
+def test_sample_examples_round_robin_and_validation():
+    got = [e.task for e in sample_examples(12, "train", seed=0)]
+    assert got == list(TASK_NAMES) * (12 // len(TASK_NAMES)) + list(TASK_NAMES)[:12 % len(TASK_NAMES)]
+    with pytest.raises(ValueError):
+        list(sample_examples(1, "test", seed=0))
+    with pytest.raises(ValueError):
+        list(sample_examples(1, "train", seed=0, tasks=["nope"]))

@@ -1,0 +1,155 @@
+"""SPEC §5 candidates / confidence and LowConfidence position selection."""
+
+import math
+
+import pytest
+import torch
+
+from clover.decoding.unmasking import candidates, positions_to_fill, positions_to_fill_batched
+
+
+def log(p):
+    return torch.tensor(p, dtype=torch.float32).log()
+
+
+# ---------------------------------------------------------------- candidates: greedy
+
+
+def test_greedy_argmax_and_confidence():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])
+    tok, conf = candidates(logits, do_sample=False)
+    assert tok.tolist() == [1, 0] and tok.dtype == torch.long
+    z = math.exp(2) + math.exp(1) + 1
+    assert torch.allclose(conf, torch.tensor([math.exp(2) / z, math.exp(5) / (math.exp(5) + 2)]))
+
+
+def test_greedy_tie_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    tok, conf = candidates(logits, do_sample=False)
+    assert tok.tolist() == [1]
+    # greedy ignores temperature / top-k / top-p for the confidence
+    tok2, conf2 = candidates(logits, do_sample=False, temperature=0.1, top_k=1, top_p=0.1)
+    assert tok2.tolist() == [1] and torch.equal(conf, conf2)
+
+
+def test_temperature_zero_sampling_is_greedy():
+    logits = torch.tensor([[0.0, 1.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    tok, conf = candidates(logits, do_sample=True, temperature=0.0, generator=g)
+    assert tok.tolist() == [1]
+    assert torch.allclose(conf, torch.softmax(logits, -1)[:, 1])
+
+
+# ---------------------------------------------------------------- candidates: sampling
+
+
+def test_sampling_repeats_with_seed():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    a = candidates(logits, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(7))
+    b = candidates(logits, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    a = candidates(logits, do_sample=True, top_k=5, top_p=0.6, generator=torch.Generator().manual_seed(7))
+    b = candidates(logits, do_sample=True, top_k=5, top_p=0.6, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_sampling_plain_confidence_is_tempered_probability():
+    logits = log([[0.1, 0.2, 0.3, 0.4]]).repeat(4000, 1)
+    tok, conf = candidates(logits, do_sample=True, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4]).sqrt()
+    q = q / q.sum()
+    assert torch.allclose(conf, q[tok])
+    freq = torch.bincount(tok, minlength=4).float() / 4000
+    assert torch.allclose(freq, q, atol=0.04)
+
+
+def test_top_k_never_samples_outside():
+    logits = log([[0.1, 0.25, 0.05, 0.3, 0.3]]).repeat(3000, 1)
+    tok, conf = candidates(logits, do_sample=True, top_k=2, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {3, 4}
+    assert torch.allclose(conf, torch.full_like(conf, 0.5))
+
+
+def test_top_k_tie_at_boundary_keeps_lower_id():
+    logits = log([[0.3, 0.2, 0.3, 0.2]]).repeat(2000, 1)
+    tok, _ = candidates(logits, do_sample=True, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {0, 1, 2}
+
+
+def test_top_p_smallest_prefix():
+    logits = log([[0.05, 0.3, 0.15, 0.5]]).repeat(3000, 1)
+    tok, conf = candidates(logits, do_sample=True, top_p=0.7, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {1, 3}  # 0.5 < 0.7, 0.5 + 0.3 ≥ 0.7
+    expected = torch.where(tok == 3, 0.5 / 0.8, 0.3 / 0.8)
+    assert torch.allclose(conf, expected)
+    # p below the top probability: only the top token survives (never empty)
+    tok, conf = candidates(logits[:50], do_sample=True, top_p=0.2, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {3} and torch.allclose(conf, torch.ones_like(conf))
+
+
+def test_top_k_then_top_p():
+    # Alone, top_p=0.83 keeps {3,1,2} (0.5, 0.8 < 0.83); after top_k=3 the renormalised
+    # probabilities are 0.526, 0.316, 0.158 and 0.842 ≥ 0.83 keeps only {3, 1}.
+    logits = log([[0.05, 0.3, 0.15, 0.5]]).repeat(3000, 1)
+    tok, _ = candidates(logits, do_sample=True, top_p=0.83, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {1, 2, 3}
+    tok, conf = candidates(logits, do_sample=True, top_k=3, top_p=0.83, generator=torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {1, 3}
+    assert torch.allclose(conf, torch.where(tok == 3, 0.5 / 0.8, 0.3 / 0.8))
+
+
+def test_invalid_sampling_settings():
+    x = torch.zeros(1, 3)
+    with pytest.raises(ValueError):
+        candidates(x, do_sample=True, temperature=-1.0)
+    with pytest.raises(ValueError):
+        candidates(x, do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError):
+        candidates(x, do_sample=True, top_k=-1)
+
+
+def test_empty_rows():
+    for do_sample in (False, True):
+        tok, conf = candidates(torch.zeros(0, 5), do_sample=do_sample)
+        assert tok.shape == (0,) and conf.shape == (0,)
+
+
+# ---------------------------------------------------------------- positions to fill
+
+
+def test_fill_all_above_threshold():
+    conf = torch.tensor([0.96, 0.5, 0.99, 0.97, 0.95])
+    assert positions_to_fill(conf, 0.95).tolist() == [True, False, True, True, False]
+
+
+def test_fill_none_above_takes_most_confident_lowest_position():
+    conf = torch.tensor([0.3, 0.6, 0.6, 0.1])
+    assert positions_to_fill(conf, 0.95).tolist() == [False, True, False, False]
+    assert positions_to_fill(torch.zeros(0), 0.9).shape == (0,)
+
+
+def test_fill_batched():
+    conf = torch.tensor([[0.99, 0.98, 0.2], [0.5, 0.7, 0.7], [0.99, 0.1, 0.1], [0.9, 0.9, 0.9]])
+    masked = torch.tensor([[1, 0, 1], [1, 1, 1], [0, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    thr = torch.tensor([0.95, 0.95, 0.95, 0.5])
+    out = positions_to_fill_batched(conf, masked, thr)
+    assert out.tolist() == [
+        [True, False, False],  # 0.98 is above but not masked
+        [False, True, False],  # none above: most confident, lowest position
+        [False, True, False],  # unmasked 0.99 ignored
+        [False, False, False],  # nothing masked: nothing filled
+    ]
+
+
+def test_fill_batched_matches_unbatched():
+    g = torch.Generator().manual_seed(3)
+    conf = torch.rand(16, 9, generator=g).round(decimals=1)  # coarse values ⇒ ties
+    masked = torch.rand(16, 9, generator=g) < 0.6
+    thr = torch.rand(16, generator=g) * 0.5 + 0.5
+    out = positions_to_fill_batched(conf, masked, thr)
+    for b in range(16):
+        idx = masked[b].nonzero().squeeze(-1)
+        ref = torch.zeros(9, dtype=torch.bool)
+        if idx.numel():
+            ref[idx] = positions_to_fill(conf[b, idx], float(thr[b]))
+        assert torch.equal(out[b], ref), b
