@@ -397,3 +397,151 @@ def system_info() -> dict:
     except Exception:
         pass
     return info
+
+
+# ------------------------------------------------------------------------------------------------ engine suite
+class EngineAPI:
+    """What a benchmarked engine implements (transformers: ``bench_transformers.TransformersEngine``; Clover's own
+    engine plugs in by implementing the same five methods).  All tensors are batch 1, ``torch.long`` token ids.
+
+    ``prefill(input_ids [1, T]) -> state``
+        Forward over a prompt, building whatever cache the engine keeps; must compute (at least) the last
+        position's logits, as a generator would.  Timed by ``bench_prefill``.
+    ``clone(state) -> state``
+        An independent copy (untimed; lets every timed run start from the same cached prefix).
+    ``decode_step(state, token [1, 1]) -> token [1, 1]``
+        One autoregressive step: append ``token`` to the state, return the greedy next token.
+    ``block_forward(state, input_ids [1, B]) -> logits [1, B, V]``
+        One forward of B (= 32) new tokens over the cached prefix, logits for every position (a block-diffusion
+        denoising step's cost; the engine decides whether it commits the block to its state).
+    ``block_experts(state, input_ids) -> list[int] | None``
+        Optional: distinct routed experts per MoE layer that ``block_forward`` touches (for ``block_step_bytes``).
+    """
+
+    name = "engine"
+
+    def prefill(self, input_ids):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def clone(self, state):  # pragma: no cover - interface
+        import copy
+
+        return copy.deepcopy(state)
+
+    def decode_step(self, state, token):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def block_forward(self, state, input_ids):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def block_experts(self, state, input_ids):
+        return None
+
+
+def make_input_ids(config, num_tokens: int, seed: int = 0):
+    """Deterministic random prompt ``[1, num_tokens]`` avoiding the last two ids (mask / eos in bench checkpoints)."""
+    import torch
+
+    c = _cfg(config)
+    g = torch.Generator().manual_seed(1_000 + seed * 7919 + num_tokens)
+    return torch.randint(0, max(2, c["vocab_size"] - 2), (1, num_tokens), generator=g)
+
+
+def _roofline(nbytes: int, seconds: float, bandwidth_gbps: float | None) -> dict:
+    out = {"weight_bytes": nbytes, "achieved_gbps": nbytes / seconds / GB if seconds > 0 else None}
+    if bandwidth_gbps:
+        out["roofline_s"] = nbytes / (bandwidth_gbps * GB)
+        out["fraction_of_bandwidth"] = out["achieved_gbps"] / bandwidth_gbps if out["achieved_gbps"] else None
+    return out
+
+
+def bench_prefill(api: EngineAPI, config, lengths: Sequence[int] = (512, 4096), warmup: int = 1, repeats: int = 3,
+                  bandwidth_gbps: float | None = None, dtype_bytes: float = 2, label: str = "") -> list[dict]:
+    """Prefill throughput per prompt length: times ``api.prefill(ids)`` (fresh state each run)."""
+    results = []
+    for T in lengths:
+        ids = make_input_ids(config, T)
+        t = timeit(lambda: api.prefill(ids), warmup=warmup, repeats=repeats)
+        r = {"op": "prefill", "engine": api.name, "label": label, "tokens": T, "seconds": t,
+             "tokens_per_s": scale_stats(t, T, invert=True)}
+        r.update(_roofline(prefill_bytes(config, T, dtype_bytes), t["median"], bandwidth_gbps))
+        results.append(r)
+    return results
+
+
+def bench_decode(api: EngineAPI, config, prompt_len: int = 512, steps: int = 32, warmup: int = 1, repeats: int = 3,
+                 bandwidth_gbps: float | None = None, dtype_bytes: float = 2, label: str = "") -> dict:
+    """AR decode: prefill ``prompt_len`` once (untimed), then per run ``steps`` greedy ``decode_step`` calls on a
+    clone of that state.  Reports tokens/s per run and per-step latency over all steps of all timed runs."""
+    ids = make_input_ids(config, prompt_len)
+    state0 = api.prefill(ids)
+    first = make_input_ids(config, 1, seed=1)
+    step_times: list[float] = []
+    record = [False]
+
+    def run(state):
+        tok = first
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tok = api.decode_step(state, tok)
+            if record[0]:
+                step_times.append(time.perf_counter() - t0)
+
+    for _ in range(warmup):
+        run(api.clone(state0))
+    record[0] = True
+    t = timeit(run, warmup=0, repeats=repeats, setup=lambda: api.clone(state0))
+    per_tok = decode_token_bytes(config, dtype_bytes)
+    r = {"op": "decode", "engine": api.name, "label": label, "prompt": prompt_len, "steps": steps, "seconds": t,
+         "tokens_per_s": scale_stats(t, steps, invert=True), "step_ms": scale_stats(summarize(step_times), 1e3)}
+    r.update(_roofline(per_tok, r["step_ms"]["median"] / 1e3, bandwidth_gbps))
+    if bandwidth_gbps:
+        r["roofline_tokens_per_s"] = bandwidth_gbps * GB / per_tok
+    return r
+
+
+def bench_block(api: EngineAPI, config, prefix_len: int = 512, block_size: int = 32, warmup: int = 1,
+                repeats: int = 5, bandwidth_gbps: float | None = None, dtype_bytes: float = 2,
+                label: str = "") -> dict:
+    """One ``block_size``-token forward over a cached ``prefix_len`` prefix (state cloned per run, untimed)."""
+    state0 = api.prefill(make_input_ids(config, prefix_len))
+    block = make_input_ids(config, block_size, seed=2)
+    t = timeit(lambda s: api.block_forward(s, block), warmup=warmup, repeats=repeats, setup=lambda: api.clone(state0))
+    c = _cfg(config)
+    distinct = api.block_experts(api.clone(state0), block)
+    if distinct is None:  # uniform-routing expectation
+        est = expected_distinct_experts(c["num_experts"], block_size, c["num_experts_per_tok"])
+        distinct_for_bytes, source = int(round(est)), "expected_uniform"
+    else:
+        distinct_for_bytes, source = list(distinct), "measured"
+    r = {"op": "block", "engine": api.name, "label": label, "prefix": prefix_len, "block": block_size,
+         "seconds": t, "ms": scale_stats(t, 1e3), "distinct_experts": distinct_for_bytes,
+         "distinct_experts_source": source}
+    r.update(_roofline(block_step_bytes(config, distinct_for_bytes, dtype_bytes, block_size), t["median"],
+                       bandwidth_gbps))
+    return r
+
+
+def summary_row(r: Mapping) -> dict:
+    """One ``print_table`` row for a ``bench_*`` result."""
+    row = {"engine": r.get("engine", ""), "impl": r.get("label", ""), "op": r["op"]}
+    if r["op"] == "prefill":
+        row["shape"] = f"T={r['tokens']}"
+        s = r["tokens_per_s"]
+        row.update(value=s["median"], unit="tok/s", p10=s["p10"], p90=s["p90"], ms=r["seconds"]["median"] * 1e3)
+    elif r["op"] == "decode":
+        row["shape"] = f"ctx={r['prompt']}+{r['steps']}"
+        s = r["tokens_per_s"]
+        row.update(value=s["median"], unit="tok/s", p10=s["p10"], p90=s["p90"], ms=r["step_ms"]["median"])
+    else:
+        row["shape"] = f"ctx={r['prefix']}+{r['block']}"
+        s = r["ms"]
+        row.update(value=s["median"], unit="ms", p10=s["p10"], p90=s["p90"], ms=s["median"])
+    row["GB/s"] = r.get("achieved_gbps")
+    if r.get("fraction_of_bandwidth") is not None:
+        row["%BW"] = 100.0 * r["fraction_of_bandwidth"]
+    if r["op"] == "decode" and r.get("roofline_tokens_per_s"):
+        row["roofline"] = f"{r['roofline_tokens_per_s']:.1f} tok/s"
+    elif r.get("roofline_s") is not None:
+        row["roofline"] = f"{r['roofline_s'] * 1e3:.1f} ms"
+    return row

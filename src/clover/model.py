@@ -95,6 +95,8 @@ class CloverForCausalLM(nn.Module):
             h, distinct = layer(h, cos, sin, states, starts, block_len, block_top_p)
             if stats is not None and distinct is not None:
                 stats.append(distinct)
+        if logits_at == "none":
+            return None
         if logits_at == "last":
             h = h[:, -1:]
         elif logits_at == "block":
@@ -122,7 +124,8 @@ class CloverForCausalLM(nn.Module):
 
         Causal (`block=False`): appends the tokens to the caches; logits predict the next tokens.
         Block (`block=True`): the tokens are a noisy block at the end of each prefix; caches unchanged.
-        `logits_at`: "all" or "last" (only the final position, for the next-token prediction).
+        `logits_at`: "all", "last" (only the final position, for the next-token prediction) or "none"
+        (a commit whose logits nobody reads: skips the vocabulary projection).
         `stats`: a list that receives, per MoE layer, the distinct experts [B] of a block step."""
         B, T = ids.shape
         starts = [c.length for c in caches]
@@ -144,6 +147,12 @@ class CloverForCausalLM(nn.Module):
         cache = cache or self.make_cache(capacity=max(256, ids.shape[-1] + 64))
         logits = self.step(ids.view(1, -1), [cache], logits_at=logits_at)
         return logits, cache
+
+    def generate(self, input_ids, **settings):
+        """Block-diffusion generation (SPEC §5, §8); see `clover.generation.api.generate`."""
+        from .generation.api import generate
+
+        return generate(self, input_ids, **settings)
 
     def _top_p(self, block_top_p, B):
         """Normalise a per-call expert-selection setting to a [B] tensor (1.0 = off), or None if off."""

@@ -30,8 +30,11 @@ class Attention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, states, starts, block: bool):
-        """x [B, T, H]; states: per-row AttentionState or None (no cache); starts: per-row prefix length."""
+    def forward(self, x, cos, sin, states, starts, block_len: int):
+        """x [B, T, H]; states: per-row AttentionState or None; starts: per-row cached prefix length.
+
+        Without states, x is `[prefix | block]`: prefix rows are causal, the last `block_len` rows see
+        everything. With states, x holds only new tokens: a block step if `block_len`, else causal."""
         B, T, _ = x.shape
         D = self.head_dim
         qg = self.q_proj(x).view(B, T, self.num_heads, 2 * D)
@@ -43,9 +46,12 @@ class Attention(nn.Module):
 
         if states is None:
             keys, values = k, v
-            mask = None if block else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            if block_len:
+                mask[T - block_len:] = True
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
+            block = block_len > 0
             for b, state in enumerate(states):
                 state.write(k[b], v[b], starts[b])
                 if not block:

@@ -1,0 +1,99 @@
+"""`generate()`: the user-facing call, transformers-style — returns `[prompt | completion]`.
+
+Settings resolve as built-in defaults ← the model directory's `generation_config.json` ← keyword
+arguments; every request is validated (SPEC §9) before the first forward of any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .decoder import Decoder
+from .sequence import GenerationStats, Sequence
+from .settings import GenerationSettings, GenerationSettingsError
+
+
+@dataclass
+class GenerationResult:
+    prompt: list[int]
+    tokens: list[int]          # the completion
+    finish_reason: str
+    stats: GenerationStats
+
+
+def resolve_settings(model, **overrides) -> GenerationSettings:
+    return GenerationSettings.resolve(model.generation_defaults, model.config, **overrides)
+
+
+def validate(model, prompt_len: int, settings: GenerationSettings) -> None:
+    config = model.config
+    settings.validate_request(prompt_len, config.max_position_embeddings, config.vocab_size)
+    if settings.block_size > 1 and config.mask_token_id is None:
+        raise GenerationSettingsError(
+            f"block_size {settings.block_size} needs a mask token, but this model's config has no "
+            "mask_token_id (a plain Qwen3.5-MoE checkpoint): use block_size=1"
+        )
+
+
+def generate_batch(model, prompts, settings: GenerationSettings | list[GenerationSettings], on_event=None,
+                   max_batch: int | None = None) -> list[GenerationResult]:
+    """Generate for several prompts (lists or 1-D tensors of ids), each with its own settings.
+
+    `on_event(index, new_tokens, finished)` is called as tokens resolve (for streaming)."""
+    if isinstance(settings, GenerationSettings):
+        settings = [settings] * len(prompts)
+    if len(settings) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(settings)} settings")
+    seqs = []
+    for prompt, s in zip(prompts, settings):
+        prompt = prompt.tolist() if torch.is_tensor(prompt) else list(prompt)
+        for t in prompt:
+            if not isinstance(t, int) or not 0 <= t < model.config.vocab_size:
+                raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {model.config.vocab_size}")
+        validate(model, len(prompt), s)
+        seqs.append(Sequence(prompt, s, model.config))
+    index = {seq.id: i for i, seq in enumerate(seqs)}
+    decoder = Decoder(model, max_batch=max_batch)
+    for seq in seqs:
+        decoder.add(seq)
+    while not decoder.idle:
+        for event in decoder.step():
+            if on_event is not None:
+                on_event(index[event.sequence.id], event.tokens, event.finished)
+    return [GenerationResult(s.prompt, s.response, s.finish_reason, s.stats) for s in seqs]
+
+
+def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
+    """`model.generate(input_ids, **settings)`: returns `[prompt | completion]`.
+
+    input_ids: a 1-D or 2-D tensor (rows may be left-padded, with `attention_mask`), or a list of id
+    lists. Tensors come back as a right-padded 2-D tensor (pad_token_id), lists as a list of lists.
+    Per-call statistics are left in `model.last_generation_stats` (one per prompt)."""
+    settings = resolve_settings(model, **overrides)
+    as_list = not torch.is_tensor(input_ids)
+    if as_list:
+        if input_ids and isinstance(input_ids[0], int):
+            input_ids = [input_ids]
+        prompts = [list(p) for p in input_ids]
+    else:
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        if attention_mask is not None:
+            attention_mask = attention_mask if attention_mask.dim() == 2 else attention_mask[None]
+            prompts = [row[m.bool()].tolist() for row, m in zip(ids, attention_mask)]
+        else:
+            prompts = [row.tolist() for row in ids]
+    results = generate_batch(model, prompts, settings, on_event=on_event)
+    model.last_generation_stats = [r.stats for r in results]
+    full = [r.prompt + r.tokens for r in results]
+    if as_list:
+        return full
+    pad = model.generation_defaults.get("pad_token_id", model.config.pad_token_id)
+    pad = 0 if pad is None else pad
+    width = max(len(f) for f in full)
+    out = torch.full((len(full), width), pad, dtype=torch.long)
+    for i, f in enumerate(full):
+        out[i, : len(f)] = torch.tensor(f)
+    out = out.to(input_ids.device)
+    return out if input_ids.dim() == 2 else out[0]

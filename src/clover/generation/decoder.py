@@ -1,0 +1,163 @@
+"""The batched decoding loop: every running sequence advances by one phase per `step()`.
+
+`step()` reads: prefill newcomers → one block forward for all sequences that are denoising (grouped by
+block length, each row over its own cached prefix, with its own expert selection) → one causal forward
+for all sequences that commit, verify or decode autoregressively (grouped by token count) → events.
+Sequences may join (`add`) and leave (finish, `cancel`) between steps; a finished sequence costs nothing.
+Both `generate()` and the serving engine drive this class.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass
+class StepEvent:
+    """What one sequence produced in a step: newly resolved tokens, and whether it finished."""
+
+    sequence: Sequence
+    tokens: list[int]
+    finished: bool
+
+
+class Decoder:
+    def __init__(self, model, max_batch: int | None = None):
+        self.model = model
+        self.running: list[Sequence] = []
+        self.max_batch = max_batch
+
+    def add(self, seq: Sequence) -> None:
+        self.running.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            seq.finish("cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.running
+
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        produced: dict[int, list[int]] = defaultdict(list)
+        for seq in [s for s in self.running if s.phase == "prefill"]:
+            self._prefill(seq, produced)
+        self._block_forwards([s for s in self.running if s.phase == "denoise"])
+        self._causal_forwards([s for s in self.running if s.phase in ("commit", "verify", "ar")], produced)
+        events = []
+        for seq in list(self.running):
+            if seq.id in produced or seq.done:
+                events.append(StepEvent(seq, produced.get(seq.id, []), seq.done))
+            if seq.done:
+                self.running.remove(seq)
+        return events
+
+    # ---- phases --------------------------------------------------------------------------------
+    def _prefill(self, seq: Sequence, produced) -> None:
+        s = seq.settings
+        blocks = -(-s.max_new_tokens // s.block_size)
+        capacity = min(len(seq.prompt) + blocks * s.block_size + 1, self.model.config.max_position_embeddings)
+        seq.cache = self.model.make_cache(capacity=capacity)
+        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.model.device)
+        logits = self.model.step(ids, [seq.cache], logits_at="last")[0]
+        if s.block_size == 1 or s.speculative:
+            seq.pending = seq.predict_next(logits, [], 0)[0]
+            if s.block_size == 1:
+                seq.phase = "ar"
+            else:
+                seq.new_block()
+        else:
+            seq.new_block()
+
+    def _block_forwards(self, seqs: list[Sequence]) -> None:
+        groups: dict[int, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            groups[len(seq.block)].append(seq)
+        for group in groups.values():
+            for chunk in self._chunks(group):
+                ids = torch.tensor([s.block for s in chunk], dtype=torch.long, device=self.model.device)
+                top_p = [s.settings.block_expert_top_p for s in chunk]
+                if all(p is None for p in top_p):
+                    top_p = None
+                else:
+                    default = self.model.config.block_expert_top_p or 1.0
+                    top_p = [default if p is None else p for p in top_p]
+                stats: list = []
+                logits = self.model.step(ids, [s.cache for s in chunk], block=True, block_top_p=top_p, stats=stats)
+                distinct = torch.stack(stats).tolist() if stats else []       # [layers, B]
+                for b, seq in enumerate(chunk):
+                    seq.stats.forwards += 1
+                    seq.stats.block_forwards += 1
+                    if distinct:
+                        if not seq.stats.distinct_experts:
+                            seq.stats.distinct_experts = [[] for _ in distinct]
+                        for layer, row in enumerate(distinct):
+                            seq.stats.distinct_experts[layer].append(row[b])
+                    seq.denoise(logits[b])
+
+    def _causal_forwards(self, seqs: list[Sequence], produced) -> None:
+        groups: dict[tuple, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            if seq.phase == "commit":
+                if seq.block_finishes():
+                    # The last block of a request needs no commit forward: nothing will read its cache.
+                    produced[seq.id] += seq.extend(list(seq.block))
+                    continue
+                tokens = seq.block
+            elif seq.phase == "ar":
+                tokens = [seq.pending]
+            else:
+                tokens = seq.block
+            groups[(seq.phase, len(tokens))].append(seq)
+        for (phase, T), group in groups.items():
+            for chunk in self._chunks(group):
+                token_rows = [[s.pending] if phase == "ar" else s.block for s in chunk]
+                ids = torch.tensor(token_rows, dtype=torch.long, device=self.model.device)
+                caches = [s.cache for s in chunk]
+                if phase == "verify":
+                    for c in caches:
+                        c.begin_speculation()
+                logits_at = {"commit": "none", "ar": "last", "verify": "all"}[phase]
+                logits = self.model.step(ids, caches, logits_at=logits_at)
+                for b, seq in enumerate(chunk):
+                    seq.stats.forwards += 1
+                    seq.stats.causal_forwards += 1
+                    getattr(self, f"_after_{phase}")(seq, None if logits is None else logits[b], produced)
+
+    def _after_commit(self, seq: Sequence, logits, produced) -> None:
+        produced[seq.id] += seq.extend(list(seq.block))
+        seq.new_block()
+
+    def _after_ar(self, seq: Sequence, logits, produced) -> None:
+        token = seq.pending
+        produced[seq.id] += seq.extend([token])
+        if not seq.done:
+            seq.pending = seq.predict_next(logits[-1:], [], 0)[0]
+
+    def _after_verify(self, seq: Sequence, logits, produced) -> None:
+        """SPEC §8 step 3: accept the longest run of draft tokens the causal mode agrees with."""
+        draft = seq.block
+        predictions = seq.predict_next(logits, draft, 1)          # a_{P+1} … a_{P+L}
+        j = 0
+        while j + 1 < len(draft) and draft[j + 1] == predictions[j]:
+            j += 1
+        start = seq.cache.spec_start
+        seq.cache.rollback(start + j + 1)
+        seq.stats.rounds += 1
+        seq.stats.accepted_lengths.append(j + 1)
+        produced[seq.id] += seq.extend(draft[: j + 1])
+        if not seq.done:
+            seq.pending = predictions[j]
+            seq.new_block()
+
+    def _chunks(self, group: list[Sequence]):
+        size = self.max_batch or len(group)
+        for i in range(0, len(group), size):
+            yield group[i : i + size]

@@ -1,0 +1,212 @@
+"""One request's decoding state and the per-position arithmetic of SPEC §5, §7 and §8.
+
+A `Sequence` owns its cache, its response so far, its current block and its statistics. The methods
+here turn a row of model logits into decisions (fill these positions, accept this draft prefix) using
+the pure functions of `clover.decoding`; they never run the model — `Decoder` does that, batched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..decoding.controls import apply_controls
+from ..decoding.unmasking import candidates, positions_to_fill
+from .settings import GenerationSettings
+
+_ids = itertools.count()
+
+
+@dataclass
+class GenerationStats:
+    """What one request cost. `forwards` excludes the prefill; tokens per forward = tokens / forwards."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forwards: int = 0
+    block_forwards: int = 0
+    causal_forwards: int = 0
+    rounds: int = 0
+    accepted_lengths: list = field(default_factory=list)
+    # distinct_experts[layer] = the distinct experts used by each block forward of this request
+    distinct_experts: list = field(default_factory=list)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    def mean_distinct_experts(self) -> list[float]:
+        return [sum(v) / len(v) if v else 0.0 for v in self.distinct_experts]
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "forwards": self.forwards, "block_forwards": self.block_forwards,
+            "causal_forwards": self.causal_forwards, "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "rounds": self.rounds, "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "mean_distinct_experts_per_layer": [round(x, 2) for x in self.mean_distinct_experts()],
+        }
+
+
+class Sequence:
+    """Decoding state of one request. Phases: prefill → (denoise ↔ commit | ar | denoise → verify) → done."""
+
+    def __init__(self, prompt, settings: GenerationSettings, config):
+        self.id = next(_ids)
+        self.prompt = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+        self.settings = settings
+        self.config = config
+        self.mask_id = config.mask_token_id
+        self.think_id, self.think_end_id = config.think_token_id, config.think_end_token_id
+        self.response: list[int] = []
+        self.cache = None
+        self.phase = "prefill"
+        self.block: list[int] = []
+        self.draft_steps_done = 0
+        self.pending: int | None = None          # next token known from a causal prediction
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt))
+        self.generator = None
+        if settings.do_sample and settings.temperature > 0:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(settings.seed if settings.seed is not None else torch.seed())
+        self._controls = settings.controls
+        self._controls_on = self._controls.active
+        self._eos = set(settings.eos_token_id)
+        # The last <think>/</think> among prompt + committed response: (is_think, position) or None.
+        self._marker = None
+        self._scan_markers(self.prompt, 0)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Absolute position of the next uncommitted token."""
+        return len(self.prompt) + len(self.response)
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+    @property
+    def remaining(self) -> int:
+        return self.settings.max_new_tokens - len(self.response)
+
+    def _scan_markers(self, tokens, start):
+        for i, t in enumerate(tokens):
+            if t == self.think_id:
+                self._marker = (True, start + i)
+            elif t == self.think_end_id:
+                self._marker = (False, start + i)
+
+    def extend(self, tokens: list[int]) -> list[int]:
+        """Append resolved tokens; stop at the first EOS (kept) or at max_new_tokens. Returns what was kept."""
+        kept = []
+        for t in tokens:
+            if len(self.response) >= self.settings.max_new_tokens:
+                break
+            self.response.append(t)
+            kept.append(t)
+            if t in self._eos:
+                self.finish("eos")
+                break
+        self._scan_markers(kept, self.position - len(kept))
+        self.stats.generated_tokens = len(self.response)
+        if not self.done and len(self.response) >= self.settings.max_new_tokens:
+            self.finish("length")
+        return kept
+
+    def block_finishes(self) -> bool:
+        """Whether committing the current block ends the request (an EOS, or max_new_tokens reached)."""
+        return len(self.response) + len(self.block) >= self.settings.max_new_tokens or any(
+            t in self._eos for t in self.block
+        )
+
+    def finish(self, reason: str) -> None:
+        self.phase, self.finish_reason = "done", reason
+        self.cache = None    # frees K/V and GDN state at once
+
+    def new_block(self) -> None:
+        """Start a block of masks (LowConfidence), or a draft seeded with the known next token (§8)."""
+        if self.settings.speculative:
+            length = min(self.settings.block_size, self.remaining)
+            self.block = [self.pending] + [self.mask_id] * (length - 1)
+            self.draft_steps_done = 0
+            self.phase = "denoise" if length > 1 else "verify"
+        else:
+            self.block = [self.mask_id] * self.settings.block_size
+            self.phase = "denoise"
+
+    # ---- controls ------------------------------------------------------------------------------
+    def _think_distance(self, query_pos: int, extra: list[int]) -> int:
+        """j of SPEC §7 for a prediction at `query_pos`, given uncommitted `extra` tokens from `self.position`."""
+        base = self.position
+        for p in range(min(query_pos, base + len(extra)) - 1, base - 1, -1):
+            t = extra[p - base]
+            if t == self.think_id:
+                return query_pos - p - 1
+            if t == self.think_end_id:
+                return -1
+        if self._marker is not None and self._marker[0]:
+            return query_pos - self._marker[1] - 1
+        return -1
+
+    def _controlled(self, logits, query_positions, histories, extra):
+        if not self._controls_on:
+            return logits.float()
+        device = logits.device
+        offsets = torch.tensor([q - len(self.prompt) for q in query_positions], device=device)
+        think = None
+        if self.think_id is not None:
+            think = torch.tensor([self._think_distance(q, extra) for q in query_positions], device=device)
+        return apply_controls(
+            logits, histories=histories, response_offsets=offsets, think_distance=think,
+            eos_ids=list(self.settings.eos_token_id), think_end_id=self.think_end_id, settings=self._controls,
+        )
+
+    def _history(self, extra_tokens: list[int]):
+        window = self.settings.dllm_repetition_window
+        tokens = self.response[-window:] + extra_tokens
+        return torch.tensor(tokens[-window:], dtype=torch.long)
+
+    # ---- decisions -----------------------------------------------------------------------------
+    def denoise(self, logits: torch.Tensor) -> None:
+        """One LowConfidence step on this block's logits [L, V] (SPEC §5 step 2, §8 drafting)."""
+        s = self.settings
+        masked = [i for i, t in enumerate(self.block) if t == self.mask_id]
+        filled = [t for t in self.block if t != self.mask_id]
+        queries = [self.position + i for i in masked]
+        controlled = self._controlled(logits[masked], queries, self._history(filled), self.block)
+        tokens, confidence = candidates(
+            controlled, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            generator=self.generator,
+        )
+        fill = positions_to_fill(confidence, s.threshold)
+        self.draft_steps_done += 1
+        if s.speculative and self.draft_steps_done >= s.draft_steps:
+            fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
+        for i, t, f in zip(masked, tokens.tolist(), fill.tolist()):
+            if f:
+                self.block[i] = t
+        if self.mask_id not in self.block:
+            self.phase = "verify" if s.speculative else "commit"
+
+    def predict_next(self, logits: torch.Tensor, extra: list[int], seen_first: int) -> list[int]:
+        """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`,
+        having seen `extra[: seen_first + k]` after the committed tokens. Greedy or sampled."""
+        s = self.settings
+        n = logits.shape[0]
+        queries = [self.position + seen_first + k for k in range(n)]
+        if self._controls_on:
+            histories = [self._history(extra[: seen_first + k]) for k in range(n)]
+            logits = self._controlled(logits, queries, histories, extra)
+        tokens, _ = candidates(
+            logits.float(), do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            generator=self.generator,
+        )
+        return tokens.tolist()

@@ -1,0 +1,160 @@
+"""Per-request generation settings (SPEC §5, §7, §8, §10) and their validation (SPEC §9).
+
+Defaults come from the model directory's `generation_config.json`, then keyword arguments override
+them. Validation happens before any forward; every error names the setting and the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..decoding.controls import ControlSettings
+
+DECODING_MODES = ("low_confidence", "self_speculative")
+# Keys of generation_config.json that are not generation settings (ignored, never an error).
+IGNORED_CONFIG_KEYS = {"_from_model_config", "transformers_version", "pad_token_id", "mask_token_id",
+                       "bos_token_id", "use_cache", "return_dict_in_generate", "output_scores"}
+
+
+class GenerationSettingsError(ValueError):
+    """A setting or request that SPEC §9 (or plain sense) rejects."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    block_size: int = 32
+    threshold: float = 0.95
+    decoding: str = "low_confidence"
+    draft_steps: int = 1
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    block_expert_top_p: float | None = None       # None: the model config's value
+    dllm_repetition_penalty: float = 1.05
+    dllm_repetition_window: int = 512
+    dllm_length_penalty_start: int = 8192
+    dllm_length_penalty_window: int = 8192
+    dllm_length_penalty_strength: float = 10.0
+    dllm_think_end_start: int = 4096
+    dllm_think_end_window: int = 4096
+    dllm_think_end_strength: float = 10.0
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def resolve(cls, defaults: dict | None = None, config=None, **overrides) -> "GenerationSettings":
+        """Merge built-in defaults ← generation_config.json (`defaults`) ← keyword `overrides`.
+
+        `eos_token_id` falls back to the model config's when neither source gives one."""
+        names = cls.field_names()
+        unknown = sorted(k for k in overrides if k not in names)
+        if unknown:
+            raise GenerationSettingsError(
+                f"unknown generation setting(s): {', '.join(unknown)} (valid: {', '.join(sorted(names))})"
+            )
+        values: dict = {}
+        for key, value in (defaults or {}).items():
+            if key in names:
+                values[key] = value
+        values.update({k: v for k, v in overrides.items()})
+        if values.get("eos_token_id") is None and config is not None:
+            values["eos_token_id"] = tuple(config.eos_token_id)
+        eos = values.get("eos_token_id", ())
+        if isinstance(eos, int) and not isinstance(eos, bool):
+            eos = (eos,)
+        elif eos is None:
+            eos = ()
+        try:
+            values["eos_token_id"] = tuple(int(e) for e in eos)
+        except (TypeError, ValueError):
+            raise GenerationSettingsError(f"eos_token_id must be an id or a list of ids, got {eos!r}") from None
+        if values.get("top_k") == 0:
+            values["top_k"] = None
+        settings = cls(**values)
+        settings.check_types()
+        return settings
+
+    @property
+    def controls(self) -> ControlSettings:
+        return ControlSettings(**{f: getattr(self, f) for f in ControlSettings.field_names()})
+
+    @property
+    def speculative(self) -> bool:
+        return self.decoding == "self_speculative" and self.block_size > 1
+
+    def replace(self, **changes) -> "GenerationSettings":
+        return GenerationSettings.resolve(dataclasses.asdict(self), **changes)
+
+    def check_types(self) -> None:
+        def integer(name, minimum):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise GenerationSettingsError(f"{name} must be an integer, got {v!r}")
+            if v < minimum:
+                raise GenerationSettingsError(f"{name} must be >= {minimum}, got {v}")
+
+        def number(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise GenerationSettingsError(f"{name} must be a number, got {v!r}")
+
+        integer("max_new_tokens", 1)
+        integer("block_size", 1)
+        integer("draft_steps", 1)
+        number("threshold")
+        if not 0.0 < self.threshold <= 1.0:
+            raise GenerationSettingsError(f"threshold must lie in (0, 1], got {self.threshold}")
+        if self.decoding not in DECODING_MODES:
+            raise GenerationSettingsError(f"decoding must be one of {', '.join(DECODING_MODES)}, got {self.decoding!r}")
+        if not isinstance(self.do_sample, bool):
+            raise GenerationSettingsError(f"do_sample must be true or false, got {self.do_sample!r}")
+        number("temperature")
+        if self.temperature < 0:
+            raise GenerationSettingsError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None:
+            number("top_p")
+            if not 0.0 < self.top_p <= 1.0:
+                raise GenerationSettingsError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k is not None:
+            integer("top_k", 0)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise GenerationSettingsError(f"seed must be an integer, got {self.seed!r}")
+        if self.block_expert_top_p is not None:
+            number("block_expert_top_p")
+            if not 0.0 < self.block_expert_top_p <= 1.0:
+                raise GenerationSettingsError(
+                    f"block_expert_top_p must lie in (0, 1], got {self.block_expert_top_p}"
+                )
+        try:
+            self.controls.validate()
+        except ValueError as exc:
+            raise GenerationSettingsError(str(exc)) from None
+        if self.speculative and self.do_sample and self.temperature > 0:
+            raise GenerationSettingsError(
+                "decoding='self_speculative' supports greedy decoding only (do_sample=False); "
+                "use decoding='low_confidence' for sampling"
+            )
+
+    def validate_request(self, prompt_len: int, context_limit: int, vocab_size: int | None = None) -> None:
+        """SPEC §9: reject before any forward. The final block is always resolved whole."""
+        if prompt_len < 1:
+            raise GenerationSettingsError("the prompt is empty: at least one token is needed")
+        blocks = math.ceil(self.max_new_tokens / self.block_size)
+        needed = prompt_len + blocks * self.block_size
+        if needed > context_limit:
+            raise GenerationSettingsError(
+                f"prompt {prompt_len} + {blocks * self.block_size} tokens for {blocks} block"
+                f"{'s' if blocks != 1 else ''} of {self.block_size} exceeds the {context_limit}-token context"
+            )
+        if vocab_size is not None:
+            for e in self.eos_token_id:
+                if not 0 <= e < vocab_size:
+                    raise GenerationSettingsError(f"eos_token_id {e} is outside the vocabulary (size {vocab_size})")
