@@ -1,0 +1,307 @@
+"""The `clover` command: generate, chat, info, eval-demo, train, export, serve, bench.
+
+The CLI only parses arguments and dispatches; user mistakes print one clear line, not a traceback.
+Every command takes `--model PATH` and defaults to the demo model shipped in the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed without a traceback."""
+
+
+# ---- shared helpers ---------------------------------------------------------------------------
+def _add_model_arg(p):
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="model directory (default: the demo model shipped with clover)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="weights dtype (default: as stored)")
+
+
+def _load(args):
+    import torch
+
+    import clover
+    from clover.tokenization import CloverTokenizer
+
+    path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
+    if not (path / "config.json").exists():
+        raise UserError(f"no model at {path} (expected a directory with config.json)")
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = clover.load(path, dtype=dtype)
+    if not (path / "tokenizer.json").exists():
+        raise UserError(f"{path} has no tokenizer.json")
+    return model, CloverTokenizer.from_dir(path), path
+
+
+def _add_decoding_args(p):
+    p.add_argument("--block-size", type=int, help="tokens per diffusion block (1 = autoregressive)")
+    p.add_argument("--threshold", type=float, help="LowConfidence threshold τ in (0, 1]")
+    p.add_argument("--decoding", choices=["low_confidence", "self_speculative"])
+    p.add_argument("--draft-steps", type=int, help="denoising steps per self-speculative draft")
+    p.add_argument("--max-new-tokens", type=int, help="hard limit on generated tokens")
+    p.add_argument("--temperature", type=float, help="sampling temperature (implies sampling when > 0)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, help="seed for sampling")
+    p.add_argument("--expert-top-p", type=float, dest="block_expert_top_p",
+                   help="block expert selection: keep this fraction of routing mass (SPEC §6)")
+    p.add_argument("--no-think", action="store_true", help="disable the thinking phase")
+
+
+def _settings_from_args(args) -> dict:
+    out = {}
+    for name in ("block_size", "threshold", "decoding", "draft_steps", "max_new_tokens", "top_p", "top_k",
+                 "seed", "block_expert_top_p"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value
+    if getattr(args, "temperature", None) is not None:
+        out["temperature"] = args.temperature
+        out["do_sample"] = args.temperature > 0
+    return out
+
+
+# ---- generate ---------------------------------------------------------------------------------
+def cmd_generate(args) -> int:
+    from clover.generation.api import generate_batch, resolve_settings
+    from clover.tokenization import IncrementalDecoder
+
+    model, tokenizer, _ = _load(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               enable_thinking=not args.no_think)
+    settings = resolve_settings(model, **_settings_from_args(args))
+    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+    stream = not args.json
+    if stream and not args.no_think:
+        sys.stdout.write("<think>\n")
+
+    def on_event(_, tokens, finished):
+        if stream and tokens:
+            sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
+            sys.stdout.flush()
+
+    start = time.perf_counter()
+    (result,) = generate_batch(model, [prompt_ids], settings, on_event=on_event)
+    seconds = time.perf_counter() - start
+    if stream:
+        sys.stdout.write(decoder.flush() + "\n")
+        s = result.stats
+        print(f"[{s.generated_tokens} tokens, {s.forwards} forwards, {s.tokens_per_forward:.2f} tokens/forward, "
+              f"{seconds:.2f}s, finish: {result.finish_reason}]", file=sys.stderr)
+    else:
+        text = tokenizer.decode(result.tokens, skip_special_tokens=False)
+        print(json.dumps({
+            "prompt": args.prompt, "completion": text,
+            "answer": tokenizer.decode(result.tokens, skip_special_tokens=True).split("</think>")[-1].strip(),
+            "completion_ids": result.tokens, "finish_reason": result.finish_reason, "seconds": round(seconds, 4),
+            "settings": {k: v for k, v in settings.__dict__.items()}, "stats": result.stats.as_dict(),
+        }))
+    return 0
+
+
+def _show_think_end(tokenizer, tokens, decoder) -> str:
+    """Stream text, showing `</think>` (a special token that decoding skips) so thinking is visible."""
+    out = []
+    for t in tokens:
+        if t == tokenizer.think_end_token_id:
+            out.append(decoder.flush() + "</think>")
+        else:
+            out.append(decoder.feed(t))
+    return "".join(out)
+
+
+# ---- chat -------------------------------------------------------------------------------------
+def cmd_chat(args) -> int:
+    from clover.generation.api import generate_batch, resolve_settings
+    from clover.tokenization import IncrementalDecoder
+
+    model, tokenizer, path = _load(args)
+    settings = resolve_settings(model, **_settings_from_args(args))
+    print(f"clover chat — {path} — /reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
+    messages = []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            messages = []
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=not args.no_think)
+        decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+        sys.stdout.write("clover> " + ("" if args.no_think else "<think>\n"))
+
+        def on_event(_, tokens, finished):
+            sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
+            sys.stdout.flush()
+
+        try:
+            (result,) = generate_batch(model, [ids], settings, on_event=on_event)
+        except ValueError as exc:
+            messages.pop()
+            print(f"\nerror: {exc}", file=sys.stderr)
+            continue
+        sys.stdout.write(decoder.flush() + "\n")
+        reply = tokenizer.decode(result.tokens, skip_special_tokens=True).split("</think>")[-1].strip()
+        messages.append({"role": "assistant", "content": reply})
+
+
+# ---- info -------------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    model, tokenizer, path = _load(args)
+    c = model.config
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - expert + expert * c.num_experts_per_tok // c.num_experts
+    info = {
+        "path": str(path), "model_type": c.model_type, "dtype": str(model.dtype).replace("torch.", ""),
+        "layers": c.num_hidden_layers, "layer_types": list(c.layer_types), "hidden_size": c.hidden_size,
+        "experts": f"{c.num_experts} routed (top-{c.num_experts_per_tok}) + 1 shared",
+        "vocab_size": c.vocab_size, "context": c.max_position_embeddings,
+        "parameters": total, "active_parameters_per_token": active,
+        "block_expert_top_p": c.block_expert_top_p, "generation_defaults": model.generation_defaults,
+        "tokenizer_vocab": tokenizer.vocab_size,
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            if key == "generation_defaults":
+                value = ", ".join(f"{k}={v}" for k, v in value.items())
+            elif isinstance(value, int) and key.endswith("parameters") or key == "parameters":
+                value = f"{value:,}"
+            print(f"{key:<30} {value}")
+    return 0
+
+
+# ---- eval-demo --------------------------------------------------------------------------------
+def cmd_eval_demo(args) -> int:
+    from clover.training.evaluate import MODES, evaluate, format_report
+
+    model, tokenizer, _ = _load(args)
+    modes = args.modes.split(",") if args.modes else list(MODES)
+    for m in modes:
+        if m not in MODES:
+            raise UserError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    report = evaluate(model, tokenizer, per_task=args.per_task, seed=args.seed, modes=modes,
+                      tasks=args.tasks.split(",") if args.tasks else None,
+                      progress=lambda s: print(s, file=sys.stderr))
+    print(format_report(report))
+    print(json.dumps(report))
+    return 0
+
+
+# ---- dispatch to other modules ----------------------------------------------------------------
+def cmd_train(args, rest) -> int:
+    from clover.training import train
+
+    return train.main(rest) or 0
+
+
+def cmd_export(args, rest) -> int:
+    from clover.hf import export
+
+    return export.main(rest) or 0
+
+
+def cmd_serve(args, rest) -> int:
+    from clover.server import app
+
+    return app.main(rest) or 0
+
+
+def cmd_bench(args, rest) -> int:
+    import runpy
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = root / "bench_engine.py"
+    if not script.exists():
+        raise UserError("benchmarks/ are not part of an installed package; run from a source checkout")
+    sys.argv = [str(script)] + rest
+    sys.path.insert(0, str(root.parent))
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clover", description="Clover block-diffusion language models: generate, chat, serve, evaluate.",
+        epilog="Without --model every command uses the tiny demo model shipped with clover.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("generate", help="answer one prompt, streaming text as blocks resolve")
+    p.add_argument("prompt", help="the user message")
+    _add_model_arg(p)
+    _add_decoding_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    _add_model_arg(p)
+    _add_decoding_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="model, config and parameter counts")
+    _add_model_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("eval-demo", help="accuracy and tokens/forward per decoding mode on held-out problems")
+    _add_model_arg(p)
+    p.add_argument("--per-task", type=int, default=20, help="held-out problems per task (default 20)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--modes", help=f"comma-separated subset of the decoding modes")
+    p.add_argument("--tasks", help="comma-separated subset of the tasks")
+    p.set_defaults(func=cmd_eval_demo)
+
+    for name, text in (("train", "train a small Clover on generated tasks (see `clover train --help`)"),
+                       ("export", "write a transformers trust_remote_code model directory: SRC DST"),
+                       ("serve", "OpenAI-compatible HTTP server (see `clover serve --help`)"),
+                       ("bench", "performance benchmarks (see `clover bench --help`)")):
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in PASSTHROUGH:
+        command = argv[0]
+        try:
+            return PASSTHROUGH[command](None, argv[1:])
+        except (UserError, ValueError, FileNotFoundError) as exc:
+            print(f"clover {command}: error: {exc}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 1
+    try:
+        return args.func(args)
+    except (UserError, ValueError, FileNotFoundError) as exc:
+        print(f"clover {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
