@@ -15,12 +15,15 @@ Layouts accepted (the remapping table is `_canonical_key` and the per-expert mer
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import re
 import struct
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import CloverConfig
@@ -36,8 +39,18 @@ class CheckpointError(ValueError):
 
 
 # ---- reading files ----------------------------------------------------------------------------
+# safetensors dtype tags of the floating-point weights we read.
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# bytes per element of every safetensors dtype, to check the layout of tensors we do not load too
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+            "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+CHUNK_BYTES = 16 << 20   # bytes converted per step: bounds the temporaries of a dtype conversion
+
+
 def _check_file(path: Path) -> dict:
-    """Parse a safetensors header and check that the file holds all the bytes it declares."""
+    """Parse a safetensors header and check every entry against the bytes the file really holds.
+
+    Returns the header with `"__data_start__"` added (the byte offset of the data section)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -50,12 +63,90 @@ def _check_file(path: Path) -> dict:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(
-            f"{path}: truncated safetensors file: tensors need {8 + n + end} bytes, the file has {size}"
-        )
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_size = size - 8 - n
+    entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+    try:
+        entries.sort(key=lambda kv: kv[1]["data_offsets"])   # report the first tensor that is cut
+    except (KeyError, TypeError):
+        pass
+    for key, meta in entries:
+        try:
+            shape, tag, (begin, end) = list(meta["shape"]), meta["dtype"], meta["data_offsets"]
+            numel = math.prod(int(d) for d in shape)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {meta!r}") from None
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {key!r} {shape} {tag} needs data bytes "
+                f"{begin}..{end} but the file holds only {data_size} bytes of data ({size} in all)"
+            )
+        if not 0 <= begin <= end or (tag in ITEMSIZE and end - begin != numel * ITEMSIZE[tag]):
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {key!r} {shape} {tag} spans bytes {begin}..{end}, "
+                f"expected {numel * ITEMSIZE.get(tag, 0)} bytes"
+            )
+    header["__data_start__"] = 8 + n
+    header["__file_size__"] = size
     return header
+
+
+class _MappedFile:
+    """A memory-mapped safetensors file, copied out tensor by tensor and chunk by chunk.
+
+    Each chunk is converted straight into its destination and its mapped pages are then released
+    (`MADV_DONTNEED`), so the process never holds more than the converted weights plus one chunk —
+    neither a second full copy in the stored dtype nor the whole file's pages."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path = path
+        self.header = header
+        self.data_start = header["__data_start__"]
+        self._file = open(path, "rb")
+        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(self._mm) < header["__file_size__"]:   # cut between the header check and now
+            self.close()
+            raise CheckpointError(f"{path}: truncated safetensors file (changed while loading)")
+        with warnings.catch_warnings():   # read-only buffer: we only ever read from it
+            warnings.simplefilter("ignore")
+            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def copy_into(self, dest: torch.Tensor, key: str) -> None:
+        """Fill the contiguous tensor `dest` with stored tensor `key`, converting dtype on the way."""
+        meta = self.header[key]
+        src_dtype = DTYPES[meta["dtype"]]
+        item = src_dtype.itemsize
+        flat = dest.view(-1)
+        n = flat.numel()
+        start = self.data_start + meta["data_offsets"][0]
+        step = max(1, CHUNK_BYTES // item)
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            lo, hi = start + i * item, start + j * item
+            chunk = self._bytes[lo:hi]
+            if lo % item:
+                chunk = chunk.clone()     # unaligned in the file: realign this chunk only
+            flat[i:j].copy_(chunk.view(src_dtype))
+            self._release(lo, hi)
+
+    def _release(self, lo: int, hi: int) -> None:
+        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        a = lo - lo % page
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, a, hi - a)
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self._bytes = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self._file.close()
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -63,11 +154,19 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / name for name in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = set(weight_map.values())
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({type(exc).__name__}: {exc})") from None
+        files = sorted(path / name for name in names)
         for f in files:
             if not f.exists():
-                raise CheckpointError(f"{index}: shard {f.name} is listed but missing")
+                keys = sorted(k for k, v in weight_map.items() if v == f.name)
+                raise CheckpointError(
+                    f"{index}: shard {f.name} is listed but missing (it holds {len(keys)} tensors, e.g. "
+                    f"{', '.join(keys[:3])})"
+                )
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -97,21 +196,25 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
 
     # Index every stored tensor: canonical key → (file, stored key, shape, dtype).
     stored: dict[str, tuple[Path, str, list[int], str]] = {}
+    headers = {}
     for f in files:
-        header = _check_file(f)
+        header = headers[f] = _check_file(f)
         for key, meta in header.items():
-            if key == "__metadata__":
+            if key in ("__metadata__", "__data_start__", "__file_size__"):
                 continue
             name = _canonical_key(key)
             if name is None:
                 continue
             if name in stored:
-                raise CheckpointError(f"tensor {key!r} appears twice ({stored[name][0].name} and {f.name})")
+                raise CheckpointError(
+                    f"tensor {name!r} is stored twice: as {stored[name][1]!r} {stored[name][2]} in "
+                    f"{stored[name][0].name} and as {key!r} {meta['shape']} in {f.name}"
+                )
             stored[name] = (f, key, meta["shape"], meta["dtype"])
     if dtype is None:
         dtype = _stored_dtype(stored)
 
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = CloverForCausalLM(config)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=True)}
     if config.tie_word_embeddings:
@@ -119,45 +222,66 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
         stored.pop("lm_head.weight", None)   # transformers ignores it too when tied
 
     per_expert = {n for n in stored if PER_EXPERT.match(n)}
+    per_expert_layers = {int(PER_EXPERT.match(n).group(1)) for n in per_expert}
     has_extras = any(CLOVER_EXTRAS.search(n) for n in stored)
     optional = set() if config.is_clover else {n for n in expected if CLOVER_EXTRAS.search(n)}
     missing, wrong = [], []
-    plan: dict[str, object] = {}
+    plan: dict[str, tuple] = {}
     for name, shape in expected.items():
+        fused = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
         if name in stored:
             got = tuple(stored[name][2])
             if got != shape:
                 wrong.append(f"{name}: checkpoint {list(got)} vs model {list(shape)}")
-            plan[name] = stored[name]
-        elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and per_expert:
-            plan[name] = ("per_expert", name)
+            plan[name] = ("stored",) + stored[name]
+        elif fused and int(name.split(".")[2]) in per_expert_layers:
+            need = _per_expert_keys(name, config)
+            missing += [f"{key} {list(want)}" for key, want in need if key not in stored]
+            plan[name] = ("per_expert", need)
         elif name in optional and not has_extras:
-            plan[name] = ("default", name)
+            plan[name] = ("default",)
         else:
             missing.append(f"{name} {list(shape)}")
-    unexpected = sorted(n for n in stored if n not in plan and n not in per_expert)
-    bad_experts = _check_per_expert(stored, per_expert, config)
+    used = {key for source in plan.values() if source[0] == "per_expert" for key, _ in source[1]}
+    for name in sorted(used | {n for n, source in plan.items() if source[0] == "stored"}):
+        if name in stored and stored[name][3] not in DTYPES:
+            wrong.append(f"{name}: checkpoint dtype {stored[name][3]} {list(stored[name][2])}, "
+                         f"expected a floating-point dtype ({', '.join(DTYPES)})")
+    unexpected = sorted(n for n in stored if n not in plan and n not in used)
+    for name in used & set(stored):
+        want = dict(_per_expert_keys_for(name, config))[name]
+        if tuple(stored[name][2]) != want:
+            wrong.append(f"{name}: checkpoint {list(stored[name][2])} vs model {list(want)}")
     problems = []
     if missing:
-        problems.append("missing tensors: " + "; ".join(missing[:8]) + (" …" if len(missing) > 8 else ""))
+        problems.append("missing tensors: " + "; ".join(missing[:8]) + (f" … ({len(missing)} in all)" if len(missing) > 8 else ""))
     if wrong:
-        problems.append("wrong shapes: " + "; ".join(wrong[:8]) + (" …" if len(wrong) > 8 else ""))
+        wrong.sort()
+        problems.append("wrong shapes: " + "; ".join(wrong[:8]) + (f" … ({len(wrong)} in all)" if len(wrong) > 8 else ""))
     if unexpected:
-        problems.append("unexpected tensors: " + ", ".join(unexpected[:8]) + (" …" if len(unexpected) > 8 else ""))
-    problems += bad_experts
+        shown = [f"{n} {list(stored[n][2])}" for n in unexpected[:8]]
+        problems.append("unexpected tensors: " + "; ".join(shown) + (f" … ({len(unexpected)} in all)" if len(unexpected) > 8 else ""))
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match config.json — " + " | ".join(problems))
 
-    handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
-    for name, source in plan.items():
-        if source[0] == "per_expert":
-            tensor = _merge_experts(name, stored, handles, config, dtype)
-        elif source[0] == "default":
-            tensor = _clover_default(name, expected[name], dtype)
-        else:
-            f, key, _, _ = source
-            tensor = handles[f].get_tensor(key).to(dtype)
-        _assign(model, name, tensor.to(device))
+    readers = {}
+    try:
+        for f in files:
+            readers[f] = _MappedFile(f, headers[f])
+        for name, source in plan.items():
+            if source[0] == "default":
+                tensor = _clover_default(name, expected[name], dtype).to(device)
+            else:
+                tensor = torch.empty(expected[name], dtype=dtype, device=device)
+                if source[0] == "per_expert":
+                    _merge_experts(tensor, source[1], stored, readers)
+                else:
+                    _, f, key, _, _ = source
+                    readers[f].copy_into(tensor, key)
+            _assign(model, name, tensor)
+    finally:
+        for r in readers.values():
+            r.close()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
@@ -165,6 +289,24 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     model.eval().requires_grad_(False)
     model.source_path = path
     return model
+
+
+@contextmanager
+def _no_weight_init():
+    """Skip `torch.nn.init` while the model is built on the meta device: every value is overwritten by
+    the checkpoint, and random init of meta tensors goes through torch._refs, whose first use imports
+    torch._dynamo (seconds and ~80 MB of resident memory for nothing)."""
+    names = [n for n in ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                         "xavier_uniform_", "xavier_normal_", "constant_", "zeros_", "ones_", "orthogonal_")
+             if hasattr(torch.nn.init, n)]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for n in names:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
 
 
 def _stored_dtype(stored) -> torch.dtype:
@@ -175,41 +317,31 @@ def _stored_dtype(stored) -> torch.dtype:
     return torch.float32
 
 
-def _check_per_expert(stored, per_expert, config) -> list[str]:
-    if not per_expert:
-        return []
-    problems = []
+def _per_expert_keys(fused_name: str, config) -> list[tuple[str, tuple[int, int]]]:
+    """The per-expert keys (and their shapes) that make up one fused expert tensor, in fused order."""
+    prefix = fused_name.rsplit(".experts.", 1)[0] + ".experts"
     H, I = config.hidden_size, config.moe_intermediate_size
-    want = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    for name in sorted(per_expert):
-        layer, expert, kind = PER_EXPERT.match(name).groups()
-        if int(expert) >= config.num_experts or int(layer) >= config.num_hidden_layers:
-            problems.append(f"unexpected tensor {name} (config has {config.num_experts} experts, "
-                            f"{config.num_hidden_layers} layers)")
-        elif tuple(stored[name][2]) != want[kind]:
-            problems.append(f"wrong shape {name}: checkpoint {stored[name][2]} vs model {list(want[kind])}")
-    return problems
+    if fused_name.endswith("gate_up_proj"):
+        return [(f"{prefix}.{e}.{part}.weight", (I, H)) for e in range(config.num_experts)
+                for part in ("gate_proj", "up_proj")]
+    return [(f"{prefix}.{e}.down_proj.weight", (H, I)) for e in range(config.num_experts)]
 
 
-def _merge_experts(name, stored, handles, config, dtype) -> torch.Tensor:
-    """Assemble a fused expert tensor from per-expert weights, one expert at a time."""
-    prefix = name.rsplit(".experts.", 1)[0] + ".experts"
-    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    fused_gate_up = name.endswith("gate_up_proj")
-    out = torch.empty((E, 2 * I, H) if fused_gate_up else (E, H, I), dtype=dtype)
-    parts = ("gate_proj", "up_proj") if fused_gate_up else ("down_proj",)
-    for e in range(E):
-        for j, part in enumerate(parts):
-            key = f"{prefix}.{e}.{part}.weight"
-            if key not in stored:
-                raise CheckpointError(f"missing tensor {key} (per-expert layout needs all {E} experts)")
-            f, stored_key, _, _ = stored[key]
-            tensor = handles[f].get_tensor(stored_key).to(dtype)
-            if fused_gate_up:
-                out[e, j * I:(j + 1) * I] = tensor
-            else:
-                out[e] = tensor
-    return out
+def _per_expert_keys_for(key: str, config):
+    layer, _, part = PER_EXPERT.match(key).groups()
+    fused = "gate_up_proj" if part in ("gate_proj", "up_proj") else "down_proj"
+    return _per_expert_keys(f"model.layers.{layer}.mlp.experts.{fused}", config)
+
+
+def _merge_experts(out: torch.Tensor, keys, stored, readers) -> None:
+    """Assemble a fused expert tensor from per-expert weights, one expert slice at a time."""
+    E = out.shape[0]
+    parts = len(keys) // E                     # 2 (gate, up) for gate_up_proj, 1 for down_proj
+    rows = out.shape[1] // parts
+    for i, (key, _) in enumerate(keys):
+        e, j = divmod(i, parts)
+        f, stored_key, _, _ = stored[key]
+        readers[f].copy_into(out[e, j * rows:(j + 1) * rows], stored_key)
 
 
 def _clover_default(name: str, shape, dtype) -> torch.Tensor:

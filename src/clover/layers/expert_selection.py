@@ -71,7 +71,7 @@ def select_block_experts_batched(
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device).reshape(-1).expand(B)
     if check:
         validate_block_expert_top_p(p)
-    probs = router_probs.to(torch.float32)
+    probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
 
     # Aggregate top-k mass per expert.
     _, cand = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -122,7 +122,7 @@ def route_top_k(
     N, E = router_probs.shape
     if top_k < 1 or top_k > E:
         raise ValueError(f"top_k must lie in [1, {E}], got {top_k!r}")
-    probs = router_probs.to(torch.float32)
+    probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
     if allowed is None:
         vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
         w, idx = vals[:, :top_k], idx[:, :top_k]

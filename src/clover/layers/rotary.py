@@ -12,13 +12,22 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Kept as a float64 CPU constant (not a buffer) so `.to(dtype)` never degrades it; float32
+        # models round it exactly as transformers does, float64 models keep full precision.
+        self.inv_freq64 = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
+        self._tables: dict = {}
+
+    def _inv_freq(self, cdt, device):
+        key = (cdt, str(device))
+        if key not in self._tables:
+            inv = self.inv_freq64 if cdt == torch.float64 else self.inv_freq64.to(torch.float32)
+            self._tables[key] = inv.to(device)
+        return self._tables[key]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] → (cos, sin) [B, T, rotary_dim] in `dtype`."""
         cdt = torch.float64 if dtype == torch.float64 else torch.float32
-        freqs = positions.to(cdt)[..., None] * self.inv_freq.to(cdt)
+        freqs = positions.to(cdt)[..., None] * self._inv_freq(cdt, positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
