@@ -74,8 +74,8 @@ def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
     settings = resolve_settings(model, **overrides)
     as_list = not torch.is_tensor(input_ids)
     if as_list:
-        if input_ids and isinstance(input_ids[0], int):
-            input_ids = [input_ids]
+        if not input_ids or isinstance(input_ids[0], int):
+            input_ids = [input_ids]          # one prompt (an empty one is rejected by validation)
         prompts = [list(p) for p in input_ids]
     else:
         ids = input_ids if input_ids.dim() == 2 else input_ids[None]

@@ -111,7 +111,14 @@ class Decoder:
                     produced[seq.id] += seq.extend(list(seq.block))
                     continue
                 tokens = seq.block
-            elif seq.phase == "ar":
+            elif seq.phase == "ar" or (seq.phase == "verify" and len(seq.block) == 1):
+                if seq.pending in seq.settings.eos_token_id or seq.remaining <= 1:
+                    # This token ends the request: the forward over it would only feed a cache nobody reads.
+                    if seq.phase == "verify":          # a final one-token round, accepted without a forward
+                        seq.stats.rounds += 1
+                        seq.stats.accepted_lengths.append(1)
+                    produced[seq.id] += seq.extend([seq.pending])
+                    continue
                 tokens = [seq.pending]
             else:
                 tokens = seq.block
