@@ -7,8 +7,8 @@ over ids; only the sampling arithmetic of `clover.decoding.unmasking.candidates`
 tested on its own) so that a seeded sampled run consumes the generator the same way.
 
 Forward counting (to compare with `GenerationStats.forwards`, which excludes the prefill):
-  - LowConfidence: one per denoising step, plus one commit forward for every block that is followed
-    by another block (the last block's commit feeds nothing, so it is not needed);
+  - LowConfidence: one per denoising step; a block's commit is fused with the next block's first
+    denoising step (SPEC §5's allowed optimisation), and the last block's commit feeds nothing;
   - self-speculative: `draft_forwards` (denoising steps of the drafts) + `verify_forwards` (one per round);
   - autoregressive (`block_size=1`): one causal forward per token after the first (which comes from
     the prefill) — reported as `forwards`, for information.
@@ -264,9 +264,7 @@ def reference_generate(model, prompt, **settings) -> ReferenceResult:
                 res.block_forwards += 1
             res.fill_trace.append(steps)
             if req.extend(block):
-                break
-            res.forwards += 1                    # commit forward, read by the next block
-            res.causal_forwards += 1
+                break                            # the commit rides on the next block's first step
     res.tokens = list(req.response)
     res.finish_reason = req.finish
     return res

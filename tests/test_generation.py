@@ -445,7 +445,7 @@ def test_stats_forwards_tokens_per_forward_and_distinct_experts():
     for st in (off, sel):
         assert st.prompt_tokens == 9 and st.generated_tokens == 16
         assert st.forwards == st.block_forwards + st.causal_forwards
-        assert st.causal_forwards == 1                      # one commit between the two blocks
+        assert st.causal_forwards == 0                      # the commit is fused into the next block
         assert st.tokens_per_forward == pytest.approx(16 / st.forwards)
         assert len(st.distinct_experts) == layers
         for per_layer in st.distinct_experts:

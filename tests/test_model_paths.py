@@ -585,3 +585,31 @@ def test_rotary_tables_exact_in_float64():
             ang = pos / cfg.rope_theta ** (2 * (i % (R // 2)) / R)
             assert abs(cos[0, j, i].item() - math.cos(ang)) <= 1e-12
             assert abs(sin[0, j, i].item() - math.sin(ang)) <= 1e-12
+
+
+@pytest.mark.parametrize("variant", ["base", "attn_first"])
+def test_fused_commit_and_block_step_equals_two_forwards(variant):
+    """`step(ids, block_len=L)` = a causal commit of the first part, then a block step over the rest."""
+    model = make_model(variant, seed=5, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(6, 90, (1, n), generator=g) for n in (7, 12)]
+    commit = torch.randint(6, 90, (2, 5), generator=g)
+    block = torch.randint(6, 96, (2, 4), generator=g)
+    fused_caches, split_caches = [], []
+    for p in prompts:
+        for caches in (fused_caches, split_caches):
+            c = model.make_cache()
+            model.step(p, [c])
+            caches.append(c)
+    fused_stats, split_stats = [], []
+    fused = model.step(torch.cat([commit, block], 1), fused_caches, block_len=4, logits_at="block",
+                       block_top_p=0.5, stats=fused_stats)
+    model.step(commit, split_caches)
+    split = model.step(block, split_caches, block=True, block_top_p=0.5, stats=split_stats)
+    assert (fused - split).abs().max() < 1e-10
+    assert [s.tolist() for s in fused_stats] == [s.tolist() for s in split_stats]
+    nxt = torch.randint(6, 90, (2, 1), generator=g)
+    assert all(f.length == s.length for f, s in zip(fused_caches, split_caches))
+    a = model.step(nxt, fused_caches)
+    b = model.step(nxt, split_caches)
+    assert (a - b).abs().max() < 1e-10

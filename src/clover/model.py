@@ -119,15 +119,19 @@ class CloverForCausalLM(nn.Module):
         logits = self.forward(ids, block_len=L, block_top_p=block_top_p)
         return logits[:, -L:]
 
-    def step(self, ids, caches, *, block: bool = False, block_top_p=None, logits_at: str = "all", stats=None):
+    def step(self, ids, caches, *, block: bool = False, block_len: int | None = None, block_top_p=None,
+             logits_at: str = "all", stats=None):
         """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row).
 
-        Causal (`block=False`): appends the tokens to the caches; logits predict the next tokens.
+        Causal (default): appends the tokens to the caches; logits predict the next tokens.
         Block (`block=True`): the tokens are a noisy block at the end of each prefix; caches unchanged.
-        `logits_at`: "all", "last" (only the final position, for the next-token prediction) or "none"
-        (a commit whose logits nobody reads: skips the vocabulary projection).
-        `stats`: a list that receives, per MoE layer, the distinct experts [B] of a block step."""
+        Fused (`block_len=L < T`): the first T−L tokens are committed causally and the last L form a
+        noisy block right after them — a commit and the next block's first denoising step in one pass.
+        `logits_at`: "all", "last" (the final position: the next-token prediction), "block" (the block's
+        positions) or "none" (a commit nobody reads: skips the vocabulary projection).
+        `stats`: a list that receives, per MoE layer, the distinct experts [B] of the block."""
         B, T = ids.shape
+        block_len = T if block else (block_len or 0)
         starts = [c.length for c in caches]
         for s in starts:
             if s + T > self.config.max_position_embeddings:
@@ -135,11 +139,10 @@ class CloverForCausalLM(nn.Module):
                     f"position {s + T} exceeds max_position_embeddings {self.config.max_position_embeddings}"
                 )
         positions = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(T, device=ids.device)
-        logits = self._run(ids, positions, caches, starts, T if block else 0,
-                           self._top_p(block_top_p, B) if block else None, logits_at, stats)
-        if not block:
-            for c in caches:
-                c.length += T
+        logits = self._run(ids, positions, caches, starts, block_len,
+                           self._top_p(block_top_p, B) if block_len else None, logits_at, stats)
+        for c in caches:
+            c.length += T - block_len
         return logits
 
     def prefill(self, ids: torch.Tensor, cache: SequenceCache | None = None, logits_at: str = "last"):

@@ -83,24 +83,31 @@ class Decoder:
         for group in groups.values():
             for chunk in self._chunks(group):
                 ids = torch.tensor([s.block for s in chunk], dtype=torch.long, device=self.model.device)
-                top_p = [s.settings.block_expert_top_p for s in chunk]
-                if all(p is None for p in top_p):
-                    top_p = None
-                else:
-                    default = self.model.config.block_expert_top_p or 1.0
-                    top_p = [default if p is None else p for p in top_p]
                 stats: list = []
-                logits = self.model.step(ids, [s.cache for s in chunk], block=True, block_top_p=top_p, stats=stats)
-                distinct = torch.stack(stats).tolist() if stats else []       # [layers, B]
+                logits = self.model.step(ids, [s.cache for s in chunk], block=True, block_top_p=self._top_p(chunk),
+                                         stats=stats)
                 for b, seq in enumerate(chunk):
-                    seq.stats.forwards += 1
-                    seq.stats.block_forwards += 1
-                    if distinct:
-                        if not seq.stats.distinct_experts:
-                            seq.stats.distinct_experts = [[] for _ in distinct]
-                        for layer, row in enumerate(distinct):
-                            seq.stats.distinct_experts[layer].append(row[b])
+                    self._record_block_forward(seq, stats, b)
                     seq.denoise(logits[b])
+
+    def _top_p(self, chunk):
+        """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
+        top_p = [s.settings.block_expert_top_p for s in chunk]
+        if all(p is None for p in top_p):
+            return None
+        default = self.model.config.block_expert_top_p or 1.0
+        return [default if p is None else p for p in top_p]
+
+    @staticmethod
+    def _record_block_forward(seq: Sequence, stats: list, row: int) -> None:
+        seq.stats.forwards += 1
+        seq.stats.block_forwards += 1
+        if stats:
+            distinct = [int(layer[row]) for layer in stats]
+            if not seq.stats.distinct_experts:
+                seq.stats.distinct_experts = [[] for _ in distinct]
+            for layer, n in enumerate(distinct):
+                seq.stats.distinct_experts[layer].append(n)
 
     def _causal_forwards(self, seqs: list[Sequence], produced) -> None:
         groups: dict[tuple, list[Sequence]] = defaultdict(list)
@@ -110,7 +117,9 @@ class Decoder:
                     # The last block of a request needs no commit forward: nothing will read its cache.
                     produced[seq.id] += seq.extend(list(seq.block))
                     continue
-                tokens = seq.block
+                # SPEC §5's allowed fusion: commit this block and run the next block's first
+                # denoising step in one forward ([resolved block | masks], the masks in block mode).
+                tokens = seq.block + [seq.mask_id] * seq.settings.block_size
             elif seq.phase == "ar" or (seq.phase == "verify" and len(seq.block) == 1):
                 if seq.pending in seq.settings.eos_token_id or seq.remaining <= 1:
                     # This token ends the request: the forward over it would only feed a cache nobody reads.
@@ -125,22 +134,33 @@ class Decoder:
             groups[(seq.phase, len(tokens))].append(seq)
         for (phase, T), group in groups.items():
             for chunk in self._chunks(group):
+                caches = [s.cache for s in chunk]
+                if phase == "commit":
+                    self._fused_commit(chunk, produced)
+                    continue
                 token_rows = [[s.pending] if phase == "ar" else s.block for s in chunk]
                 ids = torch.tensor(token_rows, dtype=torch.long, device=self.model.device)
-                caches = [s.cache for s in chunk]
                 if phase == "verify":
                     for c in caches:
                         c.begin_speculation()
-                logits_at = {"commit": "none", "ar": "last", "verify": "all"}[phase]
-                logits = self.model.step(ids, caches, logits_at=logits_at)
+                logits = self.model.step(ids, caches, logits_at="last" if phase == "ar" else "all")
                 for b, seq in enumerate(chunk):
                     seq.stats.forwards += 1
                     seq.stats.causal_forwards += 1
-                    getattr(self, f"_after_{phase}")(seq, None if logits is None else logits[b], produced)
+                    getattr(self, f"_after_{phase}")(seq, logits[b], produced)
 
-    def _after_commit(self, seq: Sequence, logits, produced) -> None:
-        produced[seq.id] += seq.extend(list(seq.block))
-        seq.new_block()
+    def _fused_commit(self, chunk: list[Sequence], produced) -> None:
+        """Commit each row's resolved block and denoise its next block of masks in the same forward."""
+        L = chunk[0].settings.block_size
+        ids = torch.tensor([s.block + [s.mask_id] * L for s in chunk], dtype=torch.long, device=self.model.device)
+        stats: list = []
+        logits = self.model.step(ids, [s.cache for s in chunk], block_len=L, block_top_p=self._top_p(chunk),
+                                 logits_at="block", stats=stats)
+        for b, seq in enumerate(chunk):
+            produced[seq.id] += seq.extend(list(seq.block))
+            seq.new_block()
+            self._record_block_forward(seq, stats, b)
+            seq.denoise(logits[b])
 
     def _after_ar(self, seq: Sequence, logits, produced) -> None:
         token = seq.pending

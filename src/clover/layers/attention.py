@@ -33,8 +33,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, states, starts, block_len: int):
         """x [B, T, H]; states: per-row AttentionState or None; starts: per-row cached prefix length.
 
-        Without states, x is `[prefix | block]`: prefix rows are causal, the last `block_len` rows see
-        everything. With states, x holds only new tokens: a block step if `block_len`, else causal."""
+        x is `[causal part | block]`: causal rows see keys up to themselves, the last `block_len` rows
+        see every key. With states the keys also include each row's cached prefix, and the causal part
+        is committed to the cache (the block's K/V are written past `length` as scratch)."""
         B, T, _ = x.shape
         D = self.head_dim
         qg = self.q_proj(x).view(B, T, self.num_heads, 2 * D)
@@ -51,17 +52,16 @@ class Attention(nn.Module):
                 mask[T - block_len:] = True
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
-            block = block_len > 0
+            commit = T - block_len
             for b, state in enumerate(states):
                 state.write(k[b], v[b], starts[b])
-                if not block:
-                    state.length = starts[b] + T
-            out = self._attend_cached(q, states, starts, T, block)
+                state.length = starts[b] + commit
+            out = self._attend_cached(q, states, starts, T, block_len)
 
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def _attend_cached(self, q, states, starts, T, block):
+    def _attend_cached(self, q, states, starts, T, block_len):
         device = q.device
         ends = [s + T for s in starts]
         S = max(ends)
@@ -73,17 +73,15 @@ class Attention(nn.Module):
             for b, state in enumerate(states):
                 keys[b, :, : ends[b]] = state.k[:, : ends[b]]
                 values[b, :, : ends[b]] = state.v[:, : ends[b]]
-        if block:
-            if len(states) == 1:
-                mask = None
-            else:
-                key_pos = torch.arange(S, device=device)
-                mask = (key_pos[None, :] < torch.tensor(ends, device=device)[:, None])[:, None, None, :]
+        if len(states) == 1 and (block_len == T or (block_len == 0 and T == 1)):
+            mask = None                                   # every query sees every key
         else:
-            if T == 1 and len(states) == 1:
-                mask = None
-            else:
-                key_pos = torch.arange(S, device=device)
-                query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
-                mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]   # [B, 1, T, S]
+            key_pos = torch.arange(S, device=device)
+            query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+            visible = key_pos[None, None, :] <= query_pos[:, :, None]                     # causal rows
+            if block_len:
+                end = torch.tensor(ends, device=device)[:, None, None]
+                in_block = torch.arange(T, device=device)[None, :, None] >= T - block_len
+                visible = torch.where(in_block, key_pos[None, None, :] < end, visible)
+            mask = visible[:, None]                                                       # [B, 1, T, S]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

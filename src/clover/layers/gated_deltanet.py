@@ -76,9 +76,9 @@ class GatedDeltaNet(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, x, states=None, block_len: int = 0):
-        """x [B, T, H]. Without states: x is `[prefix | block]` (block = last `block_len` tokens).
-        With states (one GDNState per row): x holds only the new tokens; `block_len` is T for a
-        block-mode step (states untouched) or 0 for a causal step (states advanced)."""
+        """x [B, T, H] is `[causal part | block]`, the block being the last `block_len` tokens.
+        Without states both start from a zero state. With states (one GDNState per row) they continue
+        each row's cached prefix: the causal part advances the states, the block never touches them."""
         B, T, _ = x.shape
         dtype = x.dtype
         cdt = compute_dtype(dtype)
@@ -102,26 +102,24 @@ class GatedDeltaNet(nn.Module):
         x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
         q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
 
-        if block_len == 0:
-            o, state = gated_delta_rule(q, k, v, g, beta, state0)
-        else:
-            parts = []
-            state = state0
-            if P:
-                o_prefix, state = gated_delta_rule(*(t[:, :, :P] for t in (q, k, v, g, beta)), state)
-                parts.append(o_prefix)
+        parts = []
+        state = state0
+        if P:
+            causal = tuple(t[:, :, :P] for t in (q, k, v, g, beta))
+            o_causal, state = gated_delta_rule(*causal, state)
+            parts.append(o_causal)
+            if states is not None:                 # the causal part is committed to the caches
+                new_tail = full[:, :, P:P + K - 1]
+                for i, s in enumerate(states):
+                    if s.record is not None:
+                        s.record.u.append(u[i, :, :P].t())
+                        s.record.qkvgb.append(tuple(t[i] for t in causal))
+                    s.conv, s.recurrent = new_tail[i].clone(), state[i]
+        if block_len:
             qb = q[:, :, P:]
             o_c, end_state = gated_delta_rule(qb, k[:, :, P:], v[:, :, P:], g[:, :, P:], beta[:, :, P:], state)
             parts.append(self._block_readout(o_c, qb, end_state))
-            o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-
-        if states is not None and block_len == 0:
-            new_tail = full[:, :, full.shape[2] - (K - 1):]
-            for i, s in enumerate(states):
-                if s.record is not None:
-                    s.record.u.append(u[i].t())
-                    s.record.qkvgb.append((q[i], k[i], v[i], g[i], beta[i]))
-                s.conv, s.recurrent = new_tail[i].clone(), state[i]
+        o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
         o = o.transpose(1, 2).to(dtype)                                      # [B, T, H, dv]
         o = self.norm(o, z).reshape(B, T, self.value_dim)
