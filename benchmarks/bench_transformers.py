@@ -30,6 +30,7 @@ import argparse
 import copy
 import gc
 import inspect
+import json
 import os
 import sys
 import time
@@ -52,6 +53,7 @@ from benchmarks.common import (
     print_table,
     summary_row,
     system_info,
+    wait_for_idle,
 )
 
 CLOVER_EXTRA_PATTERNS = [r"linear_attn\.conv1d_right\.weight$", r"linear_attn\.block_mix_logits$"]
@@ -92,24 +94,34 @@ def load_model(path: str | os.PathLike, experts_implementation: str = "grouped_m
 
 
 class TransformersEngine(EngineAPI):
-    """``EngineAPI`` over a transformers causal LM with its own cache (``DynamicCache`` with GDN states)."""
+    """``EngineAPI`` over a transformers causal LM with its own cache (``DynamicCache`` with GDN states).
+
+    ``impl`` is the experts implementation used by ``decode_step`` / ``block_forward``; ``prefill_impl`` the one used
+    by ``prefill`` (kept at grouped_mm when benchmarking decode/blocks: a 512-token prefill under batched_mm would
+    copy 512*k expert matrices per layer -- 6 GB for ``small``, 25 GB for ``full``)."""
 
     name = "transformers"
 
-    def __init__(self, model):
+    def __init__(self, model, impl: str = "grouped_mm", prefill_impl: str = "grouped_mm"):
         self.model = model
+        self.impl = impl
+        self.prefill_impl = prefill_impl
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
-    def set_experts_implementation(self, impl: str) -> str:
-        self.model.set_experts_implementation(impl)
-        return self.model.config._experts_implementation
+    def _use(self, impl: str) -> None:
+        if self.model.config._experts_implementation != impl:
+            self.model.set_experts_implementation(impl)
+            got = self.model.config._experts_implementation
+            if got != impl:
+                raise RuntimeError(f"experts_implementation={impl!r} requested, transformers uses {got!r}")
 
     def _forward(self, input_ids, cache, logits_to_keep: int):
         kwargs = {self.cache_kw: cache} if cache is not None else {}
         return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
 
     def prefill(self, input_ids):
+        self._use(self.prefill_impl)
         out = self._forward(input_ids, None, 1)
         return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
@@ -117,10 +129,12 @@ class TransformersEngine(EngineAPI):
         return copy.deepcopy(state)
 
     def decode_step(self, state, token):
+        self._use(self.impl)
         out = self._forward(token, state, 1)
         return out.logits[:, -1:].argmax(-1)
 
     def block_forward(self, state, input_ids):
+        self._use(self.impl)
         return self._forward(input_ids, state, 0).logits
 
     def block_experts(self, state, input_ids):
@@ -155,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (block: +2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default os.cpu_count())")
+    ap.add_argument("--ops", default="prefill,decode,block", help="subset of prefill,decode,block")
     ap.add_argument("--prefill-lens", default="512,4096")
     ap.add_argument("--prefill-impls", default="grouped_mm")
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -166,11 +181,17 @@ def main(argv=None) -> int:
                     help="skip batched_mm where its per-layer copy of T*k expert matrices would exceed this")
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="skip measuring; use this value")
     ap.add_argument("--no-bandwidth", action="store_true")
+    ap.add_argument("--wait-idle-s", type=float, default=0.0,
+                    help="before each measurement wait up to this long for machine-wide CPU use < --idle-pct")
+    ap.add_argument("--idle-pct", type=float, default=25.0)
     ap.add_argument("--json", action="store_true", help="end with one JSON line on stdout")
     args = ap.parse_args(argv)
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    sys_start = system_info()
+    if sys_start.get("loadavg_1m", 0) > 0.5 * threads:
+        log(f"warning: load average {sys_start['loadavg_1m']} on {os.cpu_count()} CPUs -- timings will be noisy")
     path = Path(args.checkpoint) if args.checkpoint else checkpoints.ensure_checkpoint(args.variant,
                                                                                          clover=not args.plain)
     config = checkpoints.load_config(path)
@@ -183,20 +204,12 @@ def main(argv=None) -> int:
     model, info = load_model(path, "grouped_mm")
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes()
-    import json
-
     index = json.loads((path / "model.safetensors.index.json").read_text())
     n_extra = sum(1 for name in index["weight_map"] if name.endswith(checkpoints.CLOVER_EXTRA_SUFFIXES))
     log(f"loaded in {load_s:.1f}s, RSS {rss_loaded / GB:.2f} GB; {n_extra} Clover-only tensors left unloaded")
     engine = TransformersEngine(model)
     results: list[dict] = []
     skipped: list[dict] = []
-
-    def use(impl: str) -> str:
-        got = engine.set_experts_implementation(impl)
-        if got != impl:
-            log(f"asked for experts_implementation={impl!r}, transformers uses {got!r}")
-        return got
 
     def batched_ok(routings: int, impl: str, what: str) -> bool:
         need = routings * expert_gb
@@ -206,26 +219,43 @@ def main(argv=None) -> int:
             return False
         return True
 
+    def idle() -> float:
+        busy = wait_for_idle(args.wait_idle_s, args.idle_pct)
+        if busy >= args.idle_pct:
+            log(f"note: machine {busy:.0f}% busy before this measurement"
+                + (" (with every core in use, OpenMP barriers stall: consider --threads 1)" if threads > 1 else ""))
+        return busy
+
+    def add(res: dict | list, busy: float) -> None:
+        for r in res if isinstance(res, list) else [res]:
+            r["cpu_busy_pct_before"] = busy
+            results.append(r)
+
+    ops = set(_impls(args.ops))
     with torch.inference_mode():
-        for impl in _impls(args.prefill_impls):
+        for impl in _impls(args.prefill_impls) if "prefill" in ops else []:
             for T in [int(x) for x in _impls(args.prefill_lens)]:
                 if not batched_ok(T * k, impl, f"prefill T={T}"):
                     continue
-                label = use(impl)
-                log(f"prefill T={T} [{label}]")
-                results += bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats, label=label)
-        for impl in _impls(args.decode_impls):
-            label = use(impl)
-            log(f"decode {args.decode_steps} steps after {args.prompt_len} [{label}]")
-            results.append(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
-                                        repeats=args.repeats, label=label))
-        for impl in _impls(args.block_impls):
+                engine.prefill_impl = impl
+                log(f"prefill T={T} [{impl}]")
+                busy = idle()
+                add(bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats, label=impl), busy)
+        engine.prefill_impl = "grouped_mm"  # the cached prefix for decode / block runs
+        for impl in _impls(args.decode_impls) if "decode" in ops else []:
+            engine.impl = impl
+            log(f"decode {args.decode_steps} steps after {args.prompt_len} [{impl}]")
+            busy = idle()
+            add(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
+                             repeats=args.repeats, label=impl), busy)
+        for impl in _impls(args.block_impls) if "block" in ops else []:
             if not batched_ok(args.block_size * k, impl, f"block {args.block_size}"):
                 continue
-            label = use(impl)
-            log(f"block {args.block_size} over {args.prompt_len} [{label}]")
-            results.append(bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
-                                       repeats=args.repeats + 2, label=label))
+            engine.impl = impl
+            log(f"block {args.block_size} over {args.prompt_len} [{impl}]")
+            busy = idle()
+            add(bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
+                            repeats=args.repeats + 2, label=impl), busy)
 
     peak = peak_rss_bytes()
     del engine, model
@@ -255,11 +285,13 @@ def main(argv=None) -> int:
                       f"{args.variant if not args.checkpoint else path}, {threads} threads, bf16")
     print(f"weights {wbytes / GB:.3f} GB | RSS after load {rss_loaded / GB:.3f} GB | peak RSS {peak / GB:.3f} GB "
           f"({peak / wbytes:.2f}x weights) | bandwidth {gbps or float('nan'):.1f} GB/s (copy, 2N bytes)"
+          + f" | load avg {sys_start.get('loadavg_1m')} -> {system_info().get('loadavg_1m')}"
           + (f" | skipped: {', '.join(s['op'] + ' ' + s['impl'] for s in skipped)}" if skipped else ""), flush=True)
     if args.json:
         emit_json({
             "bench": "transformers", "variant": args.variant, "checkpoint": str(path),
-            "transformers": transformers.__version__, "system": system_info(), "threads": threads,
+            "transformers": transformers.__version__, "system": sys_start, "threads": threads,
+            "loadavg_1m_end": system_info().get("loadavg_1m"),
             "weights_bytes": wbytes, "load_seconds": load_s, "rss_after_load_bytes": rss_loaded,
             "peak_rss_bytes": peak, "peak_rss_over_weights": peak / wbytes,
             "clover_tensors_not_loaded": n_extra,

@@ -15,9 +15,9 @@ reports those two as "unexpected" and ignores them.
 
 Variants (per-layer structure identical, only sizes differ):
   full   hidden 2048, 256 experts x 512, top-8, shared 512, GDN 16 k-heads / 32 v-heads x 128, attention 16 heads x 256
-         (2 KV heads), vocab 248320, 4 layers [GDN, GDN, GDN, attention]  (~8.6 GB)
+         (2 KV heads), vocab 248320, 4 layers [GDN, GDN, GDN, attention]  (8.76 GB)
   small  hidden 1024, 64 experts x 256, top-8, shared 256, GDN 8 / 16 x 128, attention 8 x 256 (2 KV), vocab 32000,
-         4 layers  (~0.45 GB)
+         4 layers  (0.61 GB)
   tiny   test-sized (a few MB), same structure
 
 Random init (deterministic: every tensor has its own generator seeded from (seed, name); bfloat16 generated directly,
@@ -308,6 +308,7 @@ def build_checkpoint(
             weight_map[name] = fname
             total += tensors[name].numel() * tensors[name].element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o644)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
         if verbose:

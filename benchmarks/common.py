@@ -378,7 +378,26 @@ def set_threads(n: int | None = None) -> int:
     return n
 
 
+def cpu_busy_pct(sample_s: float = 1.0) -> float:
+    """Machine-wide CPU utilisation (%) over ``sample_s`` -- call while this process is idle to see other load."""
+    import psutil
+
+    return float(psutil.cpu_percent(interval=sample_s))
+
+
+def wait_for_idle(max_wait_s: float = 0.0, busy_below_pct: float = 25.0, sample_s: float = 1.0) -> float:
+    """Wait (up to ``max_wait_s``) until machine-wide CPU use drops below ``busy_below_pct``; return the last
+    reading.  On a shared box other work at a higher priority (we run under ``nice``) can slow a 2-thread OpenMP
+    run by 10x or more, so results carry this reading (``cpu_busy_pct_before``) to tell clean runs from noisy ones."""
+    deadline = time.monotonic() + max(0.0, max_wait_s)
+    busy = cpu_busy_pct(sample_s)
+    while busy >= busy_below_pct and time.monotonic() < deadline:
+        busy = cpu_busy_pct(sample_s)
+    return busy
+
+
 def system_info() -> dict:
+    """cpu count, torch version/threads, RAM, 1-minute load average (a loaded machine makes every number noisy)."""
     import platform
 
     import torch
@@ -391,6 +410,10 @@ def system_info() -> dict:
         info["ram_total_gb"] = round(psutil.virtual_memory().total / GB, 2)
         info["ram_available_gb"] = round(psutil.virtual_memory().available / GB, 2)
     except Exception:
+        pass
+    try:
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
         pass
     try:
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -540,6 +563,8 @@ def summary_row(r: Mapping) -> dict:
     row["GB/s"] = r.get("achieved_gbps")
     if r.get("fraction_of_bandwidth") is not None:
         row["%BW"] = 100.0 * r["fraction_of_bandwidth"]
+    if r.get("cpu_busy_pct_before") is not None:
+        row["busy%"] = r["cpu_busy_pct_before"]
     if r["op"] == "decode" and r.get("roofline_tokens_per_s"):
         row["roofline"] = f"{r['roofline_tokens_per_s']:.1f} tok/s"
     elif r.get("roofline_s") is not None:

@@ -220,16 +220,18 @@ def cmd_export(args, rest) -> int:
 
 
 def cmd_serve(args, rest) -> int:
-    from clover.server import app
+    from clover.server import cli as server_cli
 
-    return app.main(rest) or 0
+    return server_cli.main(["--model", str(__import__("clover").DEMO_MODEL_DIR)] + rest
+                           if "--model" not in rest and not any(a in ("-h", "--help") for a in rest)
+                           else rest) or 0
 
 
 def cmd_bench(args, rest) -> int:
     import runpy
 
     root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / "bench_engine.py"
+    script = root / "compare.py"
     if not script.exists():
         raise UserError("benchmarks/ are not part of an installed package; run from a source checkout")
     sys.argv = [str(script)] + rest

@@ -1,0 +1,328 @@
+"""The serving engine: continuous batching of generation requests over one `Decoder`.
+
+One background thread owns the `Decoder` and the model; it alternates "take in what changed"
+(admissions, cancellations) with one `Decoder.step()` (prefill newcomers → one batched block forward
+→ one batched causal forward), then hands each request its new tokens. Requests join and leave
+between steps. Other threads only `submit()` (validate, queue) and `cancel()`.
+
+Admission: a request enters the running batch when fewer than `max_batch` run and its cache (see
+`budget.py`) fits in what the running requests leave of `max_cache_bytes`; otherwise it waits, FIFO,
+in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). An exception inside a step
+fails the requests that were running (error event), and the loop goes on with a fresh decoder.
+The engine works in token ids: tokenization and text belong to the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..generation.api import validate as validate_request
+from ..generation.decoder import Decoder
+from ..generation.sequence import Sequence
+from ..generation.settings import GenerationSettings, GenerationSettingsError
+from .budget import cache_bytes
+from .handle import EngineEvent, RequestHandle
+from .metrics import EngineMetrics
+
+log = logging.getLogger("clover.engine")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at `max_queue`: try again later (HTTP 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or stopped and takes no new requests (HTTP 503)."""
+
+
+class RequestTooLarge(GenerationSettingsError):
+    """The request's cache alone exceeds the engine's cache budget: it could never run (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 16                    # requests decoded together
+    max_queue: int = 64                    # requests waiting for a slot; one more raises QueueFull
+    max_cache_bytes: int | None = None     # cache budget of the running batch; None: no limit
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_batch" else 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'max_batch' else 0}, got {v!r}")
+        if self.max_cache_bytes is not None and (not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 1):
+            raise ValueError(f"max_cache_bytes must be a positive integer or None, got {self.max_cache_bytes!r}")
+
+
+class Engine:
+    """`submit(prompt_ids, settings) -> RequestHandle`; `shutdown()`. Thread-safe."""
+
+    def __init__(self, model, options: EngineOptions | None = None, *, start: bool = True):
+        self.model = model
+        self.config = model.config
+        self.options = options or EngineOptions()
+        self.metrics = EngineMetrics()
+        self._decoder = Decoder(model, max_batch=self.options.max_batch)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # Guarded by _lock:
+        self._waiting: deque[RequestHandle] = deque()     # queued, not admitted
+        self._admitted: list[RequestHandle] = []          # admitted, not yet in the decoder
+        self._cancels: list[RequestHandle] = []           # admitted or running, cancel asked
+        self._slots = 0                                   # admitted + running
+        self._reserved = 0                                # their cache bytes
+        self._state = "new"                               # new → running → draining → closed
+        # Engine thread only:
+        self._running: dict[int, RequestHandle] = {}
+        self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
+        if start:
+            self.start()
+
+    # ---- properties --------------------------------------------------------------------------
+    @property
+    def context_limit(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return self._slots
+
+    @property
+    def accepting(self) -> bool:
+        return self._state == "running" and self._thread.is_alive()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def settings(self, **overrides) -> GenerationSettings:
+        """Defaults of the model's generation_config.json ← `overrides` (GenerationSettingsError if bad)."""
+        return GenerationSettings.resolve(self.model.generation_defaults, self.config, **overrides)
+
+    def validate(self, prompt_ids, settings: GenerationSettings) -> int:
+        """SPEC §9 checks, token ids, and the cache budget; returns the request's cache bytes."""
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
+        validate_request(self.model, len(prompt_ids), settings)
+        need = cache_bytes(self.config, self.model.dtype, len(prompt_ids), settings.max_new_tokens, settings.block_size)
+        budget = self.options.max_cache_bytes
+        if budget is not None and need > budget:
+            raise RequestTooLarge(
+                f"this request needs {need} bytes of cache (prompt {len(prompt_ids)} + {settings.max_new_tokens} "
+                f"new tokens), more than the engine's whole cache budget of {budget} bytes"
+            )
+        return need
+
+    def submit(self, prompt_ids, settings: GenerationSettings | None = None, **overrides) -> RequestHandle:
+        """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed."""
+        if settings is None:
+            settings = self.settings(**overrides)
+        elif overrides:
+            settings = settings.replace(**overrides)
+        prompt_ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt_ids]
+        need = self.validate(prompt_ids, settings)
+        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config), need)
+        with self._lock:
+            if self._state != "running" or not self._thread.is_alive():
+                self.metrics.rejected.inc(reason="closed")
+                raise EngineClosed("the engine is shutting down and takes no new requests")
+            self._waiting.append(handle)
+            self._admit_locked()
+            if len(self._waiting) > self.options.max_queue:     # then the newcomer is still queued, last
+                self._waiting.pop()
+                self.metrics.queue_depth.set(len(self._waiting))
+                self.metrics.rejected.inc(reason="queue_full")
+                raise QueueFull(
+                    f"the request queue is full ({len(self._waiting)} waiting, {self._slots} running): "
+                    "try again later"
+                )
+            self._wake.notify_all()
+        return handle
+
+    def generate(self, prompt_ids, timeout: float | None = None, **overrides) -> RequestHandle:
+        """Blocking convenience: submit and wait; the handle holds tokens, finish_reason, stats."""
+        return self.submit(prompt_ids, **overrides).result(timeout)
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request wherever it is; a no-op once it has finished."""
+        with self._lock:
+            if handle.finished:
+                return
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                self.metrics.queue_depth.set(len(self._waiting))
+                queued = True
+            else:
+                queued = False
+                if handle not in self._cancels:
+                    self._cancels.append(handle)
+                self._wake.notify_all()
+        if queued:
+            self._finish(handle, "cancelled")
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        with self._lock:
+            if self._state != "new":
+                raise RuntimeError(f"the engine is {self._state}; it can start only once")
+            self._state = "running"
+        self._thread.start()
+        return self
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop taking requests. Graceful: queued and running requests finish (within `timeout` s);
+        whatever is left then, or everything at once if not graceful, ends with an error event."""
+        with self._lock:
+            if self._state in ("new", "running"):
+                self._state = "draining" if graceful else "closed"
+            elif not graceful:
+                self._state = "closed"
+            self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout if graceful else None)
+            if self._thread.is_alive():
+                with self._lock:
+                    self._state = "closed"
+                    self._wake.notify_all()
+                self._thread.join(30.0)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop (a forward is stuck?)")
+        else:
+            self._fail_everything("the server is shutting down", "shutdown")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown(graceful=exc[0] is None)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _admit_locked(self) -> None:
+        """Move queued requests into the batch, FIFO, while slots and cache budget allow."""
+        budget = self.options.max_cache_bytes
+        while self._waiting and self._slots < self.options.max_batch:
+            head = self._waiting[0]
+            if budget is not None and self._slots and self._reserved + head.cache_bytes > budget:
+                break
+            self._waiting.popleft()
+            self._admitted.append(head)
+            self._slots += 1
+            self._reserved += head.cache_bytes
+        self.metrics.queue_depth.set(len(self._waiting))
+        self.metrics.batch_size.set(self._slots)
+        self.metrics.cache_bytes.set(self._reserved)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._admitted or self._cancels or self._running or self._state == "closed"
+                           or (self._state == "draining" and not self._waiting)):
+                    self._wake.wait()
+                if self._state == "closed" or (self._state == "draining" and not (
+                        self._waiting or self._admitted or self._running)):
+                    break
+                admitted, self._admitted = self._admitted, []
+                cancels, self._cancels = self._cancels, []
+            try:
+                self._take_in(admitted, cancels)
+                if not self._decoder.idle:
+                    self._step()
+            except Exception:           # bookkeeping bug: keep serving the others
+                log.exception("engine loop error")
+        self._fail_everything("the server is shutting down", "shutdown")
+
+    def _take_in(self, admitted, cancels) -> None:
+        now = time.perf_counter()
+        for handle in admitted:
+            handle.admitted_at = now
+            self.metrics.queue_seconds.observe(now - handle.submitted_at)
+            self.metrics.prompt_tokens.inc(handle.prompt_len)
+            if handle in cancels:
+                self._release(handle)
+                self._finish(handle, "cancelled")
+                continue
+            self._running[handle.id] = handle
+            self._decoder.add(handle.sequence)
+        for handle in cancels:
+            if self._running.pop(handle.id, None) is not None:
+                self._decoder.cancel(handle.sequence)
+                self._release(handle)
+                self._finish(handle, "cancelled")
+
+    def _step(self) -> None:
+        self.metrics.step_batch.observe(len(self._running))
+        start = time.perf_counter()
+        try:
+            events = self._decoder.step()
+        except Exception as exc:
+            log.exception("decoder step failed; failing the %d running request(s)", len(self._running))
+            self.metrics.step_errors.inc()
+            failed = list(self._running.values())
+            self._running.clear()
+            self._decoder = Decoder(self.model, max_batch=self.options.max_batch)
+            for handle in failed:
+                handle.sequence.finish("error")
+                self._release(handle)
+                self._finish(handle, "error", f"internal error during decoding: {type(exc).__name__}: {exc}",
+                             "internal")
+            return
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        for event in events:
+            handle = self._running.get(event.sequence.id)
+            if handle is None:
+                continue
+            if event.tokens:
+                if handle.first_token_at is None:
+                    self.metrics.ttft_seconds.observe(time.perf_counter() - handle.submitted_at)
+                self.metrics.generation_tokens.inc(len(event.tokens))
+            if event.finished:
+                del self._running[handle.id]
+                self._release(handle)
+                self._finish(handle, event.sequence.finish_reason or "eos", tokens=event.tokens)
+            elif event.tokens:
+                handle._push(EngineEvent(tuple(event.tokens)))
+
+    def _release(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._slots -= 1
+            self._reserved -= handle.cache_bytes
+            self._admit_locked()
+
+    def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, code: str | None = None,
+                tokens=()) -> None:
+        if handle.finished:
+            return
+        handle._push(EngineEvent(tuple(tokens), True, reason, error, code))
+        stats = handle.sequence.stats
+        self.metrics.request_finished(reason, stats.generated_tokens, stats.forwards,
+                                      handle.finished_at - handle.submitted_at)
+
+    def _fail_everything(self, message: str, code: str) -> None:
+        """After the loop stopped: every request not finished gets an error event."""
+        with self._lock:
+            left = list(self._waiting) + self._admitted + self._cancels
+            self._waiting.clear()
+            self._admitted, self._cancels = [], []
+            self._state = "closed"
+        left += list(self._running.values())
+        self._running.clear()
+        for handle in left:
+            if not handle.finished:
+                handle.sequence.finish("error")
+                self._finish(handle, "error", message, code)
+        with self._lock:
+            self._slots, self._reserved = 0, 0
+            self.metrics.queue_depth.set(0)
+            self.metrics.batch_size.set(0)
+            self.metrics.cache_bytes.set(0)

@@ -1,0 +1,124 @@
+"""One submitted request as its caller sees it: a stream of events, a final result, `cancel()`.
+
+The engine thread pushes `EngineEvent`s; any other thread (blocking `iter_events`/`result`) or one
+asyncio loop (`async for event in handle.events()`) consumes them. Nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """Tokens resolved since the last event (a block, a verified run or one AR token), in order.
+
+    The last event of a request has `finished=True` and a `finish_reason`: "eos", "length",
+    "cancelled" or "error" (then `error` says why and `error_code` is "shutdown" or "internal")."""
+
+    tokens: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+class RequestHandle:
+    """A request inside the engine. Read `tokens`, `finish_reason`, `stats` once `finished`."""
+
+    def __init__(self, engine, sequence, cache_bytes: int):
+        self._engine = engine
+        self.sequence = sequence
+        self.id = sequence.id
+        self.prompt_len = len(sequence.prompt)
+        self.settings = sequence.settings
+        self.cache_bytes = cache_bytes
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.error_code: str | None = None
+        self.stats: dict | None = None
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._events: deque[EngineEvent] = deque()
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    def cancel(self) -> None:
+        """Stop this request (thread-safe, idempotent): its slot frees before the next forward."""
+        self._engine.cancel(self)
+
+    # ---- engine side -------------------------------------------------------------------------
+    def _push(self, event: EngineEvent) -> None:
+        with self._cond:
+            if self.finished:
+                return
+            now = time.perf_counter()
+            if event.tokens:
+                self.tokens.extend(event.tokens)
+                if self.first_token_at is None:
+                    self.first_token_at = now
+            if event.finished:
+                self.finish_reason, self.error, self.error_code = event.finish_reason, event.error, event.error_code
+                self.stats = self.sequence.stats.as_dict()
+                self.finished_at = now
+            self._events.append(event)
+            self._cond.notify_all()
+            loop, wakeup = self._loop, self._wakeup
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(wakeup.set)
+            except RuntimeError:       # the consumer's loop is closed: nobody is listening
+                pass
+
+    # ---- consumer side -----------------------------------------------------------------------
+    async def events(self):
+        """Async iterator over events, ending after the finished one. One consumer per handle."""
+        with self._cond:
+            self._loop = asyncio.get_running_loop()
+            self._wakeup = asyncio.Event()
+        while True:
+            self._wakeup.clear()        # before draining: a push after the drain sets it again
+            with self._cond:
+                batch = list(self._events)
+                self._events.clear()
+            for event in batch:
+                yield event
+                if event.finished:
+                    return
+            if not batch:
+                await self._wakeup.wait()
+
+    def iter_events(self, timeout: float | None = None):
+        """Blocking iterator over events; raises TimeoutError if none comes within `timeout` s."""
+        while True:
+            with self._cond:
+                if not self._events and not self._cond.wait_for(lambda: self._events, timeout):
+                    raise TimeoutError(f"request {self.id}: no event within {timeout} s")
+                event = self._events.popleft()
+            yield event
+            if event.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> "RequestHandle":
+        """Block until finished (events are consumed); returns self."""
+        for _ in self.iter_events(timeout):
+            pass
+        return self
+
+    async def wait(self) -> "RequestHandle":
+        """Await the end of the request (events are consumed); returns self."""
+        async for _ in self.events():
+            pass
+        return self

@@ -1,0 +1,285 @@
+"""The HTTP server: an OpenAI-compatible FastAPI app in front of an `Engine`.
+
+Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
+block), GET /v1/models, /health, /metrics. A request is read (size-limited), parsed (strict types),
+tokenized and validated here, so malformed input never reaches the engine; the engine gets token ids
+and `GenerationSettings` and sends back token ids, which `TextStream` turns into text. A client that
+disconnects cancels its request. The server never touches tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import Engine, EngineClosed, QueueFull
+from ..generation.settings import GenerationSettingsError
+from ..tokenization import CloverTokenizer
+from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, check_unsupported, extras, parse,
+                       setting_param, settings_overrides, stop_strings)
+from .text import CONTENT, REASONING, TextStream
+from .transport import CountRequests, SSEResponse, collect, outputs, read_json, sse
+
+log = logging.getLogger("clover.server")
+
+ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "clover", *,
+               max_body_bytes: int = 1 << 20, shutdown_engine: bool = True,
+               shutdown_timeout: float = 30.0) -> FastAPI:
+    """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if shutdown_engine:
+            await asyncio.to_thread(engine.shutdown, True, shutdown_timeout)
+
+    app = FastAPI(title="Clover", lifespan=lifespan)
+    app.state.engine, app.state.tokenizer, app.state.model_name = engine, tokenizer, model_name
+    metrics = engine.metrics
+    created = int(time.time())
+
+    # ---- errors --------------------------------------------------------------------------------
+    def error_response(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       "invalid_request_error", None, kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error_response(bad_request(str(exc.errors()[0].get("msg", exc)), None, "invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
+                                       None, "internal_error"))
+
+    app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def make_settings(req, extra: dict, prompt_ids: list[int], prompt_param: str):
+        over, asked = settings_overrides(req, extra)
+        max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        try:
+            settings = engine.settings(**over)
+            if asked is None:
+                # No max_tokens: the model's default, cut to what fits in the context.
+                room = (engine.context_limit - len(prompt_ids)) // settings.block_size * settings.block_size
+                if 1 <= room < settings.max_new_tokens:
+                    settings = settings.replace(max_new_tokens=room)
+            engine.validate(prompt_ids, settings)
+        except GenerationSettingsError as exc:
+            message = str(exc)
+            if "context" in message and "exceeds" in message:
+                raise bad_request(message, prompt_param, "context_length_exceeded") from None
+            param = setting_param(message, max_param)
+            raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
+        return settings
+
+    def submit(prompt_ids, settings):
+        try:
+            return engine.submit(prompt_ids, settings)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), "service_unavailable", None, "shutting_down", {"Retry-After": "5"}) from None
+        except GenerationSettingsError as exc:
+            raise bad_request(str(exc), None, "invalid_value") from None
+
+    def engine_error(event) -> APIError:
+        if event.error_code == "shutdown":
+            return APIError(503, event.error, "service_unavailable", None, "shutting_down")
+        return APIError(500, event.error or "internal error", "server_error", None, "internal_error")
+
+    def usage(handle, text: TextStream) -> dict:
+        n = text.n_tokens
+        return {"prompt_tokens": handle.prompt_len, "completion_tokens": n, "total_tokens": handle.prompt_len + n}
+
+    # ---- chat ----------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await read_json(request, max_body_bytes))
+        check_model(req.model)
+        check_unsupported(req)
+        extra = extras(req)
+        stop = stop_strings(req)
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        for i, m in enumerate(req.messages):
+            if m.content is None and m.role != "assistant":
+                raise bad_request(f"messages.{i}.content is required for role {m.role}", f"messages.{i}.content")
+        thinking = extra.get("enable_thinking")
+        kwargs = extra.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if thinking is None:
+            thinking = kwargs.get("enable_thinking", True)
+        if not isinstance(thinking, bool):
+            raise bad_request(f"enable_thinking must be true or false, got {thinking!r}", "enable_thinking")
+        skip = extra.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+        settings = make_settings(req, extra, prompt_ids, "messages")
+        handle = submit(prompt_ids, settings)
+        text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=_inside_thinking(prompt_ids, tokenizer),
+                          skip_special_tokens=skip, eos_ids=settings.eos_token_id)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        if not req.stream:
+            reasoning, content, finish, error = await collect(request, handle, text)
+            if error is not None:
+                raise engine_error(error)
+            message = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                    "usage": usage(handle, text), "clover": handle.stats or {}}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, finish=None) -> bytes:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+        async def stream():
+            yield chunk({"role": "assistant", "content": ""})
+            async for delta, finish, error in outputs(handle, text):
+                d = {}
+                if delta[REASONING]:
+                    d["reasoning_content"] = delta[REASONING]
+                if delta[CONTENT]:
+                    d["content"] = delta[CONTENT]
+                if d:
+                    yield chunk(d)
+                if error is not None:
+                    yield sse(engine_error(error).body())
+                    break
+                if finish:
+                    yield chunk({}, finish)
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                           "choices": [], "usage": usage(handle, text)})
+            yield b"data: [DONE]\n\n"
+
+        return SSEResponse(stream(), handle.cancel)
+
+    # ---- completions ---------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await read_json(request, max_body_bytes))
+        check_model(req.model)
+        check_unsupported(req)
+        extra = extras(req)
+        stop = stop_strings(req)
+        for name in ("enable_thinking", "chat_template_kwargs"):
+            if name in extra:
+                raise bad_request(f"{name} applies to chat completions only", name)
+        skip = extra.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
+            prompt = prompt[0]
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise bad_request("the prompt is empty: at least one token is needed", "prompt")
+        settings = make_settings(req, extra, prompt_ids, "prompt")
+        handle = submit(prompt_ids, settings)
+        text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        if not req.stream:
+            _, content, finish, error = await collect(request, handle, text)
+            if error is not None:
+                raise engine_error(error)
+            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": [{"index": 0, "text": content, "logprobs": None, "finish_reason": finish}],
+                    "usage": usage(handle, text), "clover": handle.stats or {}}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(text_delta: str, finish=None) -> bytes:
+            return sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                        "choices": [{"index": 0, "text": text_delta, "logprobs": None, "finish_reason": finish}]})
+
+        async def stream():
+            async for delta, finish, error in outputs(handle, text):
+                if error is not None:
+                    if delta[CONTENT]:
+                        yield chunk(delta[CONTENT])
+                    yield sse(engine_error(error).body())
+                    break
+                if delta[CONTENT] or finish:
+                    yield chunk(delta[CONTENT], finish)
+            if include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                           "choices": [], "usage": usage(handle, text)})
+            yield b"data: [DONE]\n\n"
+
+        return SSEResponse(stream(), handle.cancel)
+
+    # ---- the rest ------------------------------------------------------------------------------
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "clover",
+                "max_model_len": engine.context_limit}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if engine.accepting else "unavailable", "queue_depth": engine.queue_depth,
+                "batch_size": engine.batch_size}
+        return JSONResponse(body, status_code=200 if engine.accepting else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.registry.CONTENT_TYPE)
+
+    return app
+
+
+def _inside_thinking(prompt_ids: list[int], tokenizer: CloverTokenizer) -> bool:
+    """Whether the prompt leaves the model inside a thinking span (its last marker is `<think>`)."""
+    think_id, think_end_id = tokenizer.think_token_id, tokenizer.think_end_token_id
+    for t in reversed(prompt_ids):
+        if t == think_id:
+            return True
+        if t == think_end_id:
+            return False
+    return False
