@@ -613,3 +613,22 @@ def test_fused_commit_and_block_step_equals_two_forwards(variant):
     a = model.step(nxt, fused_caches)
     b = model.step(nxt, split_caches)
     assert (a - b).abs().max() < 1e-10
+
+
+def test_chunked_prefill_equals_one_pass():
+    """Long causal passes run in chunks (bounded activations); the result is the same pass."""
+    model = make_model("base", seed=2, dtype=torch.float64)
+    ids = torch.randint(6, 90, (1, 150), generator=torch.Generator().manual_seed(4))
+    whole = model.make_cache()
+    expected = model.step(ids, [whole])
+    model.prefill_chunk = 64
+    try:
+        chunked = model.make_cache()
+        got = model.step(ids, [chunked])
+        assert got.shape == expected.shape and (got - expected).abs().max() < 1e-10
+        last = model.step(ids, [model.make_cache()], logits_at="last")
+        assert (last - expected[:, -1:]).abs().max() < 1e-10
+        nxt = torch.tensor([[7]])
+        assert (model.step(nxt, [chunked]) - model.step(nxt, [whole])).abs().max() < 1e-10
+    finally:
+        del model.prefill_chunk

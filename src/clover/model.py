@@ -132,6 +132,8 @@ class CloverForCausalLM(nn.Module):
         `stats`: a list that receives, per MoE layer, the distinct experts [B] of the block."""
         B, T = ids.shape
         block_len = T if block else (block_len or 0)
+        if block_len == 0 and T > self.prefill_chunk:
+            return self._chunked_prefill(ids, caches, logits_at)
         starts = [c.length for c in caches]
         for s in starts:
             if s + T > self.config.max_position_embeddings:
@@ -144,6 +146,22 @@ class CloverForCausalLM(nn.Module):
         for c in caches:
             c.length += T - block_len
         return logits
+
+    prefill_chunk = 1024   # long causal passes run in chunks: exact, and activations stay bounded
+
+    def _chunked_prefill(self, ids, caches, logits_at):
+        """A long causal pass as consecutive causal steps over the caches (chunked prefill)."""
+        outs = []
+        T = ids.shape[1]
+        for start in range(0, T, self.prefill_chunk):
+            last = start + self.prefill_chunk >= T
+            want = logits_at if (last or logits_at == "all") else "none"
+            out = self.step(ids[:, start : start + self.prefill_chunk], caches, logits_at=want)
+            if out is not None:
+                outs.append(out)
+        if logits_at == "none":
+            return None
+        return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
 
     def prefill(self, ids: torch.Tensor, cache: SequenceCache | None = None, logits_at: str = "last"):
         """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""
