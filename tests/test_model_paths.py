@@ -632,3 +632,19 @@ def test_chunked_prefill_equals_one_pass():
         assert (model.step(nxt, [chunked]) - model.step(nxt, [whole])).abs().max() < 1e-10
     finally:
         del model.prefill_chunk
+
+
+def test_batched_padded_prefill_equals_each_alone():
+    """Prompts of different lengths prefilled in one right-padded forward: same logits, same caches."""
+    model = make_model("base", seed=6, dtype=torch.float64)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(6, 90, (n,), generator=g).tolist() for n in (9, 30, 17)]
+    caches = [model.make_cache() for _ in prompts]
+    batched = model.prefill_batch(prompts, caches)
+    for i, p in enumerate(prompts):
+        alone_cache = model.make_cache()
+        alone = model.step(torch.tensor([p]), [alone_cache], logits_at="last")
+        assert caches[i].length == len(p)
+        assert (batched[i] - alone[0]).abs().max() < 1e-10
+        nxt = torch.tensor([[11, 12, 13]])
+        assert (model.step(nxt, [caches[i]]) - model.step(nxt, [alone_cache])).abs().max() < 1e-10

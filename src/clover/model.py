@@ -34,12 +34,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, states, starts, block_len, block_top_p):
+    def forward(self, h, cos, sin, states, starts, block_len, block_top_p, valid_lens=None):
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
-            h = h + self.linear_attn(x, states, block_len)
+            h = h + self.linear_attn(x, states, block_len, valid_lens)
         else:
-            h = h + self.self_attn(x, cos, sin, states, starts, block_len)
+            h = h + self.self_attn(x, cos, sin, states, starts, block_len, valid_lens)
         moe_out, distinct = self.mlp(self.post_attention_layernorm(h), block_len, block_top_p)
         return h + moe_out, distinct
 
@@ -87,18 +87,21 @@ class CloverForCausalLM(nn.Module):
         return SequenceCache(states)
 
     # ---- forwards ------------------------------------------------------------------------------
-    def _run(self, ids, positions, caches, starts, block_len, block_top_p, logits_at, stats):
+    def _run(self, ids, positions, caches, starts, block_len, block_top_p, logits_at, stats, valid_lens=None):
         h = self.model.embed_tokens(ids)
         cos, sin = self.model.rotary(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             states = None if caches is None else [c.layers[i] for c in caches]
-            h, distinct = layer(h, cos, sin, states, starts, block_len, block_top_p)
+            h, distinct = layer(h, cos, sin, states, starts, block_len, block_top_p, valid_lens)
             if stats is not None and distinct is not None:
                 stats.append(distinct)
         if logits_at == "none":
             return None
         if logits_at == "last":
-            h = h[:, -1:]
+            if valid_lens is not None:       # right-padded rows: each row's own last token
+                h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(valid_lens, device=h.device) - 1][:, None]
+            else:
+                h = h[:, -1:]
         elif logits_at == "block":
             h = h[:, h.shape[1] - block_len:]
         return self.lm_head(self.model.norm(h))
@@ -162,6 +165,29 @@ class CloverForCausalLM(nn.Module):
         if logits_at == "none":
             return None
         return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
+
+    def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
+        """Encode prompts of different lengths in one right-padded causal forward.
+
+        Padding never enters a cache: attention lengths stop at each prompt's end, and padded GDN
+        positions get β = 0 and g = 0 (state unchanged). Returns each row's last-token logits [B, 1, V]."""
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        if len(prompts) == 1 or T > self.prefill_chunk or min(lens) == T:
+            if min(lens) == T:
+                ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
+                return self.step(ids, caches, logits_at=logits_at)
+            return torch.cat([self.step(torch.tensor([p], device=self.device), [c], logits_at=logits_at)
+                              for p, c in zip(prompts, caches)])
+        ids = torch.zeros(len(prompts), T, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        starts = [c.length for c in caches]
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        logits = self._run(ids, positions, caches, starts, 0, None, logits_at, None, valid_lens=lens)
+        for c, n in zip(caches, lens):
+            c.length += n
+        return logits
 
     def prefill(self, ids: torch.Tensor, cache: SequenceCache | None = None, logits_at: str = "last"):
         """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""

@@ -47,8 +47,7 @@ class Decoder:
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         produced: dict[int, list[int]] = defaultdict(list)
-        for seq in [s for s in self.running if s.phase == "prefill"]:
-            self._prefill(seq, produced)
+        self._prefill([s for s in self.running if s.phase == "prefill"])
         self._block_forwards([s for s in self.running if s.phase == "denoise"])
         self._causal_forwards([s for s in self.running if s.phase in ("commit", "verify", "ar")], produced)
         events = []
@@ -60,15 +59,34 @@ class Decoder:
         return events
 
     # ---- phases --------------------------------------------------------------------------------
-    def _prefill(self, seq: Sequence, produced) -> None:
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Encode newcomers' prompts, several per forward (right-padded, similar lengths together)."""
+        if not seqs:
+            return
+        seqs = sorted(seqs, key=lambda s: len(s.prompt))
+        groups, group = [], []
+        for seq in seqs:
+            # a new group when padding would waste more than a quarter of the forward
+            if group and (len(seq.prompt) * len(group + [seq]) > 1.25 * sum(len(s.prompt) for s in group + [seq])
+                          or len(group) == (self.max_batch or len(seqs))):
+                groups.append(group)
+                group = []
+            group.append(seq)
+        groups.append(group)
+        for group in groups:
+            for seq in group:
+                s = seq.settings
+                blocks = -(-s.max_new_tokens // s.block_size)
+                capacity = min(len(seq.prompt) + blocks * s.block_size + 1, self.model.config.max_position_embeddings)
+                seq.cache = self.model.make_cache(capacity=capacity)
+            logits = self.model.prefill_batch([s.prompt for s in group], [s.cache for s in group])
+            for seq, row in zip(group, logits):
+                self._after_prefill(seq, row[0])
+
+    def _after_prefill(self, seq: Sequence, logits) -> None:
         s = seq.settings
-        blocks = -(-s.max_new_tokens // s.block_size)
-        capacity = min(len(seq.prompt) + blocks * s.block_size + 1, self.model.config.max_position_embeddings)
-        seq.cache = self.model.make_cache(capacity=capacity)
-        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.model.device)
-        logits = self.model.step(ids, [seq.cache], logits_at="last")[0]
         if s.block_size == 1 or s.speculative:
-            seq.pending = seq.predict_next(logits, [], 0)[0]
+            seq.pending = seq.predict_next(logits[None], [], 0)[0]
             if s.block_size == 1:
                 seq.phase = "ar"
             else:

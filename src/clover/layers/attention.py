@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, states, starts, block_len: int):
+    def forward(self, x, cos, sin, states, starts, block_len: int, valid_lens=None):
         """x [B, T, H]; states: per-row AttentionState or None; starts: per-row cached prefix length.
 
         x is `[causal part | block]`: causal rows see keys up to themselves, the last `block_len` rows
@@ -55,7 +55,8 @@ class Attention(nn.Module):
             commit = T - block_len
             for b, state in enumerate(states):
                 state.write(k[b], v[b], starts[b])
-                state.length = starts[b] + commit
+                # right-padded rows (batched prefill) keep only their own tokens
+                state.length = starts[b] + (commit if valid_lens is None else valid_lens[b])
             out = self._attend_cached(q, states, starts, T, block_len)
 
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)

@@ -75,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         return w[:, 0, None, None] * o_causal + w[:, 1, None, None] * o_block
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward(self, x, states=None, block_len: int = 0):
+    def forward(self, x, states=None, block_len: int = 0, valid_lens=None):
         """x [B, T, H] is `[causal part | block]`, the block being the last `block_len` tokens.
         Without states both start from a zero state. With states (one GDNState per row) they continue
         each row's cached prefix: the causal part advances the states, the block never touches them."""
@@ -101,6 +101,10 @@ class GatedDeltaNet(nn.Module):
             left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
         x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
         q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
+        if valid_lens is not None:
+            # right padding (batched prefill): β = 0 and g = 0 leave the state exactly as it was
+            keep = (torch.arange(T, device=x.device)[None, :] < torch.tensor(valid_lens, device=x.device)[:, None])
+            g, beta = g * keep[:, None], beta * keep[:, None]
 
         parts = []
         state = state0
@@ -109,12 +113,13 @@ class GatedDeltaNet(nn.Module):
             o_causal, state = gated_delta_rule(*causal, state)
             parts.append(o_causal)
             if states is not None:                 # the causal part is committed to the caches
-                new_tail = full[:, :, P:P + K - 1]
+                ends = [P] * B if valid_lens is None else valid_lens
                 for i, s in enumerate(states):
+                    new_tail = full[i:i + 1, :, ends[i]:ends[i] + K - 1]
                     if s.record is not None:
                         s.record.u.append(u[i, :, :P].t())
                         s.record.qkvgb.append(tuple(t[i] for t in causal))
-                    s.conv, s.recurrent = new_tail[i].clone(), state[i]
+                    s.conv, s.recurrent = new_tail[0].clone(), state[i]
         if block_len:
             qb = q[:, :, P:]
             o_c, end_state = gated_delta_rule(qb, k[:, :, P:], v[:, :, P:], g[:, :, P:], beta[:, :, P:], state)

@@ -167,11 +167,11 @@ def group_in_batches(keys: Sequence, batch_size: int, rng: random.Random) -> lis
 class TrainingStream:
     """Endless pairs `(causal Batch, diffusion Batch)`, deterministic given `seed`.
 
-    Works in chunks of `chunk_size` fresh training-split examples: each is rendered with thinking on
-    with probability `think_prob`; causal rows are grouped by length (little padding); every example
-    also gives one diffusion item (block size drawn from BLOCK_SIZES, block index uniform over the
-    blocks generation would resolve), grouped by (prefix_len, block_size). Small leftover groups make
-    smaller batches rather than mixing prefix lengths.
+    Works in chunks of `chunk_size` fresh training-split examples, each rendered with thinking on with
+    probability `think_prob`. Causal rows are grouped by length (little padding). A diffusion batch
+    draws a block size (BLOCK_SIZES, BLOCK_SIZE_WEIGHTS) and an anchor (a random example, a random one
+    of the blocks generation would resolve for it), then fills up with blocks of other examples of the
+    chunk that sit at the same prefix length — so every row shares the prefix length the forward needs.
     """
 
     def __init__(self, tokenizer: CloverTokenizer, batch_size: int, seed: int = 0, think_prob: float = 0.8,
@@ -187,28 +187,30 @@ class TrainingStream:
         self.block_sizes = tuple(block_sizes)
         self.block_size_weights = tuple(block_size_weights)
 
-    def _chunk(self, index: int) -> tuple[list[Batch], list[Batch]]:
+    def _chunk(self, index: int) -> Iterator[tuple[Batch, Batch]]:
         rng = random.Random(f"{self.seed}:{index}")   # str seeds hash deterministically (sha512)
         examples = sample_examples(self.chunk_size, "train", seed=rng.randrange(2**63), tasks=self.tasks)
         seqs = [encode_example(self.tokenizer, ex, rng.random() < self.think_prob) for ex in examples]
         # causal: group by length buckets of 8 so rows of a batch have similar lengths
-        order = group_in_batches([len(s.ids) // 8 for s in seqs], self.batch_size, rng)
-        causal = [causal_batch([seqs[i] for i in b], self.ids.pad) for b in order]
-        items = []
-        for s in seqs:
+        causal_order = group_in_batches([len(s.ids) // 8 for s in seqs], self.batch_size, rng)
+        # diffusion: every (example, block) by (prefix_len, block_size)
+        at: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        for i, s in enumerate(seqs):
+            for bs in self.block_sizes:
+                for n in range(num_blocks(s, bs)):
+                    at[(s.prompt_len + n * bs, bs)].append((i, n))
+        for b in causal_order:
+            causal = causal_batch([seqs[i] for i in b], self.ids.pad)
             bs = rng.choices(self.block_sizes, self.block_size_weights)[0]
-            items.append(diffusion_item(s, bs, rng.randrange(num_blocks(s, bs)), self.ids.pad))
-        order = group_in_batches([it.key for it in items], self.batch_size, rng)
-        diffusion = [diffusion_batch([items[i] for i in b], self.ids.mask, rng) for b in order]
-        return causal, diffusion
+            anchor = rng.randrange(len(seqs))
+            n = rng.randrange(num_blocks(seqs[anchor], bs))
+            others = [c for c in at[(seqs[anchor].prompt_len + n * bs, bs)] if c[0] != anchor]
+            chosen = [(anchor, n)] + rng.sample(others, min(len(others), self.batch_size - 1))
+            items = [diffusion_item(seqs[i], bs, m, self.ids.pad) for i, m in chosen]
+            yield causal, diffusion_batch(items, self.ids.mask, rng)
 
     def __iter__(self) -> Iterator[tuple[Batch, Batch]]:
         index = 0
         while True:
-            causal, diffusion = self._chunk(index)
-            # causal batches are full, diffusion ones may be smaller: pair them by token count
-            # (cycle the shorter list) so both objectives see every chunk.
-            n = max(len(causal), len(diffusion))
-            for j in range(n):
-                yield causal[j % len(causal)], diffusion[j % len(diffusion)]
+            yield from self._chunk(index)
             index += 1

@@ -1,0 +1,6 @@
+"""`python -m clover.train …`: the trainer's command line (see `clover.training.train`)."""
+
+from clover.training.train import main, train_model  # noqa: F401
+
+if __name__ == "__main__":
+    main()
