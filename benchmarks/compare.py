@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks.common import emit_json, measure_bandwidth, parse_last_json, print_table
+from benchmarks.common import emit_json, parse_last_json, print_table
 
 
 def run(module: str, args: list[str]) -> dict:
@@ -52,8 +52,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args(argv)
     threads = args.threads or os.cpu_count()
-    bw = measure_bandwidth(threads=threads)
-    gbps = bw["gbps"] if isinstance(bw, dict) else bw
+    # Measured in its own process: a child inherits its parent's peak-RSS mark, so the 2 GiB of copy
+    # buffers must never live in this process.
+    gbps = float(subprocess.run(
+        [sys.executable, "-c", f"from benchmarks.common import measure_bandwidth; print(measure_bandwidth(threads={threads}))"],
+        stdout=subprocess.PIPE, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()[-1])
     common = ["--variant", args.variant, "--repeats", str(args.repeats), "--threads", str(threads),
               "--prefill-lens", args.prefill_lens, "--bandwidth-gbps", f"{gbps}"]
     ours = run("benchmarks.bench_clover", common)

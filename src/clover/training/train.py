@@ -249,6 +249,9 @@ def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: in
     save_checkpoint(model, cfg, out, dtype=dtype)
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     build_tokenizer(str(out), vocab_size=model.config.vocab_size, seed=tokenizer_seed)
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)      # safetensors writes 0600; the directory ships as package data
     return out
 
 
@@ -280,7 +283,7 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 eval_every: int = 0, eval_problems: int = 30, time_budget_min: float | None = None,
                 warmup: float = 0.05, weight_decay: float = 0.1, clip: float = 1.0, balance_coef: float = 0.01,
                 think_prob: float = 0.8, threads: int | None = 1, log_every: int = 10, log=print,
-                tokenizer_dir: str | Path | None = None) -> TrainResult:
+                tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None) -> TrainResult:
     """Train from scratch; save to `out` (a complete model directory) when given.
 
     With `time_budget_min`, the schedule runs on max(step/steps, elapsed/budget) and training stops when
@@ -298,8 +301,16 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     build_tokenizer(str(tok_dir))   # deterministic; the same files are (re)written into `out` at the end
     tokenizer = CloverTokenizer.from_dir(tok_dir)
 
-    config = make_config(config_size, **(config_overrides or {}))
-    model = init_weights(CloverForCausalLM(config), seed)
+    if init_from is not None:
+        # Warm start: continue training an existing model directory (same architecture and tokenizer).
+        from clover import load
+
+        model = load(init_from, dtype=torch.float32)
+        config = model.config
+        log(f"initialised from {init_from}")
+    else:
+        config = make_config(config_size, **(config_overrides or {}))
+        model = init_weights(CloverForCausalLM(config), seed)
     model.train().requires_grad_(True)
     total, active = count_parameters(model)
     log(f"config {config_size}: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active), "
@@ -391,10 +402,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-budget-min", type=float, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is far faster on a loaded machine)")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--init-from", default=None, help="continue training this model directory (warm start)")
     args = p.parse_args(argv)
     train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                 config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
                 time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
+                init_from=args.init_from,
                 log=lambda s: print(s, flush=True))
 
 
