@@ -648,3 +648,16 @@ def test_batched_padded_prefill_equals_each_alone():
         assert (batched[i] - alone[0]).abs().max() < 1e-10
         nxt = torch.tensor([[11, 12, 13]])
         assert (model.step(nxt, [caches[i]]) - model.step(nxt, [alone_cache])).abs().max() < 1e-10
+
+
+def test_block_logits_only_where_asked():
+    """A bool mask over the block returns exactly those rows of the full block logits."""
+    model = make_model("base", seed=8, dtype=torch.float64)
+    caches = [model.make_cache(), model.make_cache()]
+    model.prefill_batch([[7, 8, 9, 10], [11, 12]], caches)
+    block = torch.tensor([[95, 20, 95, 95], [30, 95, 31, 32]])
+    full = model.step(block, caches, block=True)
+    wanted = block == 95
+    part = model.step(block, caches, block=True, logits_at=wanted)
+    assert part.shape[0] == int(wanted.sum())
+    assert (part - full[wanted]).abs().max() < 1e-12

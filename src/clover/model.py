@@ -97,6 +97,11 @@ class CloverForCausalLM(nn.Module):
                 stats.append(distinct)
         if logits_at == "none":
             return None
+        if torch.is_tensor(logits_at):
+            # Only the positions whose logits will be read: a bool mask [B, L] over the block's positions
+            # (the vocabulary projection is a block step's largest matmul). Returns [N, V], row-major.
+            h = h[:, h.shape[1] - logits_at.shape[1]:][logits_at]
+            return self.lm_head(self.model.norm(h))
         if logits_at == "last":
             if valid_lens is not None:       # right-padded rows: each row's own last token
                 h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(valid_lens, device=h.device) - 1][:, None]
@@ -131,7 +136,8 @@ class CloverForCausalLM(nn.Module):
         Fused (`block_len=L < T`): the first T−L tokens are committed causally and the last L form a
         noisy block right after them — a commit and the next block's first denoising step in one pass.
         `logits_at`: "all", "last" (the final position: the next-token prediction), "block" (the block's
-        positions) or "none" (a commit nobody reads: skips the vocabulary projection).
+        positions), "none" (a commit nobody reads: skips the vocabulary projection), or a bool mask
+        [B, L] over the block's positions, returning only those rows' logits as [N, V] (row-major).
         `stats`: a list that receives, per MoE layer, the distinct experts [B] of the block."""
         B, T = ids.shape
         block_len = T if block else (block_len or 0)
@@ -164,6 +170,11 @@ class CloverForCausalLM(nn.Module):
                 outs.append(out)
         if logits_at == "none":
             return None
+        if torch.is_tensor(logits_at):
+            # Only the positions whose logits will be read: a bool mask [B, L] over the block's positions
+            # (the vocabulary projection is a block step's largest matmul). Returns [N, V], row-major.
+            h = h[:, h.shape[1] - logits_at.shape[1]:][logits_at]
+            return self.lm_head(self.model.norm(h))
         return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
 
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):

@@ -102,11 +102,13 @@ class Decoder:
             for chunk in self._chunks(group):
                 ids = torch.tensor([s.block for s in chunk], dtype=torch.long, device=self.model.device)
                 stats: list = []
+                wanted = ids == torch.tensor([[s.mask_id] for s in chunk], device=ids.device)
                 logits = self.model.step(ids, [s.cache for s in chunk], block=True, block_top_p=self._top_p(chunk),
-                                         stats=stats)
+                                         logits_at=wanted, stats=stats)
+                rows = torch.split(logits, wanted.sum(1).tolist())
                 for b, seq in enumerate(chunk):
                     self._record_block_forward(seq, stats, b)
-                    seq.denoise(logits[b])
+                    seq.denoise(rows[b])
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""

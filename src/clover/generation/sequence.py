@@ -175,13 +175,17 @@ class Sequence:
         return torch.tensor(tokens[-window:], dtype=torch.long)
 
     # ---- decisions -----------------------------------------------------------------------------
-    def denoise(self, logits: torch.Tensor) -> None:
-        """One LowConfidence step on this block's logits [L, V] (SPEC §5 step 2, §8 drafting)."""
+    def masked_positions(self) -> list[int]:
+        return [i for i, t in enumerate(self.block) if t == self.mask_id]
+
+    def denoise(self, masked_logits: torch.Tensor) -> None:
+        """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
+        masked positions, in position order."""
         s = self.settings
-        masked = [i for i, t in enumerate(self.block) if t == self.mask_id]
+        masked = self.masked_positions()
         filled = [t for t in self.block if t != self.mask_id]
         queries = [self.position + i for i in masked]
-        controlled = self._controlled(logits[masked], queries, self._history(filled), self.block)
+        controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
         tokens, confidence = candidates(
             controlled, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
             generator=self.generator,
