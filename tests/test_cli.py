@@ -117,7 +117,9 @@ def test_eval_demo_reports_accuracy_and_tokens_per_forward(demo):
         correct = [check_answer(ex, tok.decode(r.tokens)) for ex, r in zip(examples, results)]
         assert report[mode]["_all"]["accuracy"] == pytest.approx(sum(correct) / len(correct))
         assert report[mode]["_all"]["tokens_per_forward"] > 0
-    assert report["autoregressive"]["_all"]["tokens_per_forward"] == pytest.approx(1.0)
+    # autoregressive: one forward per token, except the first (from the prefill) and the last (no
+    # forward needed to end the request)
+    assert 1.0 <= report["autoregressive"]["_all"]["tokens_per_forward"] <= 1.1
 
 
 def test_demo_model_answers_fixed_heldout_problems(demo):
