@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-top-p", default="1.0,0.9,0.7", help="block_expert_top_p values for block steps")
     ap.add_argument("--bandwidth-gbps", type=float, default=None)
     ap.add_argument("--no-bandwidth", action="store_true")
+    ap.add_argument("--no-pack", action="store_true", help="keep PyTorch's default weight layout")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     config = checkpoints.load_config(path)
     wbytes = checkpoints.checkpoint_weight_bytes(path)
     t0 = time.perf_counter()
-    model = clover.load(path, dtype=torch.bfloat16)
+    model = clover.load(path, dtype=torch.bfloat16, pack=not args.no_pack)
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes()
     log(f"loaded {path} ({wbytes / GB:.2f} GB) in {load_s:.1f}s, RSS {rss_loaded / GB:.2f} GB, {threads} threads")

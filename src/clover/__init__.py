@@ -16,16 +16,22 @@ __version__ = "0.1.0"
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
 
 
-def load(path=None, dtype=None, device="cpu"):
+def load(path=None, dtype=None, device="cpu", pack: bool = False):
     """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
 
-    `dtype`: None (as stored), torch.float32, torch.bfloat16 or torch.float64."""
+    `dtype`: None (as stored), torch.float32, torch.bfloat16 or torch.float64.
+    `pack=True`: for bf16 on CPU, reorder the weights into oneDNN's blocked layout (same results,
+    faster decode; inference only — see `clover.layers.packed`)."""
     from .checkpoint import load_model
 
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
     model = load_model(path, dtype=dtype, device=device)
+    if pack:
+        from .layers.packed import pack_for_cpu
+
+        pack_for_cpu(model)
     gen = path / "generation_config.json"
     if gen.exists():
         try:

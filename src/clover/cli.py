@@ -35,7 +35,7 @@ def _load(args):
     if not (path / "config.json").exists():
         raise UserError(f"no model at {path} (expected a directory with config.json)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = clover.load(path, dtype=dtype)
+    model = clover.load(path, dtype=dtype, pack=True)   # packing is a no-op unless bf16 on CPU
     if not (path / "tokenizer.json").exists():
         raise UserError(f"{path} has no tokenizer.json")
     return model, CloverTokenizer.from_dir(path), path
@@ -163,8 +163,11 @@ def cmd_chat(args) -> int:
 
 # ---- info -------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
+    import clover
+
     model, tokenizer, path = _load(args)
     c = model.config
+    model = clover.load(path, dtype=model.dtype)                # unpacked: count every parameter
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     active = total - expert + expert * c.num_experts_per_tok // c.num_experts

@@ -40,8 +40,28 @@ class Router(nn.Module):
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
+        self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.packed = None   # per expert (gate_up, down) in oneDNN layout, after `pack()`
+
+    def pack(self) -> None:
+        """Replace the expert matrices by oneDNN-packed copies (CPU bf16 inference, see packed.py)."""
+        from .packed import _pack
+
+        self.packed = [(_pack(self.gate_up_proj[e]), _pack(self.down_proj[e])) for e in range(self.num_experts)]
+        self.gate_up_proj = None
+        self.down_proj = None
+
+    def _expert(self, x, expert: int):
+        if self.packed is not None:
+            from .packed import packed_linear
+
+            gate_up, down = self.packed[expert]
+            gate, up = packed_linear(x, gate_up).chunk(2, dim=-1)
+            return packed_linear(F.silu(gate) * up, down)
+        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
     def forward(self, x, indices, weights):
         """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. Grouped by expert."""
@@ -49,7 +69,7 @@ class Experts(nn.Module):
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of_slot = order // k
-        counts = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
         ys = torch.empty_like(xs)
         start = 0
@@ -57,8 +77,7 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate, up = F.linear(xs[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            ys[start:end] = self._expert(xs[start:end], expert)
             start = end
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros_like(x)

@@ -46,7 +46,7 @@ def build(args):
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = clover.load(path, dtype=dtype, device=args.device)
+    model = clover.load(path, dtype=dtype, device=args.device, pack=True)   # no-op unless bf16 on CPU
     tokenizer = CloverTokenizer.from_dir(args.tokenizer or path)
     budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
     engine = Engine(model, EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget))
