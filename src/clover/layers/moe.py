@@ -49,9 +49,12 @@ class Experts(nn.Module):
         """Replace the expert matrices by oneDNN-packed copies (CPU bf16 inference, see packed.py)."""
         from .packed import _pack
 
-        self.packed = [(_pack(self.gate_up_proj[e]), _pack(self.down_proj[e])) for e in range(self.num_experts)]
+        # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
+        gate_up = [_pack(self.gate_up_proj[e]) for e in range(self.num_experts)]
         self.gate_up_proj = None
+        down = [_pack(self.down_proj[e]) for e in range(self.num_experts)]
         self.down_proj = None
+        self.packed = list(zip(gate_up, down))
 
     def _expert(self, x, expert: int):
         if self.packed is not None:
