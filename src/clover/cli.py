@@ -25,7 +25,7 @@ def _add_model_arg(p):
                    help="weights dtype (default: as stored)")
 
 
-def _load(args):
+def _load(args, pack: bool = True):
     import torch
 
     import clover
@@ -35,7 +35,7 @@ def _load(args):
     if not (path / "config.json").exists():
         raise UserError(f"no model at {path} (expected a directory with config.json)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = clover.load(path, dtype=dtype, pack=True)   # packing is a no-op unless bf16 on CPU
+    model = clover.load(path, dtype=dtype, pack=pack)   # packing is a no-op unless bf16 on CPU
     if not (path / "tokenizer.json").exists():
         raise UserError(f"{path} has no tokenizer.json")
     return model, CloverTokenizer.from_dir(path), path
@@ -163,11 +163,8 @@ def cmd_chat(args) -> int:
 
 # ---- info -------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
-    import clover
-
-    model, tokenizer, path = _load(args)
+    model, tokenizer, path = _load(args, pack=False)            # unpacked: count every parameter
     c = model.config
-    model = clover.load(path, dtype=model.dtype)                # unpacked: count every parameter
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     active = total - expert + expert * c.num_experts_per_tok // c.num_experts
@@ -225,9 +222,7 @@ def cmd_export(args, rest) -> int:
 def cmd_serve(args, rest) -> int:
     from clover.server import cli as server_cli
 
-    return server_cli.main(["--model", str(__import__("clover").DEMO_MODEL_DIR)] + rest
-                           if "--model" not in rest and not any(a in ("-h", "--help") for a in rest)
-                           else rest) or 0
+    return server_cli.main(rest) or 0          # `clover serve` defaults to the demo model itself
 
 
 def cmd_bench(args, rest) -> int:

@@ -184,10 +184,9 @@ class CloverForCausalLM(nn.Module):
         positions get β = 0 and g = 0 (state unchanged). Returns each row's last-token logits [B, 1, V]."""
         lens = [len(p) for p in prompts]
         T = max(lens)
-        if len(prompts) == 1 or T > self.prefill_chunk or min(lens) == T:
-            if min(lens) == T:
-                ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-                return self.step(ids, caches, logits_at=logits_at)
+        if min(lens) == T:                   # no padding needed (also the long, chunked case)
+            return self.step(torch.tensor(prompts, device=self.device), caches, logits_at=logits_at)
+        if T > self.prefill_chunk:           # padded rows and chunking do not mix: one prompt at a time
             return torch.cat([self.step(torch.tensor([p], device=self.device), [c], logits_at=logits_at)
                               for p, c in zip(prompts, caches)])
         ids = torch.zeros(len(prompts), T, dtype=torch.long, device=self.device)

@@ -154,10 +154,10 @@ class Decoder:
             groups[(seq.phase, len(tokens))].append(seq)
         for (phase, T), group in groups.items():
             for chunk in self._chunks(group):
-                caches = [s.cache for s in chunk]
                 if phase == "commit":
                     self._fused_commit(chunk, produced)
                     continue
+                caches = [s.cache for s in chunk]
                 token_rows = [[s.pending] if phase == "ar" else s.block for s in chunk]
                 ids = torch.tensor(token_rows, dtype=torch.long, device=self.model.device)
                 if phase == "verify":

@@ -61,7 +61,6 @@ class Sequence:
         self.id = next(_ids)
         self.prompt = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
         self.settings = settings
-        self.config = config
         self.mask_id = config.mask_token_id
         self.think_id, self.think_end_id = config.think_token_id, config.think_end_token_id
         self.response: list[int] = []
