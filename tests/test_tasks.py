@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from clover.training.tasks import (TASK_NAMES, addition_steps, check_answer, extract_answer,
+from clover.training.tasks import (TASK_NAMES, TRAINING_ONLY_TASKS, addition_steps, check_answer, extract_answer,
                                    generate_example, sample_examples, split_of, subtraction_steps)
 
 
@@ -59,6 +59,9 @@ def test_other_tasks_answers():
         c, s = ex.key.split(":", 1)[1].split("|")
         assert c in ex.messages[0]["content"] and s in ex.messages[0]["content"]
         assert ex.answer == str(s.split().count(c))
+    for ex in _examples("repeat"):
+        letters = re.findall(r"\b[a-z]\b", ex.messages[0]["content"])
+        assert ex.answer == " ".join(letters) and ex.thinking.endswith(ex.answer)
     for ex in _examples("recall"):
         q = ex.messages[0]["content"]
         pairs = dict(re.findall(r"\b([a-z])=(\d+)", q))
@@ -112,3 +115,27 @@ def test_sample_examples_round_robin_and_validation():
         list(sample_examples(1, "test", seed=0))
     with pytest.raises(ValueError):
         list(sample_examples(1, "train", seed=0, tasks=["nope"]))
+
+
+def test_training_only_tasks_are_never_evaluated():
+    """Auxiliary tasks can be sampled for training but are not part of the evaluated task list."""
+    assert set(TRAINING_ONLY_TASKS).isdisjoint(TASK_NAMES)
+    got = list(sample_examples(4, "train", 0, tasks=["repeat", "sort"]))
+    assert [ex.task for ex in got] == ["repeat", "sort", "repeat", "sort"]
+    assert {ex.task for ex in sample_examples(60, "heldout", 0)} == set(TASK_NAMES)
+
+
+def test_parse_task_weights():
+    from clover.training.train import parse_task_weights
+
+    assert parse_task_weights(None) is None and parse_task_weights("") is None
+    order = parse_task_weights("reverse=3,repeat=2,sort=0")
+    counts = {t: order.count(t) for t in set(order)}
+    assert counts == {"addition": 1, "subtraction": 1, "reverse": 3, "count": 1, "recall": 1, "repeat": 2}
+    assert order[: len(counts)] == ("addition", "subtraction", "reverse", "count", "recall", "repeat")
+    for bad, msg in (("reverse", "NAME=INT"), ("nope=2", "NAME=INT"), ("sort=x", "not an integer"),
+                     ("sort=-1", ">= 0")):
+        with pytest.raises(ValueError, match=msg):
+            parse_task_weights(bad)
+    with pytest.raises(ValueError, match="drop every task"):
+        parse_task_weights(",".join(f"{t}=0" for t in TASK_NAMES))

@@ -50,15 +50,21 @@ def pack_for_cpu(model) -> int:
 
     count = 0
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-                if tied and child is model.lm_head:
-                    continue
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-            elif isinstance(child, Experts) and child.gate_up_proj.dtype == torch.bfloat16:
-                child.pack()
-                count += 2 * child.num_experts
+    # Collect names, not modules: a list of the modules themselves would keep every replaced
+    # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
+    names = [name for name, m in model.named_modules()
+             if (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
+             or (isinstance(m, Experts) and m.gate_up_proj is not None and m.gate_up_proj.dtype == torch.bfloat16)]
+    for qualified in names:
+        parent_name, _, name = qualified.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        child = getattr(parent, name)
+        if isinstance(child, Experts):
+            child.pack()
+            count += 2 * child.num_experts
+        else:
+            setattr(parent, name, PackedLinear(child))
+            count += 1
+        del child       # the replaced weight is freed here, before the next matrix is packed
     model.packed = True
     return count

@@ -101,6 +101,8 @@ SORT_TEMPLATES = ("Sort these numbers: {s}", "Sort {s} in ascending order.",
 COUNT_TEMPLATES = ("How many times does the letter {c} appear in: {s}?", "Count the {c}'s in: {s}",
                    "How many {c}'s are in {s}?", "Count how often {c} occurs in: {s}",
                    "In {s}, how many times is there a {c}?")
+REPEAT_TEMPLATES = ("Repeat after me: {s}", "Copy these letters: {s}", "Say {s} again.",
+                    "Write the letters {s} once more.", "Echo: {s}")
 RECALL_TEMPLATES = ("Remember: {pairs}. What is {k}?", "Given {pairs}, what is the value of {k}?",
                     "{pairs}. What is {k}?", "Memorize {pairs}. Now tell me {k}.",
                     "Here are some values: {pairs}. What is {k} equal to?")
@@ -151,16 +153,26 @@ def _recall(rng: random.Random):
     return question, f"{k}={values[k]}", str(values[k]), f"{pairs}?{k}"
 
 
+def _repeat(rng: random.Random):
+    """Plain copying: a warm-up for the letter tasks (reverse, count, recall all need content lookup)."""
+    items = [rng.choice(LETTERS) for _ in range(rng.randint(3, 7))]
+    s = " ".join(items)
+    return rng.choice(REPEAT_TEMPLATES).format(s=s), f"{len(items)} letters: {s}", s, s
+
+
 TASKS: dict[str, Callable] = {"addition": _addition, "subtraction": _subtraction, "reverse": _reverse,
                               "sort": _sort, "count": _count, "recall": _recall}
-TASK_NAMES = tuple(TASKS)
+TASK_NAMES = tuple(TASKS)       # the evaluated tasks (and the tokenizer's corpus)
+# Auxiliary tasks the trainer may mix in; never evaluated, so the eval table stays comparable.
+TRAINING_ONLY_TASKS: dict[str, Callable] = {"repeat": _repeat}
+_ALL_TASKS = {**TASKS, **TRAINING_ONLY_TASKS}
 
 
 def generate_example(task: str, rng: random.Random) -> Example:
     """A random problem of `task` (either split)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASK_NAMES)}")
-    question, thinking, answer, key = TASKS[task](rng)
+    if task not in _ALL_TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(_ALL_TASKS)}")
+    question, thinking, answer, key = _ALL_TASKS[task](rng)
     return Example(task, [{"role": "user", "content": question}], thinking, answer, f"{task}:{key}")
 
 
@@ -173,13 +185,14 @@ def split_of(example: Example) -> str:
 
 def sample_examples(n: int, split: str, seed: int,
                     tasks: Sequence[str] | None = None) -> Iterator[Example]:
-    """Yield `n` examples of `split`, tasks in round-robin order; deterministic given `seed`."""
+    """Yield `n` examples of `split`, tasks in round-robin order (repeat a name to weight it);
+    deterministic given `seed`."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     tasks = tuple(tasks) if tasks is not None else TASK_NAMES
     for t in tasks:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r}; known: {', '.join(TASK_NAMES)}")
+        if t not in _ALL_TASKS:
+            raise ValueError(f"unknown task {t!r}; known: {', '.join(_ALL_TASKS)}")
     rng = random.Random(seed)
     for i in range(n):
         while True:  # rejection: keep drawing until the problem lands in the wanted split

@@ -30,7 +30,7 @@ from clover.model import CloverForCausalLM
 from clover.tokenization import CloverTokenizer
 from clover.training.build_tokenizer import build_tokenizer
 from clover.training.data import IGNORE, TrainingStream
-from clover.training.tasks import TASK_NAMES, check_answer, sample_examples
+from clover.training.tasks import TASK_NAMES, TRAINING_ONLY_TASKS, check_answer, sample_examples
 
 MAX_DIR_BYTES = 16 * 1024 * 1024
 
@@ -72,6 +72,31 @@ GENERATION_CONFIG = {
 }
 
 OUTPUT_PROJ = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def parse_task_weights(spec: str | None) -> tuple[str, ...] | None:
+    """`"reverse=3,repeat=2"` → the round-robin task tuple the data stream cycles through: every
+    evaluated task once (weight 1 unless named), each named task as often as its integer weight
+    (0 drops it). None or "" → None (the stream's default: every evaluated task once)."""
+    if not spec:
+        return None
+    weights = dict.fromkeys(TASK_NAMES, 1)
+    for part in spec.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in (*TASK_NAMES, *TRAINING_ONLY_TASKS):
+            raise ValueError(f"bad task weight {part!r}: expected NAME=INT with NAME one of "
+                             f"{', '.join((*TASK_NAMES, *TRAINING_ONLY_TASKS))}")
+        try:
+            weights[name] = int(value)
+        except ValueError:
+            raise ValueError(f"bad task weight {part!r}: {value!r} is not an integer") from None
+        if weights[name] < 0:
+            raise ValueError(f"bad task weight {part!r}: weights are >= 0")
+    # interleave (a b c a b a …) so consecutive examples of a chunk mix tasks
+    order = [name for i in range(max(weights.values())) for name, w in weights.items() if w > i]
+    if not order:
+        raise ValueError("task weights drop every task")
+    return tuple(order)
 
 
 def make_config(size: str = "demo", **overrides) -> CloverConfig:
@@ -283,9 +308,11 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 eval_every: int = 0, eval_problems: int = 30, time_budget_min: float | None = None,
                 warmup: float = 0.05, weight_decay: float = 0.1, clip: float = 1.0, balance_coef: float = 0.01,
                 think_prob: float = 0.8, threads: int | None = 1, log_every: int = 10, log=print,
-                tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None) -> TrainResult:
+                tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None,
+                tasks: tuple[str, ...] | None = None) -> TrainResult:
     """Train from scratch; save to `out` (a complete model directory) when given.
 
+    `tasks` is the round-robin task tuple of the training stream (see `parse_task_weights`).
     With `time_budget_min`, the schedule runs on max(step/steps, elapsed/budget) and training stops when
     either ends (deterministic only when the budget does not bind)."""
     if threads:
@@ -321,7 +348,7 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
     balance = RouterBalance(model)
-    stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob))
+    stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob, tasks=tasks))
     result = TrainResult(model, tokenizer)
     budget_s = time_budget_min * 60 if time_budget_min else None
     window: list[dict] = []
@@ -403,11 +430,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is far faster on a loaded machine)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--init-from", default=None, help="continue training this model directory (warm start)")
+    p.add_argument("--task-weights", default=None,
+                   help="integer task weights, e.g. 'reverse=3,repeat=2' (unnamed evaluated tasks: 1; "
+                        f"training-only tasks: {', '.join(TRAINING_ONLY_TASKS)})")
     args = p.parse_args(argv)
+    try:
+        tasks = parse_task_weights(args.task_weights)
+    except ValueError as e:
+        p.error(str(e))
     train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                 config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
                 time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
-                init_from=args.init_from,
+                init_from=args.init_from, tasks=tasks,
                 log=lambda s: print(s, flush=True))
 
 
