@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from clover.cache import GDNState
-from clover.layers.delta_rule import chunked_gated_delta_rule, gated_delta_rule, recurrent_gated_delta_rule
+from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
+                                     recurrent_gated_delta_rule)
 from clover.layers.moe import reference_experts
 from tiny_models import VARIANTS, make_model
 
@@ -315,6 +316,20 @@ def test_chunked_equals_recurrent_delta_rule(T, with_state):
     if T <= 17:
         o_l, s_l = _loop_delta_rule(q, k, v, g, beta, state)
         assert _maxdiff(o_r, o_l) <= 1e-12 and _maxdiff(s_r, s_l) <= 1e-12
+
+
+def test_single_token_step_equals_loop_and_leaves_input_state_alone():
+    """The decode hot path (in-place rank-1 update on a fresh tensor) against the hand loop."""
+    q, k, v, g, beta, state = _delta_inputs(2, 3, 5, 8, 6, seed=11)
+    before = state.clone()
+    s = state
+    outs = []
+    for t in range(5):
+        o, s = gated_delta_rule_step(*(x[:, :, t:t + 1] for x in (q, k, v, g, beta)), s)
+        outs.append(o)
+    o_l, s_l = _loop_delta_rule(q, k, v, g, beta, state)
+    assert _maxdiff(torch.cat(outs, 2), o_l) <= 1e-12 and _maxdiff(s, s_l) <= 1e-12
+    assert torch.equal(state, before)
 
 
 @pytest.mark.parametrize("chunk", [4, 16, 64])

@@ -73,8 +73,26 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     return out, state
 
 
+def gated_delta_rule_step(q, k, v, g, beta, state):
+    """One token (T = 1), the decode hot path: the recurrent rule with two passes over the state
+    (decay into a fresh tensor, then an in-place rank-1 `baddbmm_`) instead of four, and small
+    matmuls instead of einsums. `state` itself is never mutated (cache snapshots rely on that)."""
+    B, H, _, dk = k.shape
+    dv = v.shape[-1]
+    new = state * g[:, :, 0].exp()[..., None, None]                        # [B, H, dk, dv]
+    k_t = k[:, :, 0, None, :]                                              # [B, H, 1, dk]
+    delta = (v[:, :, 0, None, :] - k_t @ new) * beta[:, :, 0, None, None]  # [B, H, 1, dv]
+    new.view(B * H, dk, dv).baddbmm_(k_t.reshape(B * H, dk, 1), delta.reshape(B * H, 1, dv))
+    return q[:, :, 0, None, :] @ new, new                                  # [B, H, 1, dv]
+
+
 def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Dispatch: the recurrent form for a handful of tokens, the chunked form otherwise."""
-    if q.shape[2] <= 2:
-        return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    """Dispatch: the single-token step for one or two tokens, the chunked form otherwise."""
+    T = q.shape[2]
+    if T == 1:
+        return gated_delta_rule_step(q, k, v, g, beta, state)
+    if T == 2:
+        o0, state = gated_delta_rule_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], state)
+        o1, state = gated_delta_rule_step(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], g[:, :, 1:], beta[:, :, 1:], state)
+        return torch.cat([o0, o1], dim=2), state
     return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)
