@@ -16,13 +16,20 @@ __version__ = "0.1.0"
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
 
 
-def load(path=None, dtype=None, device="cpu", pack: bool = False):
+def load(path=None, dtype=None, device="cpu", pack: bool = False, flush_denormal: bool = True):
     """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
 
     `dtype`: None (as stored), torch.float32, torch.bfloat16 or torch.float64.
     `pack=True`: for bf16 on CPU, reorder the weights into oneDNN's blocked layout (same results,
-    faster decode; inference only — see `clover.layers.packed`)."""
+    faster decode; inference only — see `clover.layers.packed`).
+    `flush_denormal=True`: flush denormal floats to zero in this thread and the threads it starts
+    later (x86 runs denormal math ~100× slower; see `clover.runtime`)."""
     from .checkpoint import load_model
+
+    if flush_denormal:
+        from .runtime import flush_denormals
+
+        flush_denormals()
 
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():

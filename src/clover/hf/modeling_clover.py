@@ -22,6 +22,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..cache import AttentionState, GDNState
+from ..runtime import flush_denormals
 from ..generation.api import generate_batch, resolve_settings
 from ..generation.settings import GenerationSettings, GenerationSettingsError
 from ..layers.gated_deltanet import GatedDeltaNet
@@ -164,6 +165,7 @@ class CloverForCausalLM(CloverPreTrainedModel):
         """transformers' loading, then `generation_config.json` (this class does not use GenerationMixin)."""
         generation_config = kwargs.pop("generation_config", None)
         hub = {k: kwargs[k] for k in _HUB_KWARGS if kwargs.get(k) is not None}
+        flush_denormals()          # before loading starts torch's thread pool (see clover.runtime)
         model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if generation_config is not None:
             model.generation_config = generation_config

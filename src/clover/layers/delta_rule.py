@@ -82,7 +82,11 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
     new = state * g[:, :, 0].exp()[..., None, None]                        # [B, H, dk, dv]
     k_t = k[:, :, 0, None, :]                                              # [B, H, 1, dk]
     delta = (v[:, :, 0, None, :] - k_t @ new) * beta[:, :, 0, None, None]  # [B, H, 1, dv]
-    new.view(B * H, dk, dv).baddbmm_(k_t.reshape(B * H, dk, 1), delta.reshape(B * H, 1, dv))
+    k_col, d_row = k_t.reshape(B * H, dk, 1), delta.reshape(B * H, 1, dv)
+    if torch.is_grad_enabled() and new.requires_grad:   # training: autograd needs `new` unmodified
+        new = torch.baddbmm(new.view(B * H, dk, dv), k_col, d_row).view(B, H, dk, dv)
+    else:
+        new.view(B * H, dk, dv).baddbmm_(k_col, d_row)
     return q[:, :, 0, None, :] @ new, new                                  # [B, H, 1, dv]
 
 
