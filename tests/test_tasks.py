@@ -69,6 +69,22 @@ def test_other_tasks_answers():
         assert ex.answer == pairs[asked]
 
 
+def test_count_trace_hand_checked():
+    assert generate_example("count", random.Random(1)).thinking == "counting e: j e=1 e=2 e=3 e=4"
+    ex = generate_example("count", random.Random(5))
+    c, s = ex.key.split(":", 1)[1].split("|")
+    # rebuild the scan by hand for this problem: letters in order, matches tagged with the running count
+    n, expected = 0, []
+    for x in s.split():
+        if x == c:
+            n += 1
+            expected.append(f"{x}={n}")
+        else:
+            expected.append(x)
+    assert ex.thinking == f"counting {c}: " + " ".join(expected) and ex.answer == str(n)
+    assert any(ex.answer == "0" and "=" not in ex.thinking for ex in _examples("count", 200))
+
+
 def test_thinking_is_short():
     for task in TASK_NAMES:
         for ex in _examples(task, 100):

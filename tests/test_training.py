@@ -141,3 +141,16 @@ def test_saved_directory_loads(tmp_path):
     assert torch.allclose(model(ids), result.model(ids), atol=1e-6)
     assert torch.allclose(model(torch.cat([ids, torch.full((1, 4), MASK)], 1), block_len=4),
                           result.model(torch.cat([ids, torch.full((1, 4), MASK)], 1), block_len=4), atol=1e-6)
+
+
+def test_warm_start_keeps_its_models_tokenizer(tmp_path):
+    """--init-from continues with the init model's tokenizer files (its ids), not a rebuilt one."""
+    from clover.training.train import TOKENIZER_FILES, train_model
+
+    _run(2, out=tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 1234            # a mark a rebuilt tokenizer would not carry
+    (tmp_path / "a" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    train_model(tmp_path / "b", steps=2, batch_size=8, lr=1e-3, init_from=tmp_path / "a", log=lambda s: None)
+    for name in TOKENIZER_FILES:
+        assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name

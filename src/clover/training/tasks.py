@@ -140,7 +140,13 @@ def _count(rng: random.Random):
     items = [c] * k + [rng.choice(others) for _ in range(rng.randint(max(0, 5 - k), 7 - k))]
     rng.shuffle(items)
     s = " ".join(items)
-    thinking = f"counting {c}: " + (" ".join(str(i) for i in range(1, k + 1)) if k else "none")
+    # a scan: every letter copied in order, each match tagged with the running count — a small model
+    # learns copying plus "last count + 1" far more easily than counting matches it cannot see
+    seen, scan = 0, []
+    for x in items:
+        seen += x == c
+        scan.append(f"{x}={seen}" if x == c else x)
+    thinking = f"counting {c}: " + " ".join(scan)
     return rng.choice(COUNT_TEMPLATES).format(c=c, s=s), thinking, str(k), f"{c}|{s}"
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,9 +263,14 @@ def evaluate(model, tokenizer: CloverTokenizer, n: int = 30, seed: int = 1234, b
 
 
 # ---- saving -----------------------------------------------------------------------------------
-def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: int = 0) -> Path:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: int = 0,
+                   tokenizer_from: str | Path | None = None) -> Path:
     """Write a complete model directory: weights (float32, bfloat16 if float32 would not fit in
-    16 MB), config.json, generation_config.json and the tokenizer files."""
+    16 MB), config.json, generation_config.json and the tokenizer files — copied from
+    `tokenizer_from` (a warm start keeps its model's tokenizer) or freshly built."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fp32_bytes = sum(p.numel() * 4 for p in model.state_dict().values())
@@ -273,7 +279,11 @@ def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: in
     cfg["dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
     save_checkpoint(model, cfg, out, dtype=dtype)
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    build_tokenizer(str(out), vocab_size=model.config.vocab_size, seed=tokenizer_seed)
+    if tokenizer_from is not None and Path(tokenizer_from).resolve() != out.resolve():
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(Path(tokenizer_from) / name, out / name)
+    elif tokenizer_from is None:
+        build_tokenizer(str(out), vocab_size=model.config.vocab_size, seed=tokenizer_seed)
     for f in out.iterdir():
         if f.is_file():
             f.chmod(0o644)      # safetensors writes 0600; the directory ships as package data
@@ -320,12 +330,17 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     torch.manual_seed(seed)
     t_start = time.time()
 
-    if tokenizer_dir is not None or out is not None:
-        tok_dir = Path(tokenizer_dir if tokenizer_dir is not None else out)
+    if init_from is not None:
+        # A warm start keeps its model's tokenizer: rebuilding from today's task corpus could give
+        # other BPE merges (the ids the model learnt) whenever a task's wording has changed since.
+        tok_dir = Path(init_from)
     else:
-        import tempfile
-        tok_dir = Path(tempfile.mkdtemp(prefix="clover_tok_"))
-    build_tokenizer(str(tok_dir))   # deterministic; the same files are (re)written into `out` at the end
+        if tokenizer_dir is not None or out is not None:
+            tok_dir = Path(tokenizer_dir if tokenizer_dir is not None else out)
+        else:
+            import tempfile
+            tok_dir = Path(tempfile.mkdtemp(prefix="clover_tok_"))
+        build_tokenizer(str(tok_dir))   # deterministic; the same files are (re)written into `out` at the end
     tokenizer = CloverTokenizer.from_dir(tok_dir)
 
     if init_from is not None:
@@ -401,7 +416,7 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     if eval_every:
         _run_eval(model, tokenizer, eval_problems, step, result, log)
     if out is not None:
-        result.out = save_model_dir(model, out)
+        result.out = save_model_dir(model, out, tokenizer_from=tok_dir if init_from is not None else None)
         log(f"saved {result.out} ({dir_bytes(result.out) / 2**20:.2f} MiB)")
     return result
 
