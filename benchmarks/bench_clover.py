@@ -99,10 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth-gbps", type=float, default=None)
     ap.add_argument("--no-bandwidth", action="store_true")
     ap.add_argument("--no-pack", action="store_true", help="keep PyTorch's default weight layout")
+    ap.add_argument("--keep-denormals", action="store_true",
+                    help="do not flush denormals to zero (clover.load flushes them by default; see clover.runtime)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
     import clover
+    from clover.runtime import flush_denormals
+
+    flush_denormals(not args.keep_denormals)   # first, before any parallel op starts torch's threads
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
     config = checkpoints.load_config(path)
     wbytes = checkpoints.checkpoint_weight_bytes(path)
     t0 = time.perf_counter()
-    model = clover.load(path, dtype=torch.bfloat16, pack=not args.no_pack)
+    model = clover.load(path, dtype=torch.bfloat16, pack=not args.no_pack, flush_denormal=not args.keep_denormals)
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes()
     log(f"loaded {path} ({wbytes / GB:.2f} GB) in {load_s:.1f}s, RSS {rss_loaded / GB:.2f} GB, {threads} threads")
@@ -172,7 +177,8 @@ def main(argv=None) -> int:
           f"bandwidth {gbps or float('nan'):.1f} GB/s | load avg {sys_start.get('loadavg_1m')}", flush=True)
     if args.json:
         emit_json({"engine": "clover", "checkpoint": str(path), "weights_bytes": wbytes, "peak_rss_bytes": peak,
-                   "bandwidth_gbps": gbps, "threads": threads, "results": results, "load_seconds": load_s})
+                   "bandwidth_gbps": gbps, "threads": threads, "results": results, "load_seconds": load_s,
+                   "flush_denormal": not args.keep_denormals})
     return 0
 
 

@@ -184,8 +184,12 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-idle-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for machine-wide CPU use < --idle-pct")
     ap.add_argument("--idle-pct", type=float, default=25.0)
+    ap.add_argument("--keep-denormals", action="store_true",
+                    help="do not flush denormals to zero (flushed by default, as clover.load does, so the "
+                         "comparison is between engines, not CPU float modes)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line on stdout")
     args = ap.parse_args(argv)
+    torch.set_flush_denormal(not args.keep_denormals)   # first, before any parallel op starts torch's threads
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -291,6 +295,7 @@ def main(argv=None) -> int:
         emit_json({
             "bench": "transformers", "variant": args.variant, "checkpoint": str(path),
             "transformers": transformers.__version__, "system": sys_start, "threads": threads,
+            "flush_denormal": not args.keep_denormals,
             "loadavg_1m_end": system_info().get("loadavg_1m"),
             "weights_bytes": wbytes, "load_seconds": load_s, "rss_after_load_bytes": rss_loaded,
             "peak_rss_bytes": peak, "peak_rss_over_weights": peak / wbytes,

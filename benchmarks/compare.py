@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-lens", default="512,4096")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--keep-denormals", action="store_true",
+                    help="both engines keep IEEE denormals (default: both flush them to zero)")
     args = ap.parse_args(argv)
     threads = args.threads or os.cpu_count()
     # Measured in its own process: a child inherits its parent's peak-RSS mark, so the 2 GiB of copy
@@ -59,6 +61,8 @@ def main(argv=None) -> int:
         stdout=subprocess.PIPE, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()[-1])
     common = ["--variant", args.variant, "--repeats", str(args.repeats), "--threads", str(threads),
               "--prefill-lens", args.prefill_lens, "--bandwidth-gbps", f"{gbps}"]
+    if args.keep_denormals:
+        common.append("--keep-denormals")
     ours = run("benchmarks.bench_clover", common)
     theirs = None
     if not args.skip_transformers:
