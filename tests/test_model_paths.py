@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from clover.cache import GDNState
+from clover.layers.packed import packing_available
 from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
                                      recurrent_gated_delta_rule)
 from clover.layers.moe import reference_experts
@@ -359,6 +360,30 @@ def test_grouped_experts_equal_reference_experts(N):
         ref = reference_experts(layer.experts, x, indices, weights)
     assert _maxdiff(grouped, ref) <= 1e-12
     assert ref.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
+    """Decode's one-token expert path gives exactly what the grouped path gives for that token."""
+    from clover.layers.moe import Experts
+
+    if packed and (dtype != torch.bfloat16 or not packing_available()):
+        pytest.skip("packing is for bf16 on CPU with oneDNN")
+    g = torch.Generator().manual_seed(3)
+    experts = Experts(16, 64, 32)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.1)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
+    experts = experts.to(dtype)
+    if packed:
+        experts.pack()
+    for trial in range(50):
+        x = torch.randn(1, 64, generator=g).to(dtype)
+        w, idx = torch.rand(1, 16, generator=g).softmax(-1).topk(4)
+        w = (w / w.sum(-1, keepdim=True)).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(experts(x, idx, w), experts._forward_grouped(x, idx, w))
 
 
 # =============================================================================================

@@ -68,6 +68,11 @@ class Experts(nn.Module):
 
     def forward(self, x, indices, weights):
         """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. Grouped by expert."""
+        if indices.shape[0] == 1:
+            return self._forward_one(x, indices, weights)
+        return self._forward_grouped(x, indices, weights)
+
+    def _forward_grouped(self, x, indices, weights):
         N, k = indices.shape
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
@@ -86,6 +91,17 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         out.index_add_(0, token_of_slot, ys)
         return out
+
+
+    def _forward_one(self, x, indices, weights):
+        """One token (decode): the grouped computation without its sort/gather/scatter bookkeeping —
+        the same experts in the same (ascending) order, the same weighting and sum, so the result is
+        bit-identical to the grouped path (tested) while issuing about half the small ops."""
+        ids = indices[0].tolist()
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        ys = torch.cat([self._expert(x, ids[j]) for j in order])                # [k, H]
+        ys = ys * weights[0, order, None].to(ys.dtype)
+        return ys.sum(0, keepdim=True)
 
 
 def reference_experts(experts: Experts, x, indices, weights):

@@ -22,6 +22,7 @@ from clover.training.tasks import TASK_NAMES, generate_example
 _EXTRA_TEXT = [
     "You are a helpful assistant.", "Hello! How can I help you today?", "Thank you, that is correct.",
     "The answer is", "Let me think about this step by step.", "I am not sure, but here is my best guess.",
+    "Sure, here is what you asked for.", "Could you please explain that again?", "Good morning, good evening.",
 ]
 
 
