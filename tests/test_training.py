@@ -154,3 +154,15 @@ def test_warm_start_keeps_its_models_tokenizer(tmp_path):
     train_model(tmp_path / "b", steps=2, batch_size=8, lr=1e-3, init_from=tmp_path / "a", log=lambda s: None)
     for name in TOKENIZER_FILES:
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name
+
+
+def test_save_every_writes_a_loadable_directory_mid_run(tmp_path):
+    import clover
+    from clover.training.train import train_model
+
+    saved_at = []
+    train_model(tmp_path, steps=4, batch_size=8, lr=1e-3, config_size="tiny", save_every=2,
+                log=lambda s: saved_at.append(s) if s.startswith("saved step") else None)
+    assert saved_at == [f"saved step 2 to {tmp_path}"]          # step 4 is the final save
+    model = clover.load(tmp_path)
+    assert model.config.hidden_size == 64

@@ -319,10 +319,12 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 warmup: float = 0.05, weight_decay: float = 0.1, clip: float = 1.0, balance_coef: float = 0.01,
                 think_prob: float = 0.8, threads: int | None = 1, log_every: int = 10, log=print,
                 tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None,
-                tasks: tuple[str, ...] | None = None) -> TrainResult:
+                tasks: tuple[str, ...] | None = None, save_every: int = 0) -> TrainResult:
     """Train from scratch; save to `out` (a complete model directory) when given.
 
     `tasks` is the round-robin task tuple of the training stream (see `parse_task_weights`).
+    `save_every` > 0 also writes `out` every that many steps, so a long run that is stopped keeps its
+    latest weights.
     With `time_budget_min`, the schedule runs on max(step/steps, elapsed/budget) and training stops when
     either ends (deterministic only when the budget does not bind)."""
     if threads:
@@ -405,6 +407,11 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 f"balance {mean('balance'):.3f}  lr {cur_lr:.2e}  {tokens_seen / (now - t_log):.0f} tok/s  "
                 f"{now - t_start:.0f}s")
             window, tokens_seen, t_log = [], 0, now
+        if save_every and out is not None and step % save_every == 0 and step < steps:
+            model.eval()
+            save_model_dir(model, out, tokenizer_from=tok_dir)
+            model.train()
+            log(f"saved step {step} to {out}")
         if eval_every and step % eval_every == 0 and step < steps:
             _run_eval(model, tokenizer, eval_problems, step, result, log)
             t_log = time.time()
@@ -416,7 +423,7 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     if eval_every:
         _run_eval(model, tokenizer, eval_problems, step, result, log)
     if out is not None:
-        result.out = save_model_dir(model, out, tokenizer_from=tok_dir if init_from is not None else None)
+        result.out = save_model_dir(model, out, tokenizer_from=tok_dir)
         log(f"saved {result.out} ({dir_bytes(result.out) / 2**20:.2f} MiB)")
     return result
 
@@ -448,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--task-weights", default=None,
                    help="integer task weights, e.g. 'reverse=3,repeat=2' (unnamed evaluated tasks: 1; "
                         f"training-only tasks: {', '.join(TRAINING_ONLY_TASKS)})")
+    p.add_argument("--save-every", type=int, default=0, help="also save the model directory every K steps")
     args = p.parse_args(argv)
     try:
         tasks = parse_task_weights(args.task_weights)
@@ -456,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                 config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
                 time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
-                init_from=args.init_from, tasks=tasks,
+                init_from=args.init_from, tasks=tasks, save_every=args.save_every,
                 log=lambda s: print(s, flush=True))
 
 
