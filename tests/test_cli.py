@@ -133,6 +133,6 @@ def test_demo_model_answers_fixed_heldout_problems(demo):
     assert sum(answers) >= MIN_CORRECT, [tok.decode(r.tokens) for r in results]
 
 
-# The demo model's measured strengths (README eval table): sorting and arithmetic are learnt best.
-SOLVED_TASKS = ("sort", "addition", "subtraction")
-MIN_CORRECT = 4
+# The demo model's measured strengths (README eval table): all but key-value recall are learnt.
+SOLVED_TASKS = ("sort", "addition", "subtraction", "reverse", "count")
+MIN_CORRECT = 10
