@@ -63,6 +63,8 @@ def test_generate_json_equals_the_api(demo, flags):
     assert got["completion_ids"] == expected.tokens
     assert got["stats"]["forwards"] == expected.stats.forwards
     assert got["stats"]["tokens_per_forward"] > 0
+    # the README's front-door question: the shipped demo must get it right in every mode
+    assert got["answer"] == str(17 + 25), got["completion"]
 
 
 def test_generate_streams_text_as_blocks_resolve(demo):
