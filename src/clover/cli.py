@@ -98,14 +98,12 @@ def cmd_generate(args) -> int:
         print(f"[{s.generated_tokens} tokens, {s.forwards} forwards, {s.tokens_per_forward:.2f} tokens/forward, "
               f"{seconds:.2f}s, finish: {result.finish_reason}]", file=sys.stderr)
     else:
+        from clover.training.tasks import extract_answer
+
         text = tokenizer.decode(result.tokens, skip_special_tokens=False)
-        # the answer is what follows the last `</think>` (a special token: split on ids, not text)
-        think_end = tokenizer.think_end_token_id
-        ends = [i for i, t in enumerate(result.tokens) if t == think_end]
-        answer_ids = result.tokens[ends[-1] + 1:] if ends else result.tokens
         print(json.dumps({
             "prompt": args.prompt, "completion": text,
-            "answer": tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
+            "answer": extract_answer(text),          # after the last `</think>`, special tokens removed
             "completion_ids": result.tokens, "finish_reason": result.finish_reason, "seconds": round(seconds, 4),
             "settings": {k: v for k, v in settings.__dict__.items()}, "stats": result.stats.as_dict(),
         }))

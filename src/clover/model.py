@@ -98,10 +98,7 @@ class CloverForCausalLM(nn.Module):
         if logits_at == "none":
             return None
         if torch.is_tensor(logits_at):
-            # Only the positions whose logits will be read: a bool mask [B, L] over the block's positions
-            # (the vocabulary projection is a block step's largest matmul). Returns [N, V], row-major.
-            h = h[:, h.shape[1] - logits_at.shape[1]:][logits_at]
-            return self.lm_head(self.model.norm(h))
+            return self._masked_logits(h, logits_at)
         if logits_at == "last":
             if valid_lens is not None:       # right-padded rows: each row's own last token
                 h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(valid_lens, device=h.device) - 1][:, None]
@@ -171,11 +168,13 @@ class CloverForCausalLM(nn.Module):
         if logits_at == "none":
             return None
         if torch.is_tensor(logits_at):
-            # Only the positions whose logits will be read: a bool mask [B, L] over the block's positions
-            # (the vocabulary projection is a block step's largest matmul). Returns [N, V], row-major.
-            h = h[:, h.shape[1] - logits_at.shape[1]:][logits_at]
-            return self.lm_head(self.model.norm(h))
+            return self._masked_logits(h, logits_at)
         return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
+
+    def _masked_logits(self, h, mask):
+        """Logits of only the positions that will be read: `mask` is a bool [B, L] over the last L
+        positions (the vocabulary projection is a block step's largest matmul). Returns [N, V], row-major."""
+        return self.lm_head(self.model.norm(h[:, h.shape[1] - mask.shape[1]:][mask]))
 
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
         """Encode prompts of different lengths in one right-padded causal forward.

@@ -4,7 +4,7 @@ Denormal floats (magnitudes below ~1.2e-38) are handled in microcode on x86: a f
 one runs ~100x slower. Gated DeltaNet produces them routinely — products of many decays e^γ < 1
 underflow into that range inside the chunked delta rule and the recurrent state — which made the
 chunked prefill of the small benchmark model ~25% slower and single matmuls up to 100x slower
-(measured: benchmarks, `tests/test_runtime.py`). Flushing them to zero changes results only below
+(measured with the benchmarks; `tests/test_runtime.py` checks the flag reaches every thread). Flushing them to zero changes results only below
 1e-38, far under bf16/float32 rounding of the model's activations.
 
 The flag lives in each thread's MXCSR register; threads inherit it when they are created, so it is

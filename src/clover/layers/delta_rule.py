@@ -93,10 +93,10 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
 def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     """Dispatch: the single-token step for one or two tokens, the chunked form otherwise."""
     T = q.shape[2]
-    if T == 1:
-        return gated_delta_rule_step(q, k, v, g, beta, state)
-    if T == 2:
-        o0, state = gated_delta_rule_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], g[:, :, :1], beta[:, :, :1], state)
-        o1, state = gated_delta_rule_step(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], g[:, :, 1:], beta[:, :, 1:], state)
-        return torch.cat([o0, o1], dim=2), state
-    return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)
+    if T > 2:
+        return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)
+    outs = []
+    for t in range(T):
+        o, state = gated_delta_rule_step(*(x[:, :, t:t + 1] for x in (q, k, v, g, beta)), state)
+        outs.append(o)
+    return (outs[0] if T == 1 else torch.cat(outs, dim=2)), state

@@ -92,7 +92,6 @@ class Experts(nn.Module):
         out.index_add_(0, token_of_slot, ys)
         return out
 
-
     def _forward_one(self, x, indices, weights):
         """One token (decode): the grouped computation without its sort/gather/scatter bookkeeping —
         the same experts in the same (ascending) order, the same weighting and sum, so the result is

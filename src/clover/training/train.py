@@ -81,12 +81,12 @@ def parse_task_weights(spec: str | None) -> tuple[str, ...] | None:
     (0 drops it). None or "" → None (the stream's default: every evaluated task once)."""
     if not spec:
         return None
+    known = (*TASK_NAMES, *TRAINING_ONLY_TASKS)
     weights = dict.fromkeys(TASK_NAMES, 1)
     for part in spec.split(","):
         name, sep, value = part.strip().partition("=")
-        if not sep or name not in (*TASK_NAMES, *TRAINING_ONLY_TASKS):
-            raise ValueError(f"bad task weight {part!r}: expected NAME=INT with NAME one of "
-                             f"{', '.join((*TASK_NAMES, *TRAINING_ONLY_TASKS))}")
+        if not sep or name not in known:
+            raise ValueError(f"bad task weight {part!r}: expected NAME=INT with NAME one of {', '.join(known)}")
         try:
             weights[name] = int(value)
         except ValueError:
@@ -333,9 +333,15 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     t_start = time.time()
 
     if init_from is not None:
-        # A warm start keeps its model's tokenizer: rebuilding from today's task corpus could give
-        # other BPE merges (the ids the model learnt) whenever a task's wording has changed since.
+        # Warm start: continue training an existing model directory with its own tokenizer —
+        # rebuilding from today's task corpus could give other BPE merges (other ids than it learnt)
+        # whenever a task's wording has changed since.
+        from clover import load
+
         tok_dir = Path(init_from)
+        model = load(init_from, dtype=torch.float32)
+        config = model.config
+        log(f"initialised from {init_from}")
     else:
         if tokenizer_dir is not None or out is not None:
             tok_dir = Path(tokenizer_dir if tokenizer_dir is not None else out)
@@ -343,18 +349,9 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
             import tempfile
             tok_dir = Path(tempfile.mkdtemp(prefix="clover_tok_"))
         build_tokenizer(str(tok_dir))   # deterministic; the same files are (re)written into `out` at the end
-    tokenizer = CloverTokenizer.from_dir(tok_dir)
-
-    if init_from is not None:
-        # Warm start: continue training an existing model directory (same architecture and tokenizer).
-        from clover import load
-
-        model = load(init_from, dtype=torch.float32)
-        config = model.config
-        log(f"initialised from {init_from}")
-    else:
         config = make_config(config_size, **(config_overrides or {}))
         model = init_weights(CloverForCausalLM(config), seed)
+    tokenizer = CloverTokenizer.from_dir(tok_dir)
     model.train().requires_grad_(True)
     total, active = count_parameters(model)
     log(f"config {config_size}: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active), "
