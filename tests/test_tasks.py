@@ -85,6 +85,19 @@ def test_count_trace_hand_checked():
     assert any(ex.answer == "0" and "=" not in ex.thinking for ex in _examples("count", 200))
 
 
+def test_recall_trace_hand_checked():
+    ex = generate_example("recall", random.Random(1))
+    assert ex.messages[0]["content"] == "Memorize s=8, z=32, y=15. Now tell me z."
+    assert ex.thinking == "looking for z: s=8 z=32" and ex.answer == "32"
+    for ex in _examples("recall", 100):
+        # the scan copies the prompt's pairs in order and stops at the asked key, whose value is the answer
+        pairs = re.findall(r"\b([a-z])=(\d+)", ex.messages[0]["content"])
+        asked = ex.thinking.split(":")[0].split()[-1]
+        stop = [k for k, _ in pairs].index(asked) + 1
+        assert ex.thinking == f"looking for {asked}: " + " ".join(f"{k}={v}" for k, v in pairs[:stop])
+        assert ex.answer == pairs[stop - 1][1]
+
+
 def test_thinking_is_short():
     for task in TASK_NAMES:
         for ex in _examples(task, 100):

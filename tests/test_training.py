@@ -63,6 +63,26 @@ def test_noise_masks_at_least_one_and_loss_only_on_masked_positions():
         diffusion_batch([item, DiffusionItem((1, 2), (3, 4, 5, 6))], MASK, random.Random(0))
 
 
+def test_frontier_noise_keeps_the_left_clean_and_masks_from_a_cut():
+    rng = random.Random(0)
+    block = tuple(range(20, 52))
+    cuts, right, right_masked = set(), 0, 0
+    for _ in range(400):
+        noisy, masked = noise_block(block, MASK, rng, frontier_prob=1.0)
+        cut = masked.index(True)
+        cuts.add(cut)
+        right += len(block) - cut - 1
+        right_masked += masked[cut + 1:].count(True)
+        assert noisy == [MASK if m else t for t, m in zip(block, masked)]
+    assert len(cuts) > 25                       # the cut moves over the whole block
+    assert 0.68 < right_masked / right < 0.82   # right of the cut: masked with q ~ U(0.5, 1), mean 0.75
+    # frontier_prob 0 is exactly the uniform noise (same draws from the same rng)
+    a, b = random.Random(5), random.Random(5)
+    assert [noise_block(block, MASK, a) for _ in range(20)] == [noise_block(block, MASK, b, 0.0) for _ in range(20)]
+    with pytest.raises(ValueError, match="frontier_prob"):
+        TrainingStream(None, batch_size=2, frontier_prob=1.5)
+
+
 def _prompt_len(row: list[int]) -> int:
     """End of the generation prompt `<|im_start|>assistant\\n<think>\\n` (+ `\\n</think>\\n\\n` when off)."""
     i = row.index(THINK)

@@ -6,9 +6,12 @@ Owns the joint objective's inputs (targets use `IGNORE` = -100 wherever no loss 
   - diffusion batches (SPEC §4 block mode): a clean causal prefix `prompt + n·B` completion tokens (the
     `n` blocks generation would already have committed), then a block of `B` tokens starting at
     `prompt_len + n·B` — the completion's next `B` tokens, padded after the end with
-    `<|endoftext|>` as generation would resolve positions past the EOS — where each token is replaced
-    by `<|mask|>` with probability `r ~ U(0, 1)` (at least one). Loss on masked block positions only,
-    target = the clean token at that very position (block logits are not shifted).
+    `<|endoftext|>` as generation would resolve positions past the EOS — noised one of two ways:
+      * uniform: each token replaced by `<|mask|>` with probability `r ~ U(0, 1)` (at least one);
+      * frontier (probability `frontier_prob`): the state LowConfidence decoding walks through — a
+        clean left part up to a cut `c`, then masks from `c` on, a few of them already resolved.
+    Loss on masked block positions only, target = the clean token at that very position (block logits
+    are not shifted).
 The forward needs one prefix length per batch (padding inside a causal prefix would change the GDN
 state), so diffusion items are grouped by `(prefix_len, block_size)`. Everything is driven by seeded
 `random.Random` instances: the same seed gives the same batches.
@@ -121,16 +124,28 @@ def diffusion_item(seq: TokenizedExample, block_size: int, n: int, pad_id: int) 
     return DiffusionItem(tuple(seq.ids[:start]), tuple(block))
 
 
-def noise_block(block: Sequence[int], mask_id: int, rng: random.Random) -> tuple[list[int], list[bool]]:
-    """Mask each token with probability `r ~ U(0, 1)` (r drawn per block); at least one is masked."""
-    r = rng.random()
-    masked = [rng.random() < r for _ in block]
-    if not any(masked):
-        masked[rng.randrange(len(block))] = True
+def noise_block(block: Sequence[int], mask_id: int, rng: random.Random,
+                frontier_prob: float = 0.0) -> tuple[list[int], list[bool]]:
+    """Uniform noise: mask each token with probability `r ~ U(0, 1)` (r drawn per block), at least one.
+
+    With probability `frontier_prob`, frontier noise instead: positions before a cut `c ~ U{0..L-1}` stay
+    clean, `c` is masked and each later position is masked with probability `q ~ U(0.5, 1)`. Uniform
+    noise almost never shows a block whose whole right side is still masked, yet that is where
+    LowConfidence decoding predicts its next token from; a model trained only uniformly is weak (and
+    badly calibrated) exactly there."""
+    if frontier_prob and rng.random() < frontier_prob:
+        cut, q = rng.randrange(len(block)), rng.uniform(0.5, 1.0)
+        masked = [j == cut or (j > cut and rng.random() < q) for j in range(len(block))]
+    else:
+        r = rng.random()
+        masked = [rng.random() < r for _ in block]
+        if not any(masked):
+            masked[rng.randrange(len(block))] = True
     return [mask_id if m else t for t, m in zip(block, masked)], masked
 
 
-def diffusion_batch(items: Sequence[DiffusionItem], mask_id: int, rng: random.Random) -> Batch:
+def diffusion_batch(items: Sequence[DiffusionItem], mask_id: int, rng: random.Random,
+                    frontier_prob: float = 0.0) -> Batch:
     """Rows `[prefix | noisy block]` (all items share prefix length and block size); targets are the
     clean tokens at masked block positions, IGNORE elsewhere."""
     keys = {it.key for it in items}
@@ -140,7 +155,7 @@ def diffusion_batch(items: Sequence[DiffusionItem], mask_id: int, rng: random.Ra
     ids = torch.empty((len(items), P + L), dtype=torch.long)
     targets = torch.full((len(items), P + L), IGNORE, dtype=torch.long)
     for i, it in enumerate(items):
-        noisy, masked = noise_block(it.block, mask_id, rng)
+        noisy, masked = noise_block(it.block, mask_id, rng, frontier_prob)
         ids[i] = torch.tensor(it.prefix + tuple(noisy))
         for j, m in enumerate(masked):
             if m:
@@ -172,11 +187,15 @@ class TrainingStream:
     draws a block size (BLOCK_SIZES, BLOCK_SIZE_WEIGHTS) and an anchor (a random example, a random one
     of the blocks generation would resolve for it), then fills up with blocks of other examples of the
     chunk that sit at the same prefix length — so every row shares the prefix length the forward needs.
+    `frontier_prob` is the share of blocks noised the frontier way (see `noise_block`).
     """
 
     def __init__(self, tokenizer: CloverTokenizer, batch_size: int, seed: int = 0, think_prob: float = 0.8,
                  chunk_size: int = 2048, tasks: Sequence[str] | None = None,
-                 block_sizes: Sequence[int] = BLOCK_SIZES, block_size_weights: Sequence[float] = BLOCK_SIZE_WEIGHTS):
+                 block_sizes: Sequence[int] = BLOCK_SIZES, block_size_weights: Sequence[float] = BLOCK_SIZE_WEIGHTS,
+                 frontier_prob: float = 0.0):
+        if not 0.0 <= frontier_prob <= 1.0:
+            raise ValueError(f"frontier_prob must lie in [0, 1], got {frontier_prob}")
         self.tokenizer = tokenizer
         self.ids = TokenIds(tokenizer)
         self.batch_size = batch_size
@@ -186,6 +205,7 @@ class TrainingStream:
         self.tasks = tasks
         self.block_sizes = tuple(block_sizes)
         self.block_size_weights = tuple(block_size_weights)
+        self.frontier_prob = frontier_prob
 
     def _chunk(self, index: int) -> Iterator[tuple[Batch, Batch]]:
         rng = random.Random(f"{self.seed}:{index}")   # str seeds hash deterministically (sha512)
@@ -207,7 +227,7 @@ class TrainingStream:
             others = [c for c in at[(seqs[anchor].prompt_len + n * bs, bs)] if c[0] != anchor]
             chosen = [(anchor, n)] + rng.sample(others, min(len(others), self.batch_size - 1))
             items = [diffusion_item(seqs[i], bs, m, self.ids.pad) for i, m in chosen]
-            yield causal, diffusion_batch(items, self.ids.mask, rng)
+            yield causal, diffusion_batch(items, self.ids.mask, rng, self.frontier_prob)
 
     def __iter__(self) -> Iterator[tuple[Batch, Batch]]:
         index = 0

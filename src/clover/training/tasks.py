@@ -156,7 +156,14 @@ def _recall(rng: random.Random):
     pairs = ", ".join(f"{key}={v}" for key, v in values.items())
     k = rng.choice(keys)
     question = rng.choice(RECALL_TEMPLATES).format(pairs=pairs, k=k)
-    return question, f"{k}={values[k]}", str(values[k]), f"{pairs}?{k}"
+    # a scan, as for count: copy the pairs in order up to the asked key — copying plus "is this the
+    # key?" is learnable by a tiny model; jumping straight to the value (associative lookup) was not
+    scan = []
+    for key in keys:
+        scan.append(f"{key}={values[key]}")
+        if key == k:
+            break
+    return question, f"looking for {k}: " + " ".join(scan), str(values[k]), f"{pairs}?{k}"
 
 
 def _repeat(rng: random.Random):

@@ -319,10 +319,12 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 warmup: float = 0.05, weight_decay: float = 0.1, clip: float = 1.0, balance_coef: float = 0.01,
                 think_prob: float = 0.8, threads: int | None = 1, log_every: int = 10, log=print,
                 tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None,
-                tasks: tuple[str, ...] | None = None, save_every: int = 0) -> TrainResult:
+                tasks: tuple[str, ...] | None = None, save_every: int = 0,
+                frontier_prob: float = 0.0) -> TrainResult:
     """Train from scratch; save to `out` (a complete model directory) when given.
 
     `tasks` is the round-robin task tuple of the training stream (see `parse_task_weights`).
+    `frontier_prob` is the share of diffusion blocks noised as LowConfidence's frontier (data.noise_block).
     `save_every` > 0 also writes `out` every that many steps, so a long run that is stopped keeps its
     latest weights.
     With `time_budget_min`, the schedule runs on max(step/steps, elapsed/budget) and training stops when
@@ -362,7 +364,8 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
     balance = RouterBalance(model)
-    stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob, tasks=tasks))
+    stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob, tasks=tasks,
+                                   frontier_prob=frontier_prob))
     result = TrainResult(model, tokenizer)
     budget_s = time_budget_min * 60 if time_budget_min else None
     window: list[dict] = []
@@ -453,6 +456,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="integer task weights, e.g. 'reverse=3,repeat=2' (unnamed evaluated tasks: 1; "
                         f"training-only tasks: {', '.join(TRAINING_ONLY_TASKS)})")
     p.add_argument("--save-every", type=int, default=0, help="also save the model directory every K steps")
+    p.add_argument("--frontier-prob", type=float, default=0.0,
+                   help="share of diffusion blocks masked as LowConfidence's frontier (clean left, masked right) "
+                        "instead of uniformly")
     args = p.parse_args(argv)
     try:
         tasks = parse_task_weights(args.task_weights)
@@ -462,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
                 config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
                 time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
                 init_from=args.init_from, tasks=tasks, save_every=args.save_every,
+                frontier_prob=args.frontier_prob,
                 log=lambda s: print(s, flush=True))
 
 
