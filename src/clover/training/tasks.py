@@ -54,35 +54,31 @@ def _digits_lsb_first(n: int, width: int) -> list[int]:
 
 
 def addition_steps(a: int, b: int) -> str:
-    """Written column addition, least-significant digit first; the last column writes its whole sum."""
+    """Written column addition, least-significant digit first, in a fixed shape: a header naming the
+    columns, then one line per column with carry-in, two-digit sum, written digit and carry-out always
+    present (`7+6+1=14 write 4 carry 1`). Every column is the same number of tokens, so the trace's
+    length follows from the operands alone — block decoding can place the end of the thinking before
+    it has worked out the carries (variable-length lines made it guess, and guess short)."""
     width = max(len(str(a)), len(str(b)))
-    lines, carry = [], 0
-    for i, (x, y) in enumerate(zip(_digits_lsb_first(a, width), _digits_lsb_first(b, width))):
+    lines, carry = [f"{width} columns"], 0
+    for x, y in zip(_digits_lsb_first(a, width), _digits_lsb_first(b, width)):
         s = x + y + carry
-        expr = f"{x}+{y}" + ("+1" if carry else "")
-        if i == width - 1:
-            lines.append(f"{expr}={s} write {s}")
-        elif s >= 10:
-            lines.append(f"{expr}={s} write {s - 10} carry 1")
-        else:
-            lines.append(f"{expr}={s} write {s}")
-        carry = int(s >= 10)
+        lines.append(f"{x}+{y}+{carry}={s:02d} write {s % 10} carry {s // 10}")
+        carry = s // 10
     return "\n".join(lines)
 
 
 def subtraction_steps(a: int, b: int) -> str:
-    """Written column subtraction (a >= b), least-significant digit first: a column that needs a
-    borrow shows its top digit plus ten (`14-7=7 write 7 borrow 1`)."""
+    """Written column subtraction (a >= b), least-significant digit first, in the fixed shape of
+    `addition_steps`: the top digit is shown with the ten it borrows (`14-7-0=7 write 7 borrow 1`, or
+    `04-2-0=2 write 2 borrow 0` when it borrows none), then the subtrahend digit and the borrow-in."""
     width = len(str(a))
-    lines, borrow = [], 0
+    lines, borrow = [f"{width} columns"], 0
     for x, y in zip(_digits_lsb_first(a, width), _digits_lsb_first(b, width)):
-        tail = f"-{y}" + ("-1" if borrow else "")
-        r = x - y - borrow
-        if r < 0:
-            lines.append(f"1{x}{tail}={r + 10} write {r + 10} borrow 1")
-        else:
-            lines.append(f"{x}{tail}={r} write {r}")
-        borrow = int(r < 0)
+        out = int(x - y - borrow < 0)
+        r = 10 * out + x - y - borrow
+        lines.append(f"{out}{x}-{y}-{borrow}={r} write {r} borrow {out}")
+        borrow = out
     return "\n".join(lines)
 
 
@@ -140,13 +136,15 @@ def _count(rng: random.Random):
     items = [c] * k + [rng.choice(others) for _ in range(rng.randint(max(0, 5 - k), 7 - k))]
     rng.shuffle(items)
     s = " ".join(items)
-    # a scan: every letter copied in order, each match tagged with the running count — a small model
-    # learns copying plus "last count + 1" far more easily than counting matches it cannot see
+    # a scan: every letter copied in order with the running count — a small model learns copying plus
+    # "last count + 1" far more easily than counting matches it cannot see; tagging every letter (not
+    # just the matches) gives the trace a length the letter count alone fixes, which block decoding
+    # can plan before it knows the answer
     seen, scan = 0, []
     for x in items:
         seen += x == c
-        scan.append(f"{x}={seen}" if x == c else x)
-    thinking = f"counting {c}: " + " ".join(scan)
+        scan.append(f"{x}={seen}")
+    thinking = f"{len(items)} letters, counting {c}: " + " ".join(scan)
     return rng.choice(COUNT_TEMPLATES).format(c=c, s=s), thinking, str(k), f"{c}|{s}"
 
 
