@@ -17,7 +17,7 @@ import torch
 import clover
 from clover.generation.api import generate_batch, resolve_settings
 from clover.tokenization import CloverTokenizer
-from clover.training.tasks import check_answer, sample_examples
+from clover.training.tasks import TASK_NAMES, check_answer, sample_examples
 
 DEMO = clover.DEMO_MODEL_DIR
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -135,6 +135,7 @@ def test_demo_model_answers_fixed_heldout_problems(demo):
     assert sum(answers) >= MIN_CORRECT, [tok.decode(r.tokens) for r in results]
 
 
-# The demo model's measured strengths (README eval table): all but key-value recall are learnt.
-SOLVED_TASKS = ("sort", "addition", "subtraction", "reverse", "count")
-MIN_CORRECT = 10
+# The demo model's measured strengths (README eval table): every task is learnt (100% autoregressive
+# on the held-out table); one miss in twelve is allowed for numerics on other CPUs.
+SOLVED_TASKS = TASK_NAMES
+MIN_CORRECT = 11

@@ -4,7 +4,8 @@ Each task turns a random problem into an `Example`: a user question (phrasing dr
 templates), a short regular thinking trace and the exact answer. A hash of the problem itself (not its
 phrasing) puts it in the "train" or "heldout" split, so held-out problems are never trained on.
 Traces are kept short (prompt + thinking + answer well under 100 tokens) so a ~2-5M-parameter model
-can learn them on CPU.
+can learn them on CPU, and fixed in shape (their length follows from the question, not from the
+answer), so block decoding can lay a trace out before it has worked it through.
 """
 
 from __future__ import annotations
