@@ -130,9 +130,10 @@ def noise_block(block: Sequence[int], mask_id: int, rng: random.Random,
 
     With probability `frontier_prob`, frontier noise instead: positions before a cut `c ~ U{0..L-1}` stay
     clean, `c` is masked and each later position is masked with probability `q ~ U(0.5, 1)`. Uniform
-    noise almost never shows a block whose whole right side is still masked, yet that is where
-    LowConfidence decoding predicts its next token from; a model trained only uniformly is weak (and
-    badly calibrated) exactly there."""
+    noise rarely shows a block whose right side is still (mostly) masked, yet LowConfidence decoding
+    spends its steps in that state. (Measured on the demo model: trained with it, confident commits
+    ahead of the frontier were wrong 0.1% of the time, against 1% without; its effect was not isolated
+    from the longer training that came with it.)"""
     if frontier_prob and rng.random() < frontier_prob:
         cut, q = rng.randrange(len(block)), rng.uniform(0.5, 1.0)
         masked = [j == cut or (j > cut and rng.random() < q) for j in range(len(block))]
