@@ -464,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
         tasks = parse_task_weights(args.task_weights)
     except ValueError as e:
         p.error(str(e))
+    if not 0.0 <= args.frontier_prob <= 1.0:
+        p.error(f"--frontier-prob must lie in [0, 1], got {args.frontier_prob}")
     train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                 config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
                 time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
