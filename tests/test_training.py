@@ -186,3 +186,74 @@ def test_save_every_writes_a_loadable_directory_mid_run(tmp_path):
     assert saved_at == [f"saved step 2 to {tmp_path}"]          # step 4 is the final save
     model = clover.load(tmp_path)
     assert model.config.hidden_size == 64
+
+
+# ---- decode-state noise -------------------------------------------------------------------------
+def _plain_decode_state(model, row: list[int], L: int, mask: int, steps: int, tau: float) -> list[int]:
+    """One row, written out: teacher-forced SPEC §5 fill rule, stopping before the block resolves."""
+    P = len(row) - L
+    x = row[:P] + [mask] * L
+    for _ in range(steps):
+        with torch.no_grad():
+            conf = model(torch.tensor([x]), block_len=L)[0, P:].float().softmax(-1).max(-1).values.tolist()
+        masked = [j for j in range(L) if x[P + j] == mask]
+        fill = [j for j in masked if conf[j] > tau] or [max(masked, key=lambda j: (conf[j], -j))]
+        if len(fill) == len(masked):
+            break
+        for j in fill:
+            x[P + j] = row[P + j]
+    return x
+
+
+def _demo_diffusion_batch(seed: int):
+    import clover
+    from clover.tokenization import CloverTokenizer
+
+    model = clover.load(clover.DEMO_MODEL_DIR, dtype=torch.float32)
+    tok = CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR)
+    stream = iter(TrainingStream(tok, batch_size=6, seed=seed))
+    batch = next(b for _, b in stream if b.block_len == 32)
+    return model, batch
+
+
+def test_decode_states_follow_the_fill_rule_row_by_row():
+    from clover.training.decode_states import lowconfidence_state
+
+    model, batch = _demo_diffusion_batch(seed=5)
+    mask = model.config.mask_token_id
+    clean = torch.where(batch.targets != IGNORE, batch.targets, batch.input_ids)
+    steps, taus = [1, 2, 3, 1, 2, 3], [0.95, 0.95, 0.8, 0.8, 0.5, 0.95]
+    states = lowconfidence_state(model, clean, 32, mask, steps, taus)
+    for r in range(clean.shape[0]):
+        assert states[r].tolist() == _plain_decode_state(model, clean[r].tolist(), 32, mask, steps[r], taus[r])
+    partly = [(s[-32:] == mask).sum().item() for s in states]
+    assert any(0 < n < 32 for n in partly)        # the demo model resolves part of a block per step
+
+
+def test_with_decode_states_takes_loss_on_the_still_masked_positions():
+    from clover.training.decode_states import with_decode_states
+
+    model, batch = _demo_diffusion_batch(seed=6)
+    mask, P = model.config.mask_token_id, batch.input_ids.shape[1] - 32
+    clean = torch.where(batch.targets != IGNORE, batch.targets, batch.input_ids)
+    assert with_decode_states(model, batch, mask, random.Random(0), 0.0) is batch
+    out = with_decode_states(model, batch, mask, random.Random(0), 1.0)
+    assert torch.equal(out.input_ids[:, :P], clean[:, :P]) and out.block_len == 32
+    block, targets = out.input_ids[:, P:], out.targets[:, P:]
+    still = block == mask
+    assert still.any(1).all()                                  # every row keeps something to learn
+    assert torch.equal(torch.where(still, clean[:, P:], block), clean[:, P:])   # revealed = clean tokens
+    assert torch.equal(targets, torch.where(still, clean[:, P:], IGNORE))
+    assert (out.targets[:, :P] == IGNORE).all()
+
+
+def test_training_with_decode_states_is_deterministic_and_changes_the_diffusion_rows():
+    from clover.training.train import train_model
+
+    def run(prob):
+        return [r["diffusion"] for r in train_model(None, steps=3, seed=1, batch_size=4, lr=1e-3,
+                                                     config_size="tiny", decode_state_prob=prob,
+                                                     log=lambda s: None).history]
+
+    assert run(1.0) == run(1.0)
+    assert run(1.0) != run(0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from clover.model import CloverForCausalLM
 from clover.tokenization import CloverTokenizer
 from clover.training.build_tokenizer import build_tokenizer
 from clover.training.data import IGNORE, TrainingStream
+from clover.training.decode_states import with_decode_states
 from clover.training.tasks import TASK_NAMES, TRAINING_ONLY_TASKS, check_answer, sample_examples
 
 MAX_DIR_BYTES = 16 * 1024 * 1024
@@ -320,11 +322,13 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 think_prob: float = 0.8, threads: int | None = 1, log_every: int = 10, log=print,
                 tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None,
                 tasks: tuple[str, ...] | None = None, save_every: int = 0,
-                frontier_prob: float = 0.0) -> TrainResult:
+                frontier_prob: float = 0.0, decode_state_prob: float = 0.0) -> TrainResult:
     """Train from scratch; save to `out` (a complete model directory) when given.
 
     `tasks` is the round-robin task tuple of the training stream (see `parse_task_weights`).
-    `frontier_prob` is the share of diffusion blocks noised as LowConfidence's frontier (data.noise_block).
+    `frontier_prob` is the share of diffusion blocks noised as LowConfidence's frontier (data.noise_block);
+    `decode_state_prob` the share of diffusion rows replaced by the model's own teacher-forced
+    LowConfidence states (decode_states.py).
     `save_every` > 0 also writes `out` every that many steps, so a long run that is stopped keeps its
     latest weights.
     With `time_budget_min`, the schedule runs on max(step/steps, elapsed/budget) and training stops when
@@ -367,6 +371,7 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob, tasks=tasks,
                                    frontier_prob=frontier_prob))
     result = TrainResult(model, tokenizer)
+    state_rng = random.Random(f"decode-states:{seed}")
     budget_s = time_budget_min * 60 if time_budget_min else None
     window: list[dict] = []
     tokens_seen, t_log = 0, time.time()
@@ -382,6 +387,9 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
         for group in opt.param_groups:
             group["lr"] = cur_lr
         causal, diffusion = next(stream)
+        if decode_state_prob:
+            diffusion = with_decode_states(model, diffusion, config.mask_token_id, state_rng, decode_state_prob)
+            balance.probs.clear()   # those no-grad forwards are not part of the balance term
 
         logits = model(causal.input_ids)
         loss_c = F.cross_entropy(logits.flatten(0, 1).float(), causal.targets.flatten(), ignore_index=IGNORE)
@@ -459,6 +467,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--frontier-prob", type=float, default=0.0,
                    help="share of diffusion blocks masked as LowConfidence's frontier (clean left, masked right) "
                         "instead of uniformly")
+    p.add_argument("--decode-state-prob", type=float, default=0.0,
+                   help="share of diffusion rows replaced by the model's own teacher-forced LowConfidence "
+                        "states (costs up to 3 extra no-grad forwards per step)")
     args = p.parse_args(argv)
     try:
         tasks = parse_task_weights(args.task_weights)
@@ -466,11 +477,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if not 0.0 <= args.frontier_prob <= 1.0:
         p.error(f"--frontier-prob must lie in [0, 1], got {args.frontier_prob}")
+    if not 0.0 <= args.decode_state_prob <= 1.0:
+        p.error(f"--decode-state-prob must lie in [0, 1], got {args.decode_state_prob}")
     train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                 config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
                 time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
                 init_from=args.init_from, tasks=tasks, save_every=args.save_every,
-                frontier_prob=args.frontier_prob,
+                frontier_prob=args.frontier_prob, decode_state_prob=args.decode_state_prob,
                 log=lambda s: print(s, flush=True))
 
 
