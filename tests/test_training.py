@@ -217,17 +217,25 @@ def _demo_diffusion_batch(seed: int):
 
 
 def test_decode_states_follow_the_fill_rule_row_by_row():
+    from tiny_models import make_model
+
     from clover.training.decode_states import lowconfidence_state
 
-    model, batch = _demo_diffusion_batch(seed=5)
-    mask = model.config.mask_token_id
-    clean = torch.where(batch.targets != IGNORE, batch.targets, batch.input_ids)
-    steps, taus = [1, 2, 3, 1, 2, 3], [0.95, 0.95, 0.8, 0.8, 0.5, 0.95]
-    states = lowconfidence_state(model, clean, 32, mask, steps, taus)
-    for r in range(clean.shape[0]):
-        assert states[r].tolist() == _plain_decode_state(model, clean[r].tolist(), 32, mask, steps[r], taus[r])
-    partly = [(s[-32:] == mask).sum().item() for s in states]
-    assert any(0 < n < 32 for n in partly)        # the demo model resolves part of a block per step
+    model = make_model(seed=3)
+    mask, L = model.config.mask_token_id, 8
+    clean = torch.randint(5, mask, (4, 12 + L), generator=torch.Generator().manual_seed(0))
+    first = clean.clone()
+    first[:, -L:] = mask
+    with torch.no_grad():
+        conf = model(first, block_len=L)[:, -L:].softmax(-1).amax(-1)
+    # τ at a row's median first-step confidence: part of the block passes, the rest waits; τ = 1: one
+    # fallback fill per step; τ = 0: the block would resolve at once, so the state stays all-mask
+    steps, taus = [1, 3, 3, 2], [conf[0].median().item(), conf[1].median().item(), 1.0, 0.0]
+    states = lowconfidence_state(model, clean, L, mask, steps, taus)
+    for r in range(4):
+        assert states[r].tolist() == _plain_decode_state(model, clean[r].tolist(), L, mask, steps[r], taus[r])
+    still = (states[:, -L:] == mask).sum(1).tolist()
+    assert 0 < still[0] < L and still[2] == L - 3 and still[3] == L
 
 
 def test_with_decode_states_takes_loss_on_the_still_masked_positions():
