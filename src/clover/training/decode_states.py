@@ -10,7 +10,8 @@ exactly the states decoding visits, in particular the confident guesses ahead of
 LowConfidence commits and autoregressive decoding never makes.
 
 A row stops one step early rather than resolve its whole block (a state needs a masked position to
-learn from). The extra forwards run without gradients: about one forward per step of training time.
+learn from). The extra forwards (up to `max_steps`, over the chosen rows only) run without gradients;
+on the demo model a share of 0.5 cost about 10% of the training steps per minute.
 """
 
 from __future__ import annotations
