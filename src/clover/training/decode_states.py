@@ -30,8 +30,7 @@ def lowconfidence_state(model, clean: torch.Tensor, block_len: int, mask_id: int
                         thresholds: Sequence[float]) -> torch.Tensor:
     """`clean [R, P+L]` (prefix + clean block) → the same rows with the block as teacher-forced
     LowConfidence decoding leaves it after `steps[r]` steps at threshold `thresholds[r]`."""
-    R, T = clean.shape
-    P = T - block_len
+    P = clean.shape[1] - block_len
     x = clean.clone()
     x[:, P:] = mask_id
     left = torch.tensor(list(steps))
@@ -69,5 +68,5 @@ def with_decode_states(model, batch: Batch, mask_id: int, rng: random.Random, pr
     ids[rows] = states
     targets[rows] = IGNORE
     still = states[:, P:] == mask_id
-    targets[rows, P:] = torch.where(still, clean[rows, P:], torch.full_like(still, IGNORE, dtype=torch.long))
+    targets[rows, P:] = torch.where(still, clean[rows, P:], IGNORE)
     return Batch(ids, targets, L)
