@@ -701,3 +701,22 @@ def test_block_logits_only_where_asked():
     part = model.step(block, caches, block=True, logits_at=wanted)
     assert part.shape[0] == int(wanted.sum())
     assert (part - full[wanted]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [4, 5, 36, 67, 80])
+def test_depthwise_conv_equals_conv1d(dtype, length):
+    """The short-input depthwise convolution (decode and block steps) computes conv1d, and a row's
+    result does not depend on the rows batched with it."""
+    from clover.layers.gated_deltanet import depthwise_conv
+
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(3, 24, length, generator=g, dtype=F64)
+    w = torch.randn(24, 1, 4, generator=g, dtype=F64) * 0.5
+    ref = F.conv1d(x, w, groups=24)
+    out = depthwise_conv(x.to(dtype), w.to(dtype))
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert _maxdiff(out.to(F64), ref) <= tol * ref.abs().max()
+    for r in range(3):
+        assert torch.equal(depthwise_conv(x[r:r + 1].to(dtype), w.to(dtype))[0], out[r])

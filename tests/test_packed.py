@@ -17,6 +17,13 @@ def test_packed_model_matches_plain_model(variant):
     packed = copy.deepcopy(plain)
     assert pack_for_cpu(packed) > 0
     assert packed.model.layers[0].mlp.experts.gate_up_proj is None          # originals freed
+    fused = [m for m in packed.modules() if getattr(m, "input_projections", None)]
+    assert len(fused) == 2 * plain.config.num_hidden_layers                  # mixer + MoE per layer
+    for m in fused:                       # one stacked matrix replaces the maps that read the same input
+        assert m.fused_input is not None
+        for name in m.input_projections:
+            parent, _, leaf = name.rpartition(".")
+            assert not hasattr(m.get_submodule(parent) if parent else m, leaf)
     ids = torch.randint(6, 90, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         a, b = plain(ids), packed(ids)

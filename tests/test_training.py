@@ -228,9 +228,11 @@ def test_decode_states_follow_the_fill_rule_row_by_row():
     first[:, -L:] = mask
     with torch.no_grad():
         conf = model(first, block_len=L)[:, -L:].softmax(-1).amax(-1)
-    # τ at a row's median first-step confidence: part of the block passes, the rest waits; τ = 1: one
-    # fallback fill per step; τ = 0: the block would resolve at once, so the state stays all-mask
-    steps, taus = [1, 3, 3, 2], [conf[0].median().item(), conf[1].median().item(), 1.0, 0.0]
+    # τ halfway between a row's two middle first-step confidences: half the block passes, the rest
+    # waits, and no confidence sits at τ (batched and single-row forwards differ by float rounding);
+    # τ = 1: one fallback fill per step; τ = 0: the block would resolve at once, so it stays all-mask
+    middle = conf.sort(-1).values[:, L // 2 - 1: L // 2 + 1].mean(-1)
+    steps, taus = [1, 3, 3, 2], [middle[0].item(), middle[1].item(), 1.0, 0.0]
     states = lowconfidence_state(model, clean, L, mask, steps, taus)
     for r in range(4):
         assert states[r].tolist() == _plain_decode_state(model, clean[r].tolist(), L, mask, steps[r], taus[r])

@@ -29,6 +29,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(D, config.rms_norm_eps)
+        self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
+
+    input_projections = ("q_proj", "k_proj", "v_proj")
+
+    def _project(self, x):
+        if self.fused_input is not None:
+            return self.fused_input(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, states, starts, block_len: int, valid_lens=None):
         """x [B, T, H]; states: per-row AttentionState or None; starts: per-row cached prefix length.
@@ -38,11 +46,12 @@ class Attention(nn.Module):
         is committed to the cache (the block's K/V are written past `length` as scratch)."""
         B, T, _ = x.shape
         D = self.head_dim
-        qg = self.q_proj(x).view(B, T, self.num_heads, 2 * D)
+        qg, k, v = self._project(x)
+        qg = qg.reshape(B, T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
         q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if states is None:

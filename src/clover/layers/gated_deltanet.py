@@ -16,6 +16,25 @@ from .delta_rule import gated_delta_rule
 from .norms import GatedRMSNorm, compute_dtype
 
 
+def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Valid depthwise convolution: x [B, C, N], weight [C, 1, K] → [B, C, N − K + 1].
+
+    Decode (one output) and block steps (a few dozen) compute it as K shifted multiply-adds in
+    float32, rounded once as oneDNN's convolution rounds: each oneDNN call costs about 0.25 ms here
+    whatever its length, which would dominate those steps. The sum runs in a fixed order, so a
+    row's result does not depend on the batch around it. Long inputs use conv1d."""
+    K = weight.shape[-1]
+    n = x.shape[-1] - K + 1
+    if n > 64:
+        return F.conv1d(x, weight, groups=x.shape[1])
+    cdt = compute_dtype(x.dtype)
+    xs, w = x.to(cdt), weight[:, :, :].to(cdt)                                # w [C, 1, K]
+    out = xs[..., :n] * w[..., 0]
+    for j in range(1, K):
+        out = out + xs[..., j:j + n] * w[..., j]
+    return out.to(x.dtype)
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -44,13 +63,22 @@ class GatedDeltaNet(nn.Module):
         self.block_mix_logits = nn.Parameter(torch.zeros(self.num_v_heads, 2))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
+
+    input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _project(self, x):
+        """x [B, T, H] → pre-conv channels u, output gate z, and the β / decay inputs b, a."""
+        if self.fused_input is not None:
+            return self.fused_input(x)
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     # ---- pieces --------------------------------------------------------------------------------
     def _right_conv(self, u_block: torch.Tensor) -> torch.Tensor:
         """u_block [B, C, L] → Σ_j W_right[:, j−1]·u_{t+j}, zero past the block's end. [B, C, L]"""
         Kr = self.conv1d_right.weight.shape[-1]
         shifted = F.pad(u_block[:, :, 1:], (0, Kr))
-        return F.conv1d(shifted, self.conv1d_right.weight, groups=self.conv_dim)[:, :, : u_block.shape[2]]
+        return depthwise_conv(shifted, self.conv1d_right.weight)[:, :, : u_block.shape[2]]
 
     def _heads(self, x_conv, a, b, dtype):
         """Post-conv channels → q, k, v, g, β per value head, in compute precision. Shapes [B, H, T, …]."""
@@ -82,9 +110,9 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         dtype = x.dtype
         cdt = compute_dtype(dtype)
-        u = self.in_proj_qkv(x).transpose(1, 2)                              # [B, C, T]
-        z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.dv)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        u, z, b, a = self._project(x)
+        u = u.transpose(1, 2)                                                # [B, C, T]
+        z = z.reshape(B, T, self.num_v_heads, self.dv)
         K = self.kernel
 
         if states is None:
@@ -94,7 +122,7 @@ class GatedDeltaNet(nn.Module):
             tail = torch.stack([s.conv for s in states]) if B > 1 else states[0].conv[None]
             state0 = torch.stack([s.recurrent for s in states]) if B > 1 else states[0].recurrent[None]
         full = torch.cat([tail, u], dim=2)
-        left = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)       # [B, C, T]
+        left = depthwise_conv(full, self.conv1d.weight)                      # [B, C, T]
         P = T - block_len
         if block_len:
             right = self._right_conv(u[:, :, P:])

@@ -33,8 +33,12 @@ class Router(nn.Module):
 
     def forward(self, x):
         """x [N, H] → router probabilities [N, E] in float32 (float64 for float64 models)."""
-        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return torch.softmax(F.linear(x, self.weight).to(cdt), dim=-1)
+        return router_probs(F.linear(x, self.weight))
+
+
+def router_probs(logits: torch.Tensor) -> torch.Tensor:
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.softmax(logits.to(cdt), dim=-1)
 
 
 class Experts(nn.Module):
@@ -95,10 +99,19 @@ class Experts(nn.Module):
     def _forward_one(self, x, indices, weights):
         """One token (decode): the grouped computation without its sort/gather/scatter bookkeeping —
         the same experts in the same (ascending) order, the same weighting and sum, so the result is
-        bit-identical to the grouped path (tested) while issuing about half the small ops."""
-        ids = indices[0].tolist()
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        ys = torch.cat([self._expert(x, ids[j]) for j in order])                # [k, H]
+        bit-identical to the grouped path (tested). The SwiGLU between the two projections runs once
+        over all k experts' rows instead of once per expert."""
+        ids = sorted(indices[0].tolist())
+        order = indices[0].argsort(stable=True)
+        if self.packed is not None:
+            from .packed import packed_linear
+
+            gate_up = torch.cat([packed_linear(x, self.packed[e][0]) for e in ids])      # [k, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+            ys = torch.cat([packed_linear(hidden[j:j + 1], self.packed[e][1]) for j, e in enumerate(ids)])
+        else:
+            ys = torch.cat([self._expert(x, e) for e in ids])                            # [k, H]
         ys = ys * weights[0, order, None].to(ys.dtype)
         return ys.sum(0, keepdim=True)
 
@@ -125,6 +138,18 @@ class SparseMoE(nn.Module):
         self.experts = Experts(config.num_experts, H, config.moe_intermediate_size)
         self.shared_expert = SwiGLU(H, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
+
+    # everything that reads the layer's input: router, shared expert's gate and up, its output gate
+    input_projections = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
+
+    def _router_and_shared(self, flat):
+        """flat [N, H] → (router probabilities [N, E], gated shared-expert output [N, H])."""
+        if self.fused_input is not None:
+            logits, gate, up, shared_gate = self.fused_input(flat)
+            shared = self.shared_expert.down_proj(F.silu(gate) * up)
+            return router_probs(logits), torch.sigmoid(shared_gate) * shared
+        return self.gate(flat), torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
 
     def forward(self, x, block_len: int = 0, block_top_p=None):
         """x [B, T, H]. The last `block_len` tokens of each row are a noisy block; `block_top_p` [B]
@@ -132,7 +157,7 @@ class SparseMoE(nn.Module):
         the number of distinct experts each row's block used, when there is a block."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        probs = self.gate(flat)                                            # [B·T, E]
+        probs, shared = self._router_and_shared(flat)                       # probs [B·T, E]
         allowed = None
         if block_len and block_top_p is not None:
             block_probs = probs.view(B, T, -1)[:, T - block_len:]
@@ -143,7 +168,6 @@ class SparseMoE(nn.Module):
         weights, indices = route_top_k(probs, self.top_k, allowed)
         weights = weights.to(x.dtype)
         out = self.experts(flat, indices, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = (out + shared).view(B, T, H)
 
         distinct = None

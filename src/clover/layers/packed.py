@@ -26,6 +26,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class FusedProjection(nn.Module):
+    """Several linear maps of the same input stacked into one packed matrix. Decode multiplies one
+    row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
+    stacked rows reads the same bytes once and returns the pieces as views."""
+
+    def __init__(self, linears: list):
+        super().__init__()
+        self.sizes = [m.weight.shape[0] for m in linears]
+        stacked = torch.cat([m.weight.detach() for m in linears])
+        self.packed = _pack(stacked)
+        biases = [getattr(m, "bias", None) for m in linears]
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([torch.zeros(n, dtype=stacked.dtype) if b is None else b.detach()
+                                   for b, n in zip(biases, self.sizes)])
+
+    def forward(self, x):
+        return packed_linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` whose weight lives in oneDNN's blocked layout."""
 
@@ -48,7 +68,7 @@ def pack_for_cpu(model) -> int:
         return 0
     from .moe import Experts
 
-    count = 0
+    count = _fuse_input_projections(model)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     # Collect names, not modules: a list of the modules themselves would keep every replaced
     # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
@@ -67,4 +87,24 @@ def pack_for_cpu(model) -> int:
             count += 1
         del child       # the replaced weight is freed here, before the next matrix is packed
     model.packed = True
+    return count
+
+
+def _fuse_input_projections(model) -> int:
+    """Give each module that declares `input_projections` (names of linear maps that all read the
+    module's input) one `FusedProjection` in `fused_input`, dropping the separate matrices."""
+    count = 0
+    for module in list(model.modules()):
+        names = getattr(module, "input_projections", None)
+        if not names or getattr(module, "fused_input", None) is not None:
+            continue
+        linears = [module.get_submodule(n) for n in names]
+        if any(m.weight.dtype != torch.bfloat16 for m in linears):
+            continue
+        module.fused_input = FusedProjection(linears)
+        del linears
+        for name in names:                 # free each original as soon as the stack is packed
+            parent_name, _, leaf = name.rpartition(".")
+            delattr(module.get_submodule(parent_name) if parent_name else module, leaf)
+        count += 1
     return count
