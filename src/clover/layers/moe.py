@@ -83,18 +83,32 @@ class Experts(nn.Module):
         token_of_slot = order // k
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
-        ys = torch.empty_like(xs)
+        spans = []                                                         # (expert, start, end)
         start = 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            ys[start:end] = self._expert(xs[start:end], expert)
-            start = end
+            if count:
+                spans.append((expert, start, start + count))
+                start += count
+        if self.packed is not None:
+            ys = self._packed_spans(xs, spans)
+        else:
+            ys = torch.empty_like(xs)
+            for expert, start, end in spans:
+                ys[start:end] = self._expert(xs[start:end], expert)
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of_slot, ys)
         return out
+
+    def _packed_spans(self, xs, spans):
+        """Packed experts over their row spans of `xs`: every expert's gate/up projection, one SwiGLU
+        over all rows, then every expert's down projection — per expert only the two matmuls."""
+        from .packed import packed_linear
+
+        gate_up = torch.cat([packed_linear(xs[s:e], self.packed[ex][0]) for ex, s, e in spans])
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        return torch.cat([packed_linear(hidden[s:e], self.packed[ex][1]) for ex, s, e in spans])
 
     def _forward_one(self, x, indices, weights):
         """One token (decode): the grouped computation without its sort/gather/scatter bookkeeping —
@@ -104,12 +118,7 @@ class Experts(nn.Module):
         ids = sorted(indices[0].tolist())
         order = indices[0].argsort(stable=True)
         if self.packed is not None:
-            from .packed import packed_linear
-
-            gate_up = torch.cat([packed_linear(x, self.packed[e][0]) for e in ids])      # [k, 2I]
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-            ys = torch.cat([packed_linear(hidden[j:j + 1], self.packed[e][1]) for j, e in enumerate(ids)])
+            ys = self._packed_spans(x.expand(len(ids), -1), [(e, j, j + 1) for j, e in enumerate(ids)])
         else:
             ys = torch.cat([self._expert(x, e) for e in ids])                            # [k, H]
         ys = ys * weights[0, order, None].to(ys.dtype)
