@@ -668,6 +668,13 @@ def test_chunked_prefill_equals_one_pass():
         assert got.shape == expected.shape and (got - expected).abs().max() < 1e-10
         last = model.step(ids, [model.make_cache()], logits_at="last")
         assert (last - expected[:, -1:]).abs().max() < 1e-10
+        # a logits mask over the final positions (150 = 2·64 + 22: the last chunk holds 22)
+        mask = torch.zeros(1, 20, dtype=torch.bool)
+        mask[0, [0, 7, 19]] = True
+        rows = model.step(ids, [model.make_cache()], logits_at=mask)
+        assert (rows - expected[0, 130:][mask[0]]).abs().max() < 1e-10
+        with pytest.raises(ValueError, match="past the last prefill chunk"):
+            model.step(ids, [model.make_cache()], logits_at=torch.ones(1, 30, dtype=torch.bool))
         nxt = torch.tensor([[7]])
         assert (model.step(nxt, [chunked]) - model.step(nxt, [whole])).abs().max() < 1e-10
     finally:

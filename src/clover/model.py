@@ -159,16 +159,20 @@ class CloverForCausalLM(nn.Module):
         """A long causal pass as consecutive causal steps over the caches (chunked prefill)."""
         outs = []
         T = ids.shape[1]
+        last_len = T - (T - 1) // self.prefill_chunk * self.prefill_chunk
+        if torch.is_tensor(logits_at) and logits_at.shape[1] > last_len:
+            raise ValueError(f"a logits mask over {logits_at.shape[1]} positions reaches past the last prefill "
+                             f"chunk ({last_len} tokens); pass logits_at='all' for a pass this long")
         for start in range(0, T, self.prefill_chunk):
             last = start + self.prefill_chunk >= T
             want = logits_at if (last or logits_at == "all") else "none"
             out = self.step(ids[:, start : start + self.prefill_chunk], caches, logits_at=want)
             if out is not None:
                 outs.append(out)
+        if torch.is_tensor(logits_at):
+            return outs[-1]                  # the last chunk's own masked rows
         if logits_at == "none":
             return None
-        if torch.is_tensor(logits_at):
-            return self._masked_logits(h, logits_at)
         return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
 
     def _masked_logits(self, h, mask):
