@@ -4,8 +4,11 @@ PyTorch's default bf16 `F.linear` reaches ~60% of a core's read bandwidth on one
 the same weights reordered once into oneDNN's blocked layout run the identical arithmetic (bit-equal
 outputs, measured) ~1.4–1.8× faster for one or a few rows. `pack_for_cpu(model)` swaps every bf16
 `nn.Linear` and each routed expert's matrices for packed copies and frees the originals, so memory
-does not grow. The unpacked model stays the reference (tests compare the two). Inference only:
-packed weights carry no gradients and are not saved by `save_checkpoint`.
+does not grow. First it stacks the maps that read the same input (a module lists them in
+`input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared expert's
+gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call where it
+made four, and the outputs stay bit-equal. The unpacked model stays the reference (tests compare the
+two). Inference only: packed weights carry no gradients and are not saved by `save_checkpoint`.
 """
 
 from __future__ import annotations
