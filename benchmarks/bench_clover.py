@@ -24,6 +24,7 @@ from benchmarks.common import (
     GB,
     EngineAPI,
     bench_block,
+    block_repeats,
     bench_decode,
     bench_prefill,
     current_rss_bytes,
@@ -137,13 +138,13 @@ def main(argv=None) -> int:
                 engine.block_top_p = p
                 log(f"block {args.block_size} over {args.prompt_len}, block_expert_top_p={p}")
                 r = bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
-                                repeats=args.repeats + 2, label=f"top_p={p}")
+                                repeats=block_repeats(args.repeats), label=f"top_p={p}")
                 results.append(r)
             engine.block_top_p = 1.0
         if "commit" in ops:
             log(f"commit {args.block_size} over {args.prompt_len}")
             results.append(bench_commit(engine, config, args.prompt_len, args.block_size, args.warmup,
-                                        args.repeats + 2))
+                                        block_repeats(args.repeats)))
     peak = peak_rss_bytes()
     del engine, model
 

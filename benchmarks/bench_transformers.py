@@ -43,6 +43,7 @@ from benchmarks.common import (
     GB,
     EngineAPI,
     bench_block,
+    block_repeats,
     bench_decode,
     bench_prefill,
     current_rss_bytes,
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="small", choices=sorted(checkpoints.VARIANTS))
     ap.add_argument("--checkpoint", default=None, help="model directory (default: the variant's cached checkpoint)")
     ap.add_argument("--plain", action="store_true", help="use the plain Qwen flavour of the variant checkpoint")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (block: +2)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (block steps: 2·N + 3)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default os.cpu_count())")
     ap.add_argument("--ops", default="prefill,decode,block", help="subset of prefill,decode,block")
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
             log(f"block {args.block_size} over {args.prompt_len} [{impl}]")
             busy = idle()
             add(bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
-                            repeats=args.repeats + 2, label=impl), busy)
+                            repeats=block_repeats(args.repeats), label=impl), busy)
 
     peak = peak_rss_bytes()
     del engine, model

@@ -523,6 +523,12 @@ def bench_decode(api: EngineAPI, config, prompt_len: int = 512, steps: int = 32,
     return r
 
 
+def block_repeats(repeats: int) -> int:
+    """Timed runs for one block step or commit: a single sub-second call, so more samples than the
+    long operations get (their medians moved by 15% between runs with 4 samples)."""
+    return 2 * repeats + 3
+
+
 def bench_block(api: EngineAPI, config, prefix_len: int = 512, block_size: int = 32, warmup: int = 1,
                 repeats: int = 5, bandwidth_gbps: float | None = None, dtype_bytes: float = 2,
                 label: str = "") -> dict:
