@@ -28,7 +28,7 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if n > 64:
         return F.conv1d(x, weight, groups=x.shape[1])
     cdt = compute_dtype(x.dtype)
-    xs, w = x.to(cdt), weight[:, :, :].to(cdt)                                # w [C, 1, K]
+    xs, w = x.to(cdt), weight.to(cdt)                                         # w [C, 1, K]
     out = xs[..., :n] * w[..., 0]
     for j in range(1, K):
         out = out + xs[..., j:j + n] * w[..., j]

@@ -61,12 +61,7 @@ class Experts(nn.Module):
         self.packed = list(zip(gate_up, down))
 
     def _expert(self, x, expert: int):
-        if self.packed is not None:
-            from .packed import packed_linear
-
-            gate_up, down = self.packed[expert]
-            gate, up = packed_linear(x, gate_up).chunk(2, dim=-1)
-            return packed_linear(F.silu(gate) * up, down)
+        """One unpacked expert on its rows (packed experts go through `_packed_spans`)."""
         gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
