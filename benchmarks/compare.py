@@ -2,17 +2,21 @@
 
     python -m benchmarks.compare --variant small          # quick (≈0.6 GB of weights)
     python -m benchmarks.compare --variant full           # the real per-layer shapes (≈8.5 GB)
+    python -m benchmarks.compare --variant full --rounds 3    # three pairs of runs, order alternating
 
 Runs `benchmarks.bench_clover` and `benchmarks.bench_transformers` one after the other (memory is never
 shared), measures the memory bandwidth once, and prints one table: each operation's median for both
 engines, the ratio, and the fraction of the bandwidth limit for the weight bytes the operation reads.
-Ends with one JSON line.
+On a shared machine the same code measures 10–25% apart from one run to the next over minutes;
+`--rounds N` repeats the pair (bandwidth measured again each round, engine order alternating) and
+reports medians, with each speedup the median of the per-round ones. Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 
@@ -50,24 +54,65 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-lens", default="512,4096")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the pair of runs, alternating which engine goes first; report medians")
     ap.add_argument("--keep-denormals", action="store_true",
                     help="both engines keep IEEE denormals (default: both flush them to zero)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     threads = args.threads or os.cpu_count()
-    # Measured in its own process: a child inherits its parent's peak-RSS mark, so the 2 GiB of copy
-    # buffers must never live in this process.
-    gbps = float(subprocess.run(
-        [sys.executable, "-c", f"from benchmarks.common import measure_bandwidth; print(measure_bandwidth(threads={threads}))"],
-        stdout=subprocess.PIPE, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()[-1])
-    common = ["--variant", args.variant, "--repeats", str(args.repeats), "--threads", str(threads),
-              "--prefill-lens", args.prefill_lens, "--bandwidth-gbps", f"{gbps}"]
-    if args.keep_denormals:
-        common.append("--keep-denormals")
-    ours = run("benchmarks.bench_clover", common)
-    theirs = None
-    if not args.skip_transformers:
-        theirs = run("benchmarks.bench_transformers", common + ["--decode-impls", "batched_mm,grouped_mm",
-                                                                "--block-impls", "grouped_mm,batched_mm"])
+    rounds = []
+    for i in range(args.rounds):
+        # Measured in its own process: a child inherits its parent's peak-RSS mark, so the 2 GiB of copy
+        # buffers must never live in this process.
+        gbps = float(subprocess.run(
+            [sys.executable, "-c",
+             f"from benchmarks.common import measure_bandwidth; print(measure_bandwidth(threads={threads}))"],
+            stdout=subprocess.PIPE, text=True, check=True,
+            cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()[-1])
+        common = ["--variant", args.variant, "--repeats", str(args.repeats), "--threads", str(threads),
+                  "--prefill-lens", args.prefill_lens, "--bandwidth-gbps", f"{gbps}"]
+        if args.keep_denormals:
+            common.append("--keep-denormals")
+        jobs = {"clover": lambda: run("benchmarks.bench_clover", common)}
+        if not args.skip_transformers:
+            jobs["transformers"] = lambda: run("benchmarks.bench_transformers", common + [
+                "--decode-impls", "batched_mm,grouped_mm", "--block-impls", "grouped_mm,batched_mm"])
+        # alternate the order so a slow phase of the machine does not always land on the same engine
+        order = list(jobs) if i % 2 == 0 else list(jobs)[::-1]
+        out = {name: jobs[name]() for name in order}
+        rounds.append({"bandwidth_gbps": gbps, "rows": _rows(out["clover"], out.get("transformers")),
+                       "clover": out["clover"], "transformers": out.get("transformers")})
+
+    rows = _merge(rounds)
+    gbps = statistics.median(r["bandwidth_gbps"] for r in rounds)
+    title = (f"Clover vs transformers — variant {args.variant}, {threads} threads, bf16, bandwidth {gbps:.1f} GB/s"
+             + (f", median of {len(rounds)} rounds" if len(rounds) > 1 else ""))
+    print_table(rows, title=title)
+    if len(rounds) > 1:
+        for i, r in enumerate(rounds, 1):
+            d = next((row for row in r["rows"] if row["op"] == "decode"), None)
+            if d:
+                print(f"round {i}: bandwidth {r['bandwidth_gbps']:.1f} GB/s, decode {d['clover']:.2f} tok/s "
+                      f"({d.get('%BW', float('nan')):.0f}% BW)" + (
+                          f" vs {d['transformers']:.2f}, {d['speedup']:.2f}x" if "transformers" in d else ""))
+    ours = [r["clover"] for r in rounds]
+    summary = {"bandwidth_gbps": gbps,
+               "clover_peak_rss_x_weights": max(o["peak_rss_bytes"] / o["weights_bytes"] for o in ours)}
+    theirs = [r["transformers"] for r in rounds if r["transformers"]]
+    if theirs:
+        summary["transformers_peak_rss_x_weights"] = max(t["peak_rss_bytes"] / t["weights_bytes"] for t in theirs)
+    ratios = [_block_over_decode(o) for o in ours]
+    if all(x is not None for x in ratios):
+        summary["block_step_0.7_over_decode_step"] = statistics.median(ratios)
+    print("  ".join(f"{k}={v:.2f}" for k, v in summary.items()))
+    emit_json({"variant": args.variant, "rows": rows, "summary": summary, "rounds": rounds})
+    return 0
+
+
+def _rows(ours: dict, theirs: dict | None) -> list[dict]:
+    """One table row per Clover measurement, with transformers' fastest implementation beside it."""
     best: dict = {}
     for r in (theirs or {}).get("results", []):
         k = _key(r)
@@ -92,18 +137,31 @@ def main(argv=None) -> int:
             row["impl"] = t.get("label", "")
             row["speedup"] = (v / tv) if unit == "tok/s" else (tv / v)
         rows.append(row)
+    return rows
+
+
+def _merge(rounds: list[dict]) -> list[dict]:
+    """Median of each numeric field over rounds; a speedup is the median of per-round speedups (each
+    pairs the two engines measured minutes apart, not a round apart)."""
+    if len(rounds) == 1:
+        return rounds[0]["rows"]
+    merged = []
+    for i, row in enumerate(rounds[0]["rows"]):
+        out = dict(row)
+        for field, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                vals = [r["rows"][i][field] for r in rounds if field in r["rows"][i]]
+                out[field] = statistics.median(vals)
+        merged.append(out)
+    return merged
+
+
+def _block_over_decode(ours: dict):
     decode = next((r for r in ours["results"] if r["op"] == "decode"), None)
     block07 = next((r for r in ours["results"] if r["op"] == "block" and r.get("label") == "top_p=0.7"), None)
-    print_table(rows, title=f"Clover vs transformers — variant {args.variant}, {threads} threads, bf16, "
-                            f"bandwidth {gbps:.1f} GB/s")
-    summary = {"bandwidth_gbps": gbps, "clover_peak_rss_x_weights": ours["peak_rss_bytes"] / ours["weights_bytes"]}
-    if theirs:
-        summary["transformers_peak_rss_x_weights"] = theirs["peak_rss_bytes"] / theirs["weights_bytes"]
     if decode and block07:
-        summary["block_step_0.7_over_decode_step"] = block07["ms"]["median"] / decode["step_ms"]["median"]
-    print("  ".join(f"{k}={v:.2f}" for k, v in summary.items()))
-    emit_json({"variant": args.variant, "rows": rows, "summary": summary, "clover": ours, "transformers": theirs})
-    return 0
+        return block07["ms"]["median"] / decode["step_ms"]["median"]
+    return None
 
 
 if __name__ == "__main__":
