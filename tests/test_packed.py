@@ -45,3 +45,15 @@ def test_packing_skips_float32_models():
     model = make_model("base", dtype=torch.float32)
     assert pack_for_cpu(model) == 0
     assert model.model.layers[0].mlp.experts.gate_up_proj is not None
+
+
+def test_saving_a_packed_model_is_refused(tmp_path):
+    """A packed model's matrices live outside its state dict; saving it would write a checkpoint
+    missing them, so it is an error naming the problem."""
+    from clover.checkpoint import save_checkpoint
+
+    model = make_model("base", dtype=torch.bfloat16)
+    pack_for_cpu(model)
+    with pytest.raises(ValueError, match="packed for CPU inference"):
+        save_checkpoint(model, model.config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

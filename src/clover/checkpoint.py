@@ -368,6 +368,10 @@ def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Pat
     layout: "fused" (transformers 5) or "per_expert" (hub); prefix "model." or "model.language_model.";
     `max_shard_bytes` splits into shards with an index; `include_clover_params=False` drops Clover's
     block-mode parameters (a plain Qwen3.5-MoE checkpoint)."""
+    if getattr(model_or_state, "packed", False):
+        # packed matrices are opaque oneDNN tensors outside the state dict: the file would lack them
+        raise ValueError("cannot save a model packed for CPU inference (pack_for_cpu / load(pack=True)): "
+                         "its packed and stacked matrices are not in its state dict; save an unpacked model")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config.to_dict() if isinstance(config, CloverConfig) else dict(config)

@@ -8,7 +8,7 @@ does not grow. First it stacks the maps that read the same input (a module lists
 `input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared expert's
 gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call where it
 made four, and the outputs stay bit-equal. The unpacked model stays the reference (tests compare the
-two). Inference only: packed weights carry no gradients and are not saved by `save_checkpoint`.
+two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
 from __future__ import annotations
