@@ -727,3 +727,27 @@ def test_depthwise_conv_equals_conv1d(dtype, length):
     assert _maxdiff(out.to(F64), ref) <= tol * ref.abs().max()
     for r in range(3):
         assert torch.equal(depthwise_conv(x[r:r + 1].to(dtype), w.to(dtype))[0], out[r])
+
+
+def test_packed_experts_batched_and_per_expert_swiglu_agree():
+    """Packed experts run the SwiGLU once over all routed rows up to `batched_swiglu_rows`, and per
+    expert beyond it (prefill chunks); both give exactly the same result."""
+    from clover.layers.moe import Experts
+
+    if not packing_available():
+        pytest.skip("packing is for bf16 on CPU with oneDNN")
+    g = torch.Generator().manual_seed(5)
+    experts = Experts(16, 64, 32)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.1)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
+    experts = experts.to(torch.bfloat16)
+    experts.pack()
+    x = torch.randn(60, 64, generator=g).to(torch.bfloat16)
+    w, idx = torch.rand(60, 16, generator=g).softmax(-1).topk(4)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    with torch.no_grad():
+        batched = experts(x, idx, w)
+        experts.batched_swiglu_rows = 0                  # this instance: always per expert
+        per_expert = experts(x, idx, w)
+    assert torch.equal(batched, per_expert) and batched.abs().max() > 0

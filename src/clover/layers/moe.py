@@ -61,7 +61,12 @@ class Experts(nn.Module):
         self.packed = list(zip(gate_up, down))
 
     def _expert(self, x, expert: int):
-        """One unpacked expert on its rows (packed experts go through `_packed_spans`)."""
+        if self.packed is not None:
+            from .packed import packed_linear
+
+            gate_up, down = self.packed[expert]
+            gate, up = packed_linear(x, gate_up).chunk(2, dim=-1)
+            return packed_linear(F.silu(gate) * up, down)
         gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
@@ -84,7 +89,7 @@ class Experts(nn.Module):
             if count:
                 spans.append((expert, start, start + count))
                 start += count
-        if self.packed is not None:
+        if self.packed is not None and xs.shape[0] <= self.batched_swiglu_rows:
             ys = self._packed_spans(xs, spans)
         else:
             ys = torch.empty_like(xs)
@@ -94,6 +99,11 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         out.index_add_(0, token_of_slot, ys)
         return out
+
+    # Up to this many routed rows (decode, block steps) the SwiGLU runs once over all experts' rows;
+    # beyond it (prefill chunks) each expert's intermediate stays in cache instead. In-process A/B on
+    # the small bench model: 256 rows 8.6% faster batched, 4096 rows 2% faster, 8192 rows 12% slower.
+    batched_swiglu_rows = 4096
 
     def _packed_spans(self, xs, spans):
         """Packed experts over their row spans of `xs`: every expert's gate/up projection, one SwiGLU
