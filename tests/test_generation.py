@@ -522,3 +522,56 @@ def test_think_end_resolved_mid_block_ends_thinking_for_later_positions(monkeypa
     monkeypatch.setattr(refgen, "governing_think", lambda ctx, pos, t, te: original(ctx, pos, t, None))
     wrong = reference_generate(model, prompt, **kw).tokens
     assert wrong != out and wrong.count(THINK_END) > out.count(THINK_END)
+
+
+def test_candidates_never_propose_the_excluded_mask_token():
+    """A row whose best (or sampled) candidate is the mask token takes the best other token; rows
+    without it are exactly what they are without `exclude`."""
+    from clover.decoding.unmasking import candidates
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 10, generator=g)
+    logits[1, 9] = logits[3, 9] = 50.0                      # rows 1, 3: the mask id 9 dominates
+    plain_t, plain_c = candidates(logits, do_sample=False)
+    t, c = candidates(logits, do_sample=False, exclude=9)
+    assert plain_t[1] == 9 and 9 not in t.tolist()
+    others = logits.clone()
+    others[:, 9] = float("-inf")
+    assert t[1] == others[1].argmax() and t[3] == others[3].argmax()
+    assert torch.allclose(c[1], torch.softmax(logits[1], -1)[t[1]])      # its probability, not renormalised
+    assert torch.equal(t[[0, 2]], plain_t[[0, 2]]) and torch.equal(c[[0, 2]], plain_c[[0, 2]])
+    for kw in ({}, {"top_k": 3}, {"top_p": 0.9}):       # sampling: the draw is kept unless it is the mask
+        sampled, _ = candidates(logits, do_sample=True, generator=torch.Generator().manual_seed(1), **kw)
+        kept, conf = candidates(logits, do_sample=True, generator=torch.Generator().manual_seed(1), exclude=9, **kw)
+        assert 9 not in kept.tolist() and (conf >= 0).all()
+        assert torch.equal(kept[sampled != 9], sampled[sampled != 9])
+
+
+def test_a_model_that_proposes_the_mask_token_still_finishes_its_blocks():
+    """A model whose favourite prediction is `<|mask|>` once looped forever on one block (the "filled"
+    position stayed masked), which in the server would stall every request. Now each step fills at
+    least one position with a real token."""
+    model = make_model("base", seed=4, dtype=torch.float32)
+    mask = model.config.mask_token_id
+    with torch.no_grad():
+        model.lm_head.weight[mask] = model.lm_head.weight[mask] * 0 + 5.0 * model.lm_head.weight.abs().max()
+        model.model.norm.weight.zero_()
+    forwards = [0]
+    step = model.step
+
+    def counted(*a, **k):
+        forwards[0] += 1
+        if forwards[0] > 200:
+            raise RuntimeError("generation does not progress")
+        return step(*a, **k)
+
+    model.step = counted
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23]]
+    for kw in ({"block_size": 8, "threshold": 0.5}, {"block_size": 8, "do_sample": True, "seed": 3},
+               {"block_size": 8, "decoding": "self_speculative"}):
+        forwards[0] = 0
+        out = model.generate(prompts, max_new_tokens=16, eos_token_id=[], **kw)
+        for p, o in zip(prompts, out):
+            assert len(o) == len(p) + 16
+            if kw.get("decoding") != "self_speculative":   # its corrections are causal (AR) predictions
+                assert mask not in o[len(p):]

@@ -39,6 +39,12 @@ def test_packed_model_matches_plain_model(variant):
         out_a = plain.generate(ids[0, :12].tolist(), max_new_tokens=8, block_size=1)
         out_b = packed.generate(ids[0, :12].tolist(), max_new_tokens=8, block_size=1)
         assert out_a == out_b
+        # several prompts decoded together (batched cached steps: block mode, commits, AR rows)
+        prompts = [ids[0, :9].tolist(), ids[1, :15].tolist(), ids[0, 20:31].tolist()]
+        for kw in ({"block_size": 8, "threshold": 0.5}, {"block_size": 1}):
+            want = plain.generate(prompts, max_new_tokens=16, **kw)
+            got = packed.generate(prompts, max_new_tokens=16, **kw)
+            assert got == want
 
 
 def test_packing_skips_float32_models():

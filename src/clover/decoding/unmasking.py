@@ -47,6 +47,7 @@ def candidates(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
+    exclude: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """One candidate token per row of ``logits[M, V]`` and its confidence (SPEC §5).
 
@@ -57,6 +58,10 @@ def candidates(
     probability ≥ p, never empty), renormalised; one ``torch.multinomial`` draw per row with
     ``generator``; confidence = the sampled id's probability under that filtered distribution,
     i.e. the distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
+    ``exclude``: an id never proposed — the mask token, since a position "filled" with it stays masked
+    and a model that keeps proposing it would never finish its block. A row whose candidate would be
+    that id takes the most likely other id instead (confidence: that id's probability under the same
+    distribution, 0 if a filter dropped it); every other row is exactly what it would be without it.
     Returns ``(tokens LongTensor[M], confidence float32[M])``.
     """
     if logits.dim() != 2:
@@ -67,8 +72,8 @@ def candidates(
 
     if not do_sample or temperature == 0:
         tokens = first_argmax(x, dim=-1)
-        conf = torch.softmax(x, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens, conf
+        probs = torch.softmax(x, dim=-1)
+        return _avoid(tokens, x, probs, exclude)
 
     if M == 0:
         return torch.zeros(0, dtype=torch.long, device=x.device), x.new_zeros(0)
@@ -78,7 +83,7 @@ def candidates(
     use_p = top_p is not None and top_p < 1.0
     if not (use_k or use_p):
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+        return _avoid(tokens, probs, probs, exclude)
 
     # Work in sorted order (descending prob, stable ⇒ lower id first among ties).
     sp, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -96,8 +101,19 @@ def candidates(
         sp = sp / sp.sum(-1, keepdim=True)
     choice = torch.multinomial(sp, 1, generator=generator)  # index into sorted order
     tokens = order.gather(-1, choice).squeeze(-1)
-    conf = sp.gather(-1, choice).squeeze(-1)
-    return tokens, conf
+    if exclude is not None and bool((tokens == exclude).any()):
+        return _avoid(tokens, probs, torch.zeros_like(probs).scatter_(-1, order, sp), exclude)
+    return tokens, sp.gather(-1, choice).squeeze(-1)
+
+
+def _avoid(tokens: Tensor, scores: Tensor, dist: Tensor, exclude: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """Replace candidates equal to ``exclude`` by the best other id of ``scores`` [M, V] (ties → lower
+    id); confidences come from ``dist`` [M, V], the distribution the candidates were taken from."""
+    if exclude is not None and bool((tokens == exclude).any()):
+        others = scores.clone()
+        others[:, exclude] = float("-inf")
+        tokens = torch.where(tokens == exclude, first_argmax(others, dim=-1), tokens)
+    return tokens, dist.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def positions_to_fill(confidence: Tensor, threshold: float) -> Tensor:

@@ -187,7 +187,7 @@ class Sequence:
         controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
         tokens, confidence = candidates(
             controlled, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            generator=self.generator,
+            generator=self.generator, exclude=self.mask_id,   # a mask "fill" would never finish the block
         )
         fill = positions_to_fill(confidence, s.threshold)
         self.draft_steps_done += 1
