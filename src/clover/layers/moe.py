@@ -120,8 +120,8 @@ class Experts(nn.Module):
         the same experts in the same (ascending) order, the same weighting and sum, so the result is
         bit-identical to the grouped path (tested). The SwiGLU between the two projections runs once
         over all k experts' rows instead of once per expert."""
-        ids = sorted(indices[0].tolist())
         order = indices[0].argsort(stable=True)
+        ids = indices[0, order].tolist()                                  # ascending expert ids
         if self.packed is not None:
             ys = self._packed_spans(x.expand(len(ids), -1), [(e, j, j + 1) for j, e in enumerate(ids)])
         else:

@@ -97,9 +97,12 @@ def _fuse_input_projections(model) -> int:
     """Give each module that declares `input_projections` (names of linear maps that all read the
     module's input) one `FusedProjection` in `fused_input`, dropping the separate matrices."""
     count = 0
-    for module in list(model.modules()):
-        names = getattr(module, "input_projections", None)
-        if not names or getattr(module, "fused_input", None) is not None:
+    # Only the owning modules are listed: a list of all modules would keep every replaced linear (and
+    # its weight) alive until the loop ends.
+    owners = [m for m in model.modules() if getattr(m, "input_projections", None)]
+    for module in owners:
+        names = module.input_projections
+        if module.fused_input is not None:
             continue
         linears = [module.get_submodule(n) for n in names]
         if any(m.weight.dtype != torch.bfloat16 for m in linears):
