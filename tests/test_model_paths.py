@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from clover.cache import GDNState
-from clover.layers.packed import packing_available
+from clover.layers.packed import onednn_available
 from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
                                      recurrent_gated_delta_rule)
 from clover.layers.moe import reference_experts
@@ -363,13 +363,16 @@ def test_grouped_experts_equal_reference_experts(N):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [None, "onednn", "kernels"])
 def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
     """Decode's one-token expert path gives exactly what the grouped path gives for that token."""
+    from clover.kernels import available as kernels_available
     from clover.layers.moe import Experts
 
-    if packed and (dtype != torch.bfloat16 or not packing_available()):
-        pytest.skip("packing is for bf16 on CPU with oneDNN")
+    if packed and dtype != torch.bfloat16:
+        pytest.skip("packing is for bf16 on CPU")
+    if packed and not {"onednn": onednn_available, "kernels": kernels_available}[packed]():
+        pytest.skip(f"{packed} unavailable here")
     g = torch.Generator().manual_seed(3)
     experts = Experts(16, 64, 32)
     with torch.no_grad():
@@ -377,7 +380,7 @@ def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
         experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
     experts = experts.to(dtype)
     if packed:
-        experts.pack()
+        experts.pack(kernels=packed == "kernels")
     for trial in range(50):
         x = torch.randn(1, 64, generator=g).to(dtype)
         w, idx = torch.rand(1, 16, generator=g).softmax(-1).topk(4)
@@ -734,7 +737,7 @@ def test_packed_experts_batched_and_per_expert_swiglu_agree():
     expert beyond it (prefill chunks); both give exactly the same result."""
     from clover.layers.moe import Experts
 
-    if not packing_available():
+    if not onednn_available():
         pytest.skip("packing is for bf16 on CPU with oneDNN")
     g = torch.Generator().manual_seed(5)
     experts = Experts(16, 64, 32)

@@ -5,17 +5,21 @@ import copy
 import pytest
 import torch
 
-from clover.layers.packed import pack_for_cpu, packing_available
+from clover.kernels import available as kernels_available
+from clover.layers.packed import onednn_available, pack_for_cpu, packing_available
 from tiny_models import make_model
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN weight packing not available")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="no CPU weight packing backend here")
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["clover-kernels", "onednn"])
 @pytest.mark.parametrize("variant", ["base", "tied_gqa4"])
-def test_packed_model_matches_plain_model(variant):
+def test_packed_model_matches_plain_model(variant, kernels):
+    if not (kernels_available() if kernels else onednn_available()):
+        pytest.skip("backend unavailable here")
     plain = make_model(variant, seed=4, dtype=torch.bfloat16)
     packed = copy.deepcopy(plain)
-    assert pack_for_cpu(packed) > 0
+    assert pack_for_cpu(packed, kernels=kernels) > 0
     assert packed.model.layers[0].mlp.experts.gate_up_proj is None          # originals freed
     fused = [m for m in packed.modules() if getattr(m, "input_projections", None)]
     assert len(fused) == 2 * plain.config.num_hidden_layers                  # mixer + MoE per layer

@@ -47,18 +47,35 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.packed = None   # per expert (gate_up, down) in oneDNN layout, after `pack()`
+        self.packed = None   # per expert (gate_up, down) in oneDNN layout, after `pack(kernels=False)`
+        self.panels = None   # (gate_up, down) stacks in panel layout, after `pack(kernels=True)`
 
-    def pack(self) -> None:
-        """Replace the expert matrices by oneDNN-packed copies (CPU bf16 inference, see packed.py)."""
+    def pack(self, kernels: bool = False) -> None:
+        """Replace the expert matrices by packed copies (CPU bf16 inference, see packed.py): stacked
+        panels for the native kernels, or one oneDNN-packed matrix per expert."""
         from .packed import _pack
 
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
-        gate_up = [_pack(self.gate_up_proj[e]) for e in range(self.num_experts)]
+        if kernels:
+            gate_up = _pack(self.gate_up_proj.data, kernels=True)
+            self.gate_up_proj = None
+            self.panels = (gate_up, _pack(self.down_proj.data, kernels=True))
+            self.down_proj = None
+            return
+        gate_up = [_pack(self.gate_up_proj[e], kernels=False) for e in range(self.num_experts)]
         self.gate_up_proj = None
-        down = [_pack(self.down_proj[e]) for e in range(self.num_experts)]
+        down = [_pack(self.down_proj[e], kernels=False) for e in range(self.num_experts)]
         self.down_proj = None
         self.packed = list(zip(gate_up, down))
+
+    def _panel_experts(self, xs, offsets, ids, same_row: bool = False):
+        """Native grouped kernels: rows offsets[g]:offsets[g+1] through expert ids[g], every expert's
+        gate/up in one call, one SwiGLU, every expert's down in one call (see kernels/panels.py)."""
+        from ..kernels.panels import grouped_linear
+
+        gate_up, down = self.panels
+        gate, up = grouped_linear(xs, gate_up, offsets, ids, same_row).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, down, offsets, ids)
 
     def _expert(self, x, expert: int):
         if self.packed is not None:
@@ -81,6 +98,13 @@ class Experts(nn.Module):
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of_slot = order // k
+        if self.panels is not None:
+            counts = torch.bincount(flat_expert, minlength=self.num_experts)
+            ids = counts.nonzero().squeeze(1)
+            offsets = torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)])
+            ys = self._panel_experts(x[token_of_slot], offsets, ids)
+            ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+            return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
         spans = []                                                         # (expert, start, end)
@@ -121,6 +145,11 @@ class Experts(nn.Module):
         bit-identical to the grouped path (tested). The SwiGLU between the two projections runs once
         over all k experts' rows instead of once per expert."""
         order = indices[0].argsort(stable=True)
+        if self.panels is not None:
+            k = indices.shape[1]
+            ys = self._panel_experts(x, torch.arange(k + 1), indices[0, order], same_row=True)
+            ys = ys * weights[0, order, None].to(ys.dtype)
+            return ys.sum(0, keepdim=True)
         ids = indices[0, order].tolist()                                  # ascending expert ids
         if self.packed is not None:
             ys = self._packed_spans(x.expand(len(ids), -1), [(e, j, j + 1) for j, e in enumerate(ids)])

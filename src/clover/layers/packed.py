@@ -1,10 +1,16 @@
-"""oneDNN-packed bf16 weights for CPU inference: a transform applied to a built model.
+"""Packed bf16 weights for CPU inference: a transform applied to a built model.
 
-PyTorch's default bf16 `F.linear` reaches ~60% of a core's read bandwidth on one-row inputs (decode);
-the same weights reordered once into oneDNN's blocked layout run the identical arithmetic (bit-equal
-outputs, measured) ~1.4–1.8× faster for one or a few rows. `pack_for_cpu(model)` swaps every bf16
-`nn.Linear` and each routed expert's matrices for packed copies and frees the originals, so memory
-does not grow. First it stacks the maps that read the same input (a module lists them in
+Two backends, chosen by `pack_for_cpu(model, kernels=...)`:
+- Clover's native kernels (`clover.kernels`, the default where they build): weights in 32-column
+  panels, products in fp32 FMAs. On AVX-512 CPUs without AMX they run ~1.7× oneDNN's bf16 matmul on
+  many rows (prefill, block steps, commits) and 1.0–1.3× on one row; experts routed by a batch go
+  through one grouped call. Outputs differ from `F.linear` only in summation order (tests bound it).
+- oneDNN's blocked layout (`torch.ops.mkldnn`): PyTorch's default bf16 `F.linear` reaches ~60% of a
+  core's read bandwidth on one-row inputs; the reordered weights run the identical arithmetic
+  (bit-equal outputs, measured) ~1.4–1.8× faster for one or a few rows.
+
+`pack_for_cpu(model)` swaps every bf16 `nn.Linear` and each layer's routed experts for packed copies
+and frees the originals, so memory does not grow. First it stacks the maps that read the same input (a module lists them in
 `input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared expert's
 gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call where it
 made four, and the outputs stay bit-equal. The unpacked model stays the reference (tests compare the
@@ -17,16 +23,30 @@ import torch
 from torch import nn
 
 
-def packing_available() -> bool:
+def onednn_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def packing_available() -> bool:
+    from ..kernels import available
+
+    return available() or onednn_available()
+
+
+def _pack(weight: torch.Tensor, kernels: bool):
+    if kernels:
+        from ..kernels.panels import PanelWeight
+
+        return PanelWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    from ..kernels.panels import linear
+
+    return linear(x, packed, bias)
 
 
 class FusedProjection(nn.Module):
@@ -34,11 +54,11 @@ class FusedProjection(nn.Module):
     row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
     stacked rows reads the same bytes once and returns the pieces as views."""
 
-    def __init__(self, linears: list):
+    def __init__(self, linears: list, kernels: bool):
         super().__init__()
         self.sizes = [m.weight.shape[0] for m in linears]
         stacked = torch.cat([m.weight.detach() for m in linears])
-        self.packed = _pack(stacked)
+        self.packed = _pack(stacked, kernels)
         biases = [getattr(m, "bias", None) for m in linears]
         self.bias = None
         if any(b is not None for b in biases):
@@ -50,28 +70,35 @@ class FusedProjection(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` whose weight lives in oneDNN's blocked layout."""
+    """`nn.Linear` whose weight lives in a packed layout (panels or oneDNN's blocked one)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernels: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight)
+        self.packed = _pack(linear.weight, kernels)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x):
         return packed_linear(x, self.packed, self.bias)
 
 
-def pack_for_cpu(model) -> int:
+def pack_for_cpu(model, kernels: bool | None = None) -> int:
     """Pack the bf16 CPU weights of `model` in place; returns how many matrices were packed.
 
-    A no-op (returns 0) for other dtypes/devices or when oneDNN is unavailable. Tied output
-    embeddings stay unpacked (the embedding table still needs the plain tensor)."""
-    if not packing_available() or model.dtype != torch.bfloat16 or model.device.type != "cpu":
+    `kernels`: True for Clover's native kernels, False for oneDNN, None for the kernels where they are
+    available (`clover.kernels.available()`). A no-op (returns 0) for other dtypes/devices or when
+    the chosen backend is unavailable. Tied output embeddings stay unpacked (the embedding table
+    still needs the plain tensor)."""
+    from ..kernels import available
+
+    if kernels is None:
+        kernels = available()
+    if (not available() if kernels else not onednn_available()) or model.dtype != torch.bfloat16 \
+            or model.device.type != "cpu":
         return 0
     from .moe import Experts
 
-    count = _fuse_input_projections(model)
+    count = _fuse_input_projections(model, kernels)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     # Collect names, not modules: a list of the modules themselves would keep every replaced
     # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
@@ -83,17 +110,17 @@ def pack_for_cpu(model) -> int:
         parent = model.get_submodule(parent_name)
         child = getattr(parent, name)
         if isinstance(child, Experts):
-            child.pack()
+            child.pack(kernels)
             count += 2 * child.num_experts
         else:
-            setattr(parent, name, PackedLinear(child))
+            setattr(parent, name, PackedLinear(child, kernels))
             count += 1
         del child       # the replaced weight is freed here, before the next matrix is packed
-    model.packed = True
+    model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
 
-def _fuse_input_projections(model) -> int:
+def _fuse_input_projections(model, kernels: bool) -> int:
     """Give each module that declares `input_projections` (names of linear maps that all read the
     module's input) one `FusedProjection` in `fused_input`, dropping the separate matrices."""
     count = 0
@@ -107,7 +134,7 @@ def _fuse_input_projections(model) -> int:
         linears = [module.get_submodule(n) for n in names]
         if any(m.weight.dtype != torch.bfloat16 for m in linears):
             continue
-        module.fused_input = FusedProjection(linears)
+        module.fused_input = FusedProjection(linears, kernels)
         del linears
         for name in names:                 # free each original as soon as the stack is packed
             parent_name, _, leaf = name.rpartition(".")

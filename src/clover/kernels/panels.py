@@ -1,0 +1,82 @@
+"""bf16 weights in 32-column panels, multiplied by the native kernel (kernels/panel_gemm.c).
+
+`PanelWeight.pack(w)` reorders a [N, K] bf16 matrix once; `linear(x, w)` is `F.linear(x, W)` for bf16
+or fp32 `x`: the products and sums run in fp32 (one FMA per k, in k order, for every output), the
+result is rounded once to x's dtype. `grouped_linear` multiplies row spans of one input by different
+entries of a stacked weight (the routed experts) in a single parallel call. The reference for both
+is `F.linear` in fp64 (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+PANEL = 32
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (or stacked [E, N, K]) → bf16 panels [ceil(N/32), K, 32] (or [E, ...]); see panel_gemm.c."""
+    *lead, N, K = weight.shape
+    w = weight.detach().to(torch.bfloat16)
+    pad = -N % PANEL
+    if pad:
+        w = torch.cat([w, w.new_zeros(*lead, pad, K)], dim=-2)
+    P = (N + pad) // PANEL
+    return w.reshape(*lead, P, 2, 16, K).movedim(-1, -3).transpose(-1, -2).contiguous().flatten(-2)
+
+
+class PanelWeight:
+    """One [N, K] matrix (or E stacked ones) in panel layout."""
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.device.type != "cpu":
+            raise ValueError("panel weights are for CPU inference")
+        *self.lead, self.out_features, self.in_features = weight.shape
+        self.panels = pack_panels(weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def _input(x: torch.Tensor, K: int) -> torch.Tensor:
+    if x.shape[-1] != K:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {K}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"panel kernels take bfloat16 or float32 inputs, not {x.dtype}")
+    return x.reshape(-1, K).to(torch.float32).contiguous()
+
+
+def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] · Wᵀ (+ bias) → [..., N] in x's dtype."""
+    N, K = weight.out_features, weight.in_features
+    a = _input(x, K)
+    out_fp32 = x.dtype == torch.float32 or bias is not None
+    out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
+    if a.shape[0]:
+        library().clover_panel_gemm(a.data_ptr(), K, a.shape[0], K, weight.panels.data_ptr(), N,
+                                    out.data_ptr(), N, int(out_fp32), torch.get_num_threads())
+    if bias is not None:
+        out = (out + bias.float()).to(x.dtype)
+    return out.view(*x.shape[:-1], N)
+
+
+def grouped_linear(x: torch.Tensor, weight: PanelWeight, offsets: torch.Tensor, ids: torch.Tensor,
+                   same_row: bool = False) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [T, K] times stacked matrix ids[g] of `weight` [E, N, K] → [T, N].
+    With `same_row`, x is one row [1, K] used as the input of every one of T = offsets[-1] rows."""
+    N, K = weight.out_features, weight.in_features
+    a = _input(x, K)
+    offsets = offsets.to(torch.int64).contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    rows = int(offsets[-1]) if same_row else a.shape[0]
+    out = torch.empty(rows, N, dtype=x.dtype)
+    if len(ids):
+        panels = weight.panels
+        library().clover_panel_gemm_grouped(a.data_ptr(), 0 if same_row else K, len(ids), offsets.data_ptr(),
+                                            ids.data_ptr(), K, panels.data_ptr(), panels[0].numel(), N,
+                                            out.data_ptr(), N, int(x.dtype == torch.float32),
+                                            torch.get_num_threads())
+    return out

@@ -1,0 +1,131 @@
+"""Native CPU kernels (clover/kernels): panel-layout bf16 products against fp64 `F.linear`, their
+batch and thread invariance, the grouped (experts) form, bad input, and the build cache."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clover import kernels
+from clover.kernels.panels import PanelWeight, grouped_linear, linear, pack_panels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable here")
+
+F64 = torch.float64
+
+
+def _bound(x, w):
+    """Allowed |error| per output: one bf16 rounding of the result (half an ulp, 2^-9 relative) plus fp32
+    accumulation error over K terms (K·2^-24 of Σ|x||w|), with slack."""
+    ref = F.linear(x.to(F64), w.to(F64))
+    mag = F.linear(x.to(F64).abs(), w.to(F64).abs())
+    return ref, 2 ** -8 * ref.abs() + x.shape[-1] * 2 ** -22 * mag + 1e-30
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 12, 13, 24, 25, 37, 200])
+@pytest.mark.parametrize("N,K", [(1, 7), (31, 64), (32, 129), (33, 1), (100, 64), (64, 513)])
+def test_linear_matches_fp64(M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    pw = PanelWeight(w)
+    ref, bound = _bound(x, w)
+    y = linear(x, pw)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert ((y.to(F64) - ref).abs() <= bound).all()
+    y32 = linear(x.float(), pw)                       # fp32 in, fp32 out: no final rounding
+    assert y32.dtype == torch.float32
+    assert ((y32.to(F64) - ref).abs() <= K * 2 ** -22 * F.linear(x.to(F64).abs(), w.to(F64).abs()) + 1e-30).all()
+
+
+def test_linear_leading_dims_and_bias():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 48, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    x = torch.randn(2, 3, 48, generator=g).bfloat16()
+    y = linear(x, PanelWeight(w), b)
+    ref = F.linear(x.to(F64), w.to(F64), b.to(F64))
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    assert (y.to(F64) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
+    """One fp32 sum in k order per output: a row alone, inside any batch, on 1 or 2 threads — the same bits.
+    (The server batches unrelated requests; their outputs must not depend on each other.)"""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 256, generator=g).bfloat16()
+    x = torch.randn(37, 256, generator=g).bfloat16()
+    pw = PanelWeight(w)
+    whole = linear(x, pw)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single_thread = linear(x, pw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, single_thread)
+    for r in (0, 11, 12, 36):
+        assert torch.equal(linear(x[r:r + 1], pw)[0], whole[r])
+    assert torch.equal(linear(x[5:30], pw), whole[5:30])
+
+
+def test_grouped_linear_matches_per_group_products():
+    g = torch.Generator().manual_seed(2)
+    E, N, K = 6, 72, 40
+    stack = torch.randn(E, N, K, generator=g).bfloat16()
+    pw = PanelWeight(stack)
+    counts = [3, 0, 1, 14, 2]                           # an empty group too
+    ids = torch.tensor([4, 0, 5, 1, 2])
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
+    x = torch.randn(sum(counts), K, generator=g).bfloat16()
+    y = grouped_linear(x, pw, offsets, ids)
+    for gi, e in enumerate(ids.tolist()):
+        rows = slice(int(offsets[gi]), int(offsets[gi + 1]))
+        assert torch.equal(y[rows], linear(x[rows], PanelWeight(stack[e])))   # same kernel, same bits
+        ref, bound = _bound(x[rows], stack[e])
+        assert ((y[rows].to(F64) - ref).abs() <= bound).all()
+    # one input row shared by every group (a decoded token's k experts)
+    one = x[:1]
+    shared = grouped_linear(one, pw, torch.arange(4), torch.tensor([5, 3, 0]), same_row=True)
+    assert shared.shape == (3, N)
+    for j, e in enumerate([5, 3, 0]):
+        assert torch.equal(shared[j], linear(one, PanelWeight(stack[e]))[0])
+
+
+def test_panel_layout():
+    """The layout the kernel reads (kernels/panel_gemm.c): for panel p and input k, 16-bit slot 2j holds
+    column 32p+j and slot 2j+1 column 32p+16+j; columns past N are zero."""
+    N, K = 50, 3
+    w = (torch.arange(N * K, dtype=torch.float32).view(N, K) + 1).bfloat16()
+    p = pack_panels(w)
+    assert p.shape == (2, K, 32)
+    for n in range(64):
+        j = n % 32
+        slot = 2 * j if j < 16 else 2 * (j - 16) + 1
+        want = w[n] if n < N else torch.zeros(K, dtype=torch.bfloat16)
+        assert torch.equal(p[n // 32, :, slot], want)
+
+
+def test_bad_input_is_named():
+    pw = PanelWeight(torch.randn(8, 16).bfloat16())
+    with pytest.raises(ValueError, match="16"):
+        linear(torch.randn(2, 15).bfloat16(), pw)
+    with pytest.raises(TypeError, match="float16"):
+        linear(torch.randn(2, 16).half(), pw)
+
+
+def test_build_is_cached_and_failures_fall_back(tmp_path):
+    first = kernels.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp     # not rebuilt
+    assert [f.name for f in tmp_path.iterdir()] == [first.name]                       # no temporaries left
+    probe = "import clover.kernels as k; print(k.available())"
+    env = dict(os.environ, CLOVER_KERNEL_DIR=str(tmp_path / "other"))
+    off = subprocess.run([sys.executable, "-c", probe], env=dict(env, CLOVER_KERNELS="0"),
+                         capture_output=True, text=True)
+    assert off.stdout.strip() == "False"
+    broken = subprocess.run([sys.executable, "-c", probe], env=dict(env, CC="false"), capture_output=True, text=True)
+    assert broken.stdout.strip() == "False"
+    assert "kernels unavailable" in broken.stderr and "failed" in broken.stderr
