@@ -90,10 +90,10 @@ def library() -> ctypes.CDLL | None:
         log.warning("clover CPU kernels unavailable, using PyTorch/oneDNN instead: %s", exc)
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.clover_panel_gemm.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i64, i32, i32]
-    lib.clover_panel_gemm.restype = None
-    lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32]
-    lib.clover_panel_gemm_grouped.restype = None
+    lib.clover_panel_gemm.argtypes = [ptr, i64, i32, i32, i32, ptr, i32, ptr, i64, i32, i32]
+    lib.clover_panel_gemm.restype = i32
+    lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32]
+    lib.clover_panel_gemm_grouped.restype = i32
     return lib
 
 

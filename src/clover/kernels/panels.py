@@ -1,7 +1,7 @@
 """bf16 weights in 32-column panels, multiplied by the native kernel (kernels/panel_gemm.c).
 
 `PanelWeight.pack(w)` reorders a [N, K] bf16 matrix once; `linear(x, w)` is `F.linear(x, W)` for bf16
-or fp32 `x`: the products and sums run in fp32 (one FMA per k, in k order, for every output), the
+or fp32 `x`: inputs are widened to fp32 and the products and sums run in fp32 (one FMA per k, in k order, for every output), the
 result is rounded once to x's dtype. `grouped_linear` multiplies row spans of one input by different
 entries of a stacked weight (the routed experts) in a single parallel call. The reference for both
 is `F.linear` in fp64 (tests/test_kernels.py).
@@ -46,7 +46,13 @@ def _input(x: torch.Tensor, K: int) -> torch.Tensor:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {K}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"panel kernels take bfloat16 or float32 inputs, not {x.dtype}")
-    return x.reshape(-1, K).to(torch.float32).contiguous()
+    x = x.reshape(-1, K)
+    return x if x.stride(-1) == 1 else x.contiguous()      # rows may be strided (lda), elements not
+
+
+def _check(status: int):
+    if status != 0:
+        raise MemoryError("panel kernel could not allocate its input buffer")
 
 
 def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,8 +62,9 @@ def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = Non
     out_fp32 = x.dtype == torch.float32 or bias is not None
     out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
     if a.shape[0]:
-        library().clover_panel_gemm(a.data_ptr(), K, a.shape[0], K, weight.panels.data_ptr(), N,
-                                    out.data_ptr(), N, int(out_fp32), torch.get_num_threads())
+        _check(library().clover_panel_gemm(a.data_ptr(), a.stride(0), int(a.dtype == torch.bfloat16), a.shape[0],
+                                           K, weight.panels.data_ptr(), N, out.data_ptr(), N, int(out_fp32),
+                                           torch.get_num_threads()))
     if bias is not None:
         out = (out + bias.float()).to(x.dtype)
     return out.view(*x.shape[:-1], N)
@@ -75,8 +82,8 @@ def grouped_linear(x: torch.Tensor, weight: PanelWeight, offsets: torch.Tensor, 
     out = torch.empty(rows, N, dtype=x.dtype)
     if len(ids):
         panels = weight.panels
-        library().clover_panel_gemm_grouped(a.data_ptr(), 0 if same_row else K, len(ids), offsets.data_ptr(),
-                                            ids.data_ptr(), K, panels.data_ptr(), panels[0].numel(), N,
-                                            out.data_ptr(), N, int(x.dtype == torch.float32),
-                                            torch.get_num_threads())
+        _check(library().clover_panel_gemm_grouped(
+            a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16), len(ids),
+            offsets.data_ptr(), ids.data_ptr(), K, panels.data_ptr(), panels[0].numel(), N, out.data_ptr(), N,
+            int(x.dtype == torch.float32), torch.get_num_threads()))
     return out
