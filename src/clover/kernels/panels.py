@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from .build import library
 
 PANEL = 32
 
