@@ -135,3 +135,23 @@ def test_selection_then_routing_stays_in_kept_set():
     # token 1 has probability 0 on expert 2, which is still allowed: it is taken with weight 0
     assert idx.tolist() == [[1, 2], [1, 2], [2, 1]]
     assert torch.allclose(w, torch.tensor([[0.3 / 0.5, 0.2 / 0.5], [1.0, 0.0], [0.6 / 0.7, 0.1 / 0.7]]))
+
+
+def test_top_k_lowest_index_first_equals_stable_sort():
+    """The topk-on-integer-keys shortcut orders exactly as a stable descending sort: ties (many, at
+    several values), zeros of both signs, negatives, ±inf; float64 takes the sort itself."""
+    from clover.layers.expert_selection import top_k_lowest_index_first
+
+    g = torch.Generator().manual_seed(0)
+    levels = torch.tensor([0.0, -0.0, 0.25, 0.5, -3.0, 1e-30, -1e-30, float("inf"), float("-inf"), 7.0])
+    for trial in range(200):
+        E = int(torch.randint(1, 300, (1,), generator=g))
+        rows = int(torch.randint(1, 5, (1,), generator=g))
+        if trial % 2:
+            x = levels[torch.randint(len(levels), (rows, E), generator=g)]    # heavy ties
+        else:
+            x = torch.randn(rows, E, generator=g)
+        k = int(torch.randint(1, E + 1, (1,), generator=g))
+        for dtype in (torch.float32, torch.float64):
+            want = torch.sort(x.to(dtype), dim=-1, descending=True, stable=True)[1][..., :k]
+            assert torch.equal(top_k_lowest_index_first(x.to(dtype), k), want), (trial, dtype)

@@ -4,6 +4,8 @@ In block mode a whole block of tokens is routed together; keeping only the exper
 the block's top-k router mass cuts the number of distinct experts whose weights a forward touches
 (the quantity selection reduces). Ties, both in mass and in top-k, go to the lower expert index; a
 stable descending sort gives exactly that on every backend, which ``torch.topk`` does not promise.
+``top_k_lowest_index_first`` gets the same order from ``torch.topk`` on keys that cannot tie (a
+stable sort of 32 rows of 256 costs ~320 µs on 2 threads, this ~40 µs).
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ def validate_block_expert_top_p(top_p: Union[float, Tensor, None]) -> None:
     p = float(top_p)
     if math.isnan(p) or not (0.0 < p <= 1.0):
         raise ValueError(f"block_expert_top_p must lie in (0, 1], got {top_p!r}")
+
+
+def top_k_lowest_index_first(values: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of each row, in descending order, ties to the lower index:
+    exactly ``torch.sort(values, descending=True, stable=True)[1][..., :k]``. Float32 values become
+    int64 keys `(order-preserving 32-bit image) · 2³² + (E − 1 − index)`, which never tie, so
+    ``torch.topk`` (fast, but unspecified on ties) gives that order. Other dtypes use the sort."""
+    E = values.shape[-1]
+    if values.dtype != torch.float32 or E >= 2 ** 31:
+        return torch.sort(values, dim=-1, descending=True, stable=True)[1][..., :k]
+    bits = (values + 0.0).view(torch.int32)                      # + 0.0: −0 becomes +0, as sort sees them
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)        # negative floats: larger bits are smaller
+    keys = (bits.to(torch.int64) << 32) | (E - 1 - torch.arange(E, device=values.device))
+    return torch.topk(keys, k, dim=-1).indices
 
 
 def _check_k(top_k: int, E: int, min_experts: int) -> Tuple[int, int]:
@@ -74,8 +90,8 @@ def select_block_experts_batched(
     probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
 
     # Aggregate top-k mass per expert.
-    _, cand = torch.sort(probs, dim=-1, descending=True, stable=True)
-    in_cand = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, cand[..., :k], True)
+    cand = top_k_lowest_index_first(probs, k)
+    in_cand = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, cand, True)
     mass = (probs * in_cand).sum(dim=1)  # [B, E]
 
     # Shortest prefix (in rank order) reaching p of the total, plus the minimum.
@@ -124,13 +140,12 @@ def route_top_k(
         raise ValueError(f"top_k must lie in [1, {E}], got {top_k!r}")
     probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
     if allowed is None:
-        vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-        w, idx = vals[:, :top_k], idx[:, :top_k]
+        idx = top_k_lowest_index_first(probs, top_k)
+        w = probs.gather(-1, idx)
         return w / w.sum(-1, keepdim=True), idx
     allowed = allowed.to(torch.bool).expand(N, E)
     keys = torch.where(allowed, probs, float("-inf"))
-    _, idx = torch.sort(keys, dim=-1, descending=True, stable=True)
-    idx = idx[:, :top_k]
+    idx = top_k_lowest_index_first(keys, top_k)
     ok = allowed.gather(-1, idx)
     idx = torch.where(ok, idx, idx[:, :1])  # pad with the best allowed index (valid, weight 0)
     w = probs.gather(-1, idx) * ok
