@@ -129,3 +129,55 @@ def test_build_is_cached_and_failures_fall_back(tmp_path):
     broken = subprocess.run([sys.executable, "-c", probe], env=dict(env, CC="false"), capture_output=True, text=True)
     assert broken.stdout.strip() == "False"
     assert "kernels unavailable" in broken.stderr and "failed" in broken.stderr
+
+
+@pytest.mark.parametrize("variant", ["base", "gdn_heavy"])
+def test_gdn_decode_kernel_matches_the_pytorch_path(variant):
+    """kernels/gdn_decode.c against GatedDeltaNet's PyTorch path (the definition), on a bf16 tiny model:
+    several rows with different histories, several tokens; conv tails are copies (equal), the
+    recurrent state and output agree to rounding, and the old state tensors are left untouched."""
+    import copy
+
+    from clover.cache import GDNState
+    from clover.layers.gated_deltanet import GatedDeltaNet
+    from tiny_models import make_model
+
+    model = make_model(variant, seed=3, dtype=torch.bfloat16)
+    mixer = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    with torch.no_grad():                                   # non-trivial gates and conv weights
+        mixer.A_log.copy_(torch.linspace(-1.0, 1.0, mixer.num_v_heads))
+        mixer.dt_bias.copy_(torch.linspace(-0.5, 0.5, mixer.num_v_heads))
+        mixer.norm.weight.copy_(1 + 0.1 * torch.randn(mixer.dv, generator=torch.Generator().manual_seed(1)))
+    g = torch.Generator().manual_seed(7)
+    H = model.config.hidden_size
+    B = 3
+
+    def fresh_states():
+        states = []
+        for r in range(B):
+            s = GDNState(mixer.conv_dim, mixer.kernel, mixer.num_v_heads, mixer.dk, mixer.dv,
+                         dtype=torch.bfloat16, state_dtype=torch.float32, device="cpu")
+            prefix = torch.randn(1, 5 + r, H, generator=g).bfloat16()
+            with torch.inference_mode():
+                mixer(prefix, [s])                          # a real history per row
+            states.append(s)
+        return states
+
+    ref_states = fresh_states()
+    kern_states = [copy.deepcopy(s) for s in ref_states]
+    with torch.inference_mode():
+        for step in range(4):
+            x = torch.randn(B, 1, H, generator=g).bfloat16()
+            mixer.decode_kernel = False
+            want = mixer(x, ref_states)
+            old = [(s.conv, s.recurrent, s.recurrent.clone()) for s in kern_states]
+            mixer.decode_kernel = True
+            got = mixer(x, kern_states)
+            for (conv, rec, rec_copy), s in zip(old, kern_states):
+                assert s.conv is not conv and s.recurrent is not rec and torch.equal(rec, rec_copy)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+            for a, b in zip(ref_states, kern_states):
+                assert torch.equal(a.conv, b.conv)
+                assert (a.recurrent - b.recurrent).abs().max() <= 1e-3 * a.recurrent.abs().max()
+    mixer.decode_kernel = False

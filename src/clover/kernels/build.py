@@ -1,4 +1,4 @@
-"""Finding a compiler, building `panel_gemm.c` once per source/compiler/flags, loading it with ctypes.
+"""Finding a compiler, building the kernels (`*.c` here) once per source/compiler/flags, loading them.
 
 Why compile at all: this machine class (AVX-512 with BF16 but no AMX) runs bf16 dot products
 (`vdpbf16ps`, what oneDNN's bf16 matmul uses) at half the rate of fp32 FMAs — measured 89 vs 178
@@ -23,9 +23,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("panel_gemm.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_decode.c")]
+# -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
+# (the GEMM's fused multiply-adds are explicit intrinsics)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-         "-fopenmp", "-shared", "-fPIC"]
+         "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma")
 
 
@@ -56,9 +58,10 @@ def build(out_dir: Path | None = None) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *version, *FLAGS]).encode()).hexdigest()[:16]
+    sources = b"".join(s.read_bytes() for s in SOURCES)
+    key = hashlib.sha256(sources + " ".join([cc, *version, *FLAGS]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
-    target = out_dir / f"panel_gemm-{key}.so"
+    target = out_dir / f"clover_kernels-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,9 +70,10 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
+            raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{done.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -94,6 +98,10 @@ def library() -> ctypes.CDLL | None:
     lib.clover_panel_gemm.restype = i32
     lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32]
     lib.clover_panel_gemm_grouped.restype = i32
+    f32 = ctypes.c_float
+    lib.clover_gdn_decode.argtypes = [i32, i32, i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr,
+                                      ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i32]
+    lib.clover_gdn_decode.restype = i32
     return lib
 
 

@@ -116,6 +116,12 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
             setattr(parent, name, PackedLinear(child, kernels))
             count += 1
         del child       # the replaced weight is freed here, before the next matrix is packed
+    if kernels:
+        from .gated_deltanet import GatedDeltaNet
+
+        for m in model.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.decode_kernel = True       # one decode token per call of kernels/gdn_decode.c
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
