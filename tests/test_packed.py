@@ -28,18 +28,29 @@ def test_packed_model_matches_plain_model(variant, kernels):
         for name in m.input_projections:
             parent, _, leaf = name.rpartition(".")
             assert not hasattr(m.get_submodule(parent) if parent else m, leaf)
+    exact = copy.deepcopy(plain).to(torch.float32)          # the same bf16 weights, computed in fp32
+
+    def close(got, want, ref):
+        """oneDNN runs the same arithmetic in another layout (bit-equal here; rounding-level slack). The
+        native kernels sum in another order and run the GDN token by token, so the packed model's error
+        against the fp32 computation must stay that of the plain bf16 model (within 2×)."""
+        scale = ref.abs().max()
+        if not kernels:
+            return (got.float() - want.float()).abs().max() <= 1e-3 * scale
+        return (got.float() - ref).abs().max() <= 2 * (want.float() - ref).abs().max() + 1e-3 * scale
+
     ids = torch.randint(6, 90, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         a, b = plain(ids), packed(ids)
-        # the same arithmetic in another memory layout: bit-equal here, allow rounding-level slack
-        assert (a.float() - b.float()).abs().max() <= 1e-3 * a.float().abs().max()
+        assert close(b, a, exact(ids))
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-        # cached decode and block steps go through the same packed weights
-        ca, cb = plain.make_cache(), packed.make_cache()
-        plain.step(ids[:1], [ca]), packed.step(ids[:1], [cb])
+        # cached decode and block steps go through the same packed weights (and kernels/gdn_short.c)
+        ca, cb, ce = plain.make_cache(), packed.make_cache(), exact.make_cache()
+        for model, cache in ((plain, ca), (packed, cb), (exact, ce)):
+            model.step(ids[:1], [cache])
         blk = torch.full((1, 8), 95)
         x, y = plain.step(blk, [ca], block=True), packed.step(blk, [cb], block=True)
-        assert (x.float() - y.float()).abs().max() <= 1e-3 * x.float().abs().max()
+        assert close(y, x, exact.step(blk, [ce], block=True))
         out_a = plain.generate(ids[0, :12].tolist(), max_new_tokens=8, block_size=1)
         out_b = packed.generate(ids[0, :12].tolist(), max_new_tokens=8, block_size=1)
         assert out_a == out_b

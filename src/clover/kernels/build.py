@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_decode.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_short.c")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
@@ -99,9 +99,9 @@ def library() -> ctypes.CDLL | None:
     lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32]
     lib.clover_panel_gemm_grouped.restype = i32
     f32 = ctypes.c_float
-    lib.clover_gdn_decode.argtypes = [i32, i32, i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr,
-                                      ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i32]
-    lib.clover_gdn_decode.restype = i32
+    lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \
+        + [f32, f32, ptr, i64, i64, i32]
+    lib.clover_gdn_short.restype = i32
     return lib
 
 

@@ -64,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
-        self.decode_kernel = False  # packing with the native kernels: decode tokens go through kernels/gdn.py
+        self.short_kernel = False   # packing with the native kernels: ≤ 64 cached tokens go through kernels/gdn_short.py
 
     input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
@@ -112,12 +112,12 @@ class GatedDeltaNet(nn.Module):
         dtype = x.dtype
         cdt = compute_dtype(dtype)
         u, z, b, a = self._project(x)
-        if (self.decode_kernel and T == 1 and states is not None and not block_len and valid_lens is None
+        if (self.short_kernel and T <= 64 and states is not None and valid_lens is None
                 and dtype == torch.bfloat16 and not torch.is_grad_enabled()
                 and all(s.record is None for s in states)):      # speculation records need q, k, v, g, β
-            from ..kernels.gdn import gdn_decode
+            from ..kernels.gdn_short import gdn_short
 
-            return self.out_proj(gdn_decode(self, u, z, b, a, states))
+            return self.out_proj(gdn_short(self, u, z, b, a, states, block_len))
         u = u.transpose(1, 2)                                                # [B, C, T]
         z = z.reshape(B, T, self.num_v_heads, self.dv)
         K = self.kernel
