@@ -10,6 +10,7 @@
  * products and sums not fused — built with -ffp-contract=off — and bf16 where the model rounds),
  * except reduction order, libm's expf/log1pf, and the recurrent instead of the chunked delta rule for
  * more than two causal tokens. Committed state goes to new tensors: snapshots keep the old ones. */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,49 +32,68 @@ static inline uint16_t f32_to_bf16(float f) {     /* round to nearest even, as t
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-typedef struct {
-    int T, P, K, Kr;                  /* tokens, causal ones among them, left and right conv widths */
-    const uint16_t *u; long ldt;      /* this row's pre-conv inputs, token stride ldt */
-    const uint16_t *tail;             /* [C, K-1] */
-    uint16_t *new_tail;               /* [C, K-1] or 0 */
-    const float *conv_w, *right_w;    /* [C, K], [C, Kr] */
-} ConvArgs;
+/* e^x for 16 lanes: x = n·ln2 + r, |r| ≤ ln2/2, a degree-6 Taylor polynomial for e^r (relative error
+ * < 2e-7, about libm's), scaled by 2^n. Lanes that overflow give +inf, underflow 0. */
+static inline __m512 exp16(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, _mm512_max_ps(n, _mm512_set1_ps(-200.0f)));
+}
 
-/* x_conv of channel c for all T tokens into dst[t * stride]: the causal conv over [tail | u] in fp32
- * rounded to bf16, plus for block tokens the right conv over the following block tokens (rounded to
- * bf16, added in bf16), then SiLU rounded to bf16. Optionally writes the channel's new conv tail. */
-static void conv_channel(const ConvArgs *a, int c, float *dst, int stride, int write_tail) {
-    int K = a->K, T = a->T, P = a->P, L = T - P;
-    float hist[64 + 8];                                       /* [tail (K-1) | u (T)] */
-    const uint16_t *tail = a->tail + (long)c * (K - 1);
-    for (int j = 0; j < K - 1; j++) hist[j] = bf16_to_f32(tail[j]);
-    for (int t = 0; t < T; t++) hist[K - 1 + t] = bf16_to_f32(a->u[(long)t * a->ldt + c]);
-    const float *w = a->conv_w + (long)c * K;
+static inline __m512 silu16(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+static inline __m512 round_bf16_16(__m512 x) {      /* to bf16 (nearest even) and back */
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+/* x_conv for channels [c0, c0+16) ∩ [0, C) of one row, all T tokens, into xc [T, C] fp32: the causal
+ * depthwise conv over [tail | u] in fp32 (products and sums in the PyTorch path's order) rounded to
+ * bf16; for block tokens (t ≥ P) plus the right conv over the following block tokens, rounded to bf16
+ * and added in bf16; then SiLU rounded to bf16. hist [T+K-1, C] holds [tail | u] in fp32. Writes
+ * the channels' new conv tails (the last K-1 inputs after the causal tokens) when asked. */
+static void conv_block(int c0, int C, int T, int P, int K, int Kr, const float *hist, const float *conv_wt,
+                       const float *right_wt, float *xc, uint16_t *new_tail) {
+    __mmask16 m = lanes(C - c0);
+    int L = T - P;
     for (int t = 0; t < T; t++) {
-        float acc = hist[t] * w[0];
-        for (int j = 1; j < K; j++) acc = acc + hist[t + j] * w[j];
-        float left = round_bf16(acc);
-        if (t >= P) {                                         /* block token: look-ahead inside the block */
-            const float *wr = a->right_w + (long)c * a->Kr;
+        __m512 acc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, hist + (long)t * C + c0),
+                                   _mm512_maskz_loadu_ps(m, conv_wt + c0));
+        for (int j = 1; j < K; j++)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, hist + (long)(t + j) * C + c0),
+                                                   _mm512_maskz_loadu_ps(m, conv_wt + (long)j * C + c0)));
+        __m512 left = round_bf16_16(acc);
+        if (t >= P) {
             int tb = t - P;
-            float right = 0.0f;
-            for (int j = 0; j < a->Kr; j++) {
+            __m512 right = _mm512_setzero_ps();
+            for (int j = 0; j < Kr; j++) {
                 int s = tb + 1 + j;
-                float x = s < L ? hist[K - 1 + P + s] : 0.0f;
-                right = j == 0 ? x * wr[0] : right + x * wr[j];
+                __m512 x = s < L ? _mm512_maskz_loadu_ps(m, hist + (long)(K - 1 + P + s) * C + c0) : _mm512_setzero_ps();
+                __m512 prod = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, right_wt + (long)j * C + c0));
+                right = j == 0 ? prod : _mm512_add_ps(right, prod);
             }
-            left = round_bf16(left + round_bf16(right));
+            left = round_bf16_16(_mm512_add_ps(left, round_bf16_16(right)));
         }
-        dst[(long)t * stride] = round_bf16(silu(left));
+        _mm512_mask_storeu_ps(xc + (long)t * C + c0, m, round_bf16_16(silu16(left)));
     }
-    if (write_tail && a->new_tail)                            /* the last K-1 inputs after the causal part */
-        for (int j = 0; j < K - 1; j++) {
-            float x = hist[P + j];
-            a->new_tail[(long)c * (K - 1) + j] = f32_to_bf16(x);   /* exact: x came from bf16 */
-        }
+    if (new_tail)
+        for (int c = c0; c < c0 + 16 && c < C; c++)
+            for (int j = 0; j < K - 1; j++)
+                new_tail[(long)c * (K - 1) + j] = f32_to_bf16(hist[(long)(P + j) * C + c]);   /* exact */
 }
 
 static void l2_normalize(float *x, int n, float scale) {
@@ -85,98 +105,173 @@ static void l2_normalize(float *x, int n, float scale) {
         for (int i = 0; i < n; i++) x[i] = x[i] * scale;
 }
 
-/* One delta-rule token on S [dk, dv] in place; o [dv] = S_newᵀ q. */
-static void delta_step(float *S, int dk, int dv, const float *q, const float *k, const float *v,
-                       float beta, float decay, float *o, float *tmp) {
-    for (int j = 0; j < dv; j++) tmp[j] = 0.0f, o[j] = 0.0f;
+/* The delta rule splits by value column: column j of the state only needs column j of v and the
+ * shared k, q, β, decay. So the state goes in slabs of SLAB columns (dk × 64 fp32 = 32 KB at
+ * dk = 128, inside L1) that see all T tokens before the next slab, instead of T passes over the
+ * whole 64 KB state from L2. */
+#define SLAB 64
+
+typedef struct { __m512 v[SLAB / 16]; } Row;            /* one slab row in registers */
+
+/* Token t on slab S [dk, SLAB] (row stride SLAB; lanes past `width` stay 0): S ← decay·S;
+ * δ = (v − Sᵀk)·β; S ← S + k δᵀ; o = Sᵀq (written to o[0..width)). */
+static void slab_step(float *S, int dk, int width, const float *q, const float *k, const float *v,
+                      float beta, float decay, float *o) {
+    const int nv = SLAB / 16;
+    __m512 pred[SLAB / 16], out[SLAB / 16], dec = _mm512_set1_ps(decay);
+    for (int x = 0; x < nv; x++) pred[x] = _mm512_setzero_ps(), out[x] = _mm512_setzero_ps();
     for (int i = 0; i < dk; i++) {
-        float *row = S + (long)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] = row[j] * decay;
-            tmp[j] = tmp[j] + k[i] * row[j];
+        __m512 ki = _mm512_set1_ps(k[i]);
+        for (int x = 0; x < nv; x++) {
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(S + (long)i * SLAB + 16 * x), dec);
+            _mm512_storeu_ps(S + (long)i * SLAB + 16 * x, s);
+            pred[x] = _mm512_add_ps(pred[x], _mm512_mul_ps(ki, s));
         }
     }
-    for (int j = 0; j < dv; j++) tmp[j] = (v[j] - tmp[j]) * beta;              /* the correction δ */
+    __m512 b = _mm512_set1_ps(beta);
+    for (int x = 0; x < nv; x++) {
+        __mmask16 m = lanes(width - 16 * x);
+        pred[x] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, v + 16 * x), pred[x]), b);   /* δ */
+    }
     for (int i = 0; i < dk; i++) {
-        float *row = S + (long)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] = row[j] + k[i] * tmp[j];
-            o[j] = o[j] + q[i] * row[j];
+        __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        for (int x = 0; x < nv; x++) {
+            __m512 s = _mm512_add_ps(_mm512_loadu_ps(S + (long)i * SLAB + 16 * x), _mm512_mul_ps(ki, pred[x]));
+            _mm512_storeu_ps(S + (long)i * SLAB + 16 * x, s);
+            out[x] = _mm512_add_ps(out[x], _mm512_mul_ps(qi, s));
         }
     }
+    for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
 }
 
-/* B rows of T tokens (P causal, then T-P block), value heads in parallel. Per row: u [T, C] (q | k | v
- * channels), z [T, Hv·dv], b_in and a_in [T, Hv] (bf16; row stride ld*, token stride ldt*);
- * tails[b] [C, K-1] bf16 and states[b] [Hv, dk, dv] fp32 are read; when P > 0 the state after the
- * causal tokens goes to new_tails[b] / new_states[b]. mix [Hv, 2]: the block readout's softmax
- * weights. out [B, T, Hv·dv] bf16: the gated RMSNorm's output. Returns 0, or -1 out of memory. */
+/* o[0..width) = Sᵀq over a slab. */
+static void slab_readout(const float *S, int dk, int width, const float *q, float *o) {
+    const int nv = SLAB / 16;
+    __m512 out[SLAB / 16];
+    for (int x = 0; x < nv; x++) out[x] = _mm512_setzero_ps();
+    for (int i = 0; i < dk; i++) {
+        __m512 qi = _mm512_set1_ps(q[i]);
+        for (int x = 0; x < nv; x++) out[x] = _mm512_add_ps(out[x], _mm512_mul_ps(qi, _mm512_loadu_ps(S + (long)i * SLAB + 16 * x)));
+    }
+    for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
+}
+
+/* Per thread, grown on demand: a fresh allocation per call would be fresh pages (faults) every time. */
+typedef struct { float *data; size_t floats; } Scratch;
+static __thread Scratch shared_scratch, head_scratch;   /* the call's shared rows; one head's work */
+
+static float *reserve(Scratch *s, size_t floats) {
+    if (floats > s->floats) {
+        free(s->data);
+        s->data = malloc(floats * sizeof(float));
+        s->floats = s->data ? floats : 0;
+    }
+    return s->data;
+}
+
+/* B rows of T tokens (P causal, then T-P block). Per row: u [T, C] (q | k | v channels), z [T, Hv·dv],
+ * b_in and a_in [T, Hv] (bf16; row stride ld*, token stride ldt*); tails[b] [C, K-1] bf16 and
+ * states[b] [Hv, dk, dv] fp32 are read; when P > 0 the state after the causal tokens goes to
+ * new_tails[b] / new_states[b]. conv_wt [K, C] and right_wt [Kr, C]: the conv weights transposed.
+ * mix [Hv, 2]: the block readout's softmax weights. out [B, T, Hv·dv] bf16: the gated RMSNorm's
+ * output. Returns 0, -1 out of memory, -2 unsupported sizes. */
 int clover_gdn_short(int B, int T, int P, int Hk, int Hv, int dk, int dv, int K, int Kr,
                      const uint16_t *u, long ldu, long ldtu, const uint16_t *z, long ldz, long ldtz,
                      const uint16_t *b_in, const uint16_t *a_in, long ldba, long ldtba,
-                     const int64_t *tails, const int64_t *new_tails, const float *conv_w, const float *right_w,
+                     const int64_t *tails, const int64_t *new_tails, const float *conv_wt, const float *right_wt,
                      const float *A_log, const float *dt_bias, const float *mix,
                      const int64_t *states, const int64_t *new_states,
                      const float *norm_w, float norm_eps, float q_scale,
                      uint16_t *out, long ldo, long ldto, int threads) {
-    if (T > 64 || T < 1 || K > 9 || K < 2) return -2;
-    int rep = Hv / Hk, L = T - P, failed = 0;
-    long key_dim = (long)Hk * dk;
-    #pragma omp parallel for schedule(static) num_threads(threads) reduction(|:failed)
-    for (int item = 0; item < B * Hv; item++) {
-        int row = item / Hv, h = item % Hv, kh = h / rep;
-        float *work = malloc(sizeof(float) * ((size_t)dk * dv + (size_t)T * (2 * dk + 2 * dv) + 2 * (size_t)dv));
-        if (!work) { failed = 1; continue; }
-        float *S = work, *q = S + (long)dk * dv, *k = q + (long)T * dk, *v = k + (long)T * dk;
-        float *o = v + (long)T * dv, *tmp = o + (long)T * dv, *ob = tmp + dv;
-        ConvArgs ca = {T, P, K, Kr, u + row * ldu, ldtu, (const uint16_t *)tails[row],
-                       P > 0 ? (uint16_t *)new_tails[row] : 0, conv_w, right_w};
-        /* q and k of this head's key head (every value head sharing it computes them; the first one
-         * also writes their conv tails), then its own v */
-        int first = h % rep == 0;
-        for (int i = 0; i < dk; i++) conv_channel(&ca, (int)(kh * dk + i), q + i, dk, first);
-        for (int i = 0; i < dk; i++) conv_channel(&ca, (int)(key_dim + kh * dk + i), k + i, dk, first);
-        for (int j = 0; j < dv; j++) conv_channel(&ca, (int)(2 * key_dim + (long)h * dv + j), v + j, dv, 1);
-        for (int t = 0; t < T; t++) {
-            l2_normalize(q + (long)t * dk, dk, q_scale);
-            l2_normalize(k + (long)t * dk, dk, 1.0f);
+    if (T > 64 || T < 1 || K < 2) return -2;
+    int rep = Hv / Hk, failed = 0;
+    long key_dim = (long)Hk * dk, C = 2 * key_dim + (long)Hv * dv;
+    int cblocks = (int)((C + 15) / 16);
+    /* one shared buffer (the calling thread's): per row [tail | u] and x_conv, both [·, C] fp32 */
+    long hist_size = (long)(T + K - 1) * C, row_size = hist_size + (long)T * C;
+    float *shared = reserve(&shared_scratch, (size_t)B * row_size);
+    if (!shared) return -1;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < B; r++) {                         /* [tail | u] in fp32, token-major */
+            float *hist = shared + r * row_size;
+            const uint16_t *tail = (const uint16_t *)tails[r];
+            for (long c = 0; c < C; c++)
+                for (int j = 0; j < K - 1; j++) hist[(long)j * C + c] = bf16_to_f32(tail[c * (K - 1) + j]);
+            for (int t = 0; t < T; t++)
+                for (long c = 0; c < C; c++) hist[(long)(K - 1 + t) * C + c] = bf16_to_f32(u[r * ldu + t * ldtu + c]);
         }
-
-        memcpy(S, (const float *)states[row] + (long)h * dk * dv, sizeof(float) * (size_t)dk * dv);
-        for (int t = 0; t < T; t++) {
-            float beta = 1.0f / (1.0f + expf(-bf16_to_f32(b_in[row * ldba + (long)t * ldtba + h])));
-            float g = -expf(A_log[h]) * softplus(bf16_to_f32(a_in[row * ldba + (long)t * ldtba + h]) + dt_bias[h]);
-            delta_step(S, dk, dv, q + (long)t * dk, k + (long)t * dk, v + (long)t * dv, beta, expf(g),
-                       o + (long)t * dv, tmp);
-            if (t == P - 1)                                   /* the committed state */
-                memcpy((float *)new_states[row] + (long)h * dk * dv, S, sizeof(float) * (size_t)dk * dv);
+        #pragma omp for schedule(static)
+        for (int item = 0; item < B * cblocks; item++) {
+            int r = item / cblocks;
+            float *hist = shared + r * row_size;
+            conv_block((item % cblocks) * 16, (int)C, T, P, K, Kr, hist, conv_wt, right_wt, hist + hist_size,
+                       P > 0 ? (uint16_t *)new_tails[r] : 0);
         }
-        if (L > 0) {                                          /* block readout of the end state, mixed */
+        #pragma omp for schedule(static)
+        for (int item = 0; item < B * Hv; item++) {
+            int row = item / Hv, h = item % Hv, kh = h / rep;
+            const float *xc = shared + row * row_size + hist_size;            /* x_conv [T, C] */
+            float *work = reserve(&head_scratch, (size_t)dk * SLAB + (size_t)T * (2 * dk + 2 * dv) + SLAB);
+            if (!work) { failed = 1; continue; }
+            float *S = work, *q = S + (long)dk * SLAB, *k = q + (long)T * dk, *v = k + (long)T * dk;
+            float *o = v + (long)T * dv, *ob = o + (long)T * dv;
+            for (int t = 0; t < T; t++) {
+                memcpy(q + (long)t * dk, xc + t * C + kh * dk, sizeof(float) * dk);
+                memcpy(k + (long)t * dk, xc + t * C + key_dim + kh * dk, sizeof(float) * dk);
+                memcpy(v + (long)t * dv, xc + t * C + 2 * key_dim + (long)h * dv, sizeof(float) * dv);
+                l2_normalize(q + (long)t * dk, dk, q_scale);
+                l2_normalize(k + (long)t * dk, dk, 1.0f);
+            }
+            float beta[64], decay[64];
+            for (int t = 0; t < T; t++) {
+                beta[t] = 1.0f / (1.0f + expf(-bf16_to_f32(b_in[row * ldba + (long)t * ldtba + h])));
+                float g = -expf(A_log[h]) * softplus(bf16_to_f32(a_in[row * ldba + (long)t * ldtba + h]) + dt_bias[h]);
+                decay[t] = expf(g);
+            }
+            const float *S0 = (const float *)states[row] + (long)h * dk * dv;
+            float *S1 = P > 0 ? (float *)new_states[row] + (long)h * dk * dv : 0;
             float w0 = mix[2 * h], w1 = mix[2 * h + 1];
-            for (int t = P; t < T; t++) {
-                for (int j = 0; j < dv; j++) ob[j] = 0.0f;
-                for (int i = 0; i < dk; i++)
-                    for (int j = 0; j < dv; j++) ob[j] = ob[j] + q[(long)t * dk + i] * S[(long)i * dv + j];
-                for (int j = 0; j < dv; j++) o[(long)t * dv + j] = w0 * o[(long)t * dv + j] + w1 * ob[j];
+            for (int j0 = 0; j0 < dv; j0 += SLAB) {
+                int width = dv - j0 < SLAB ? dv - j0 : SLAB;
+                for (int i = 0; i < dk; i++) {                /* the slab, zero-padded past dv */
+                    memcpy(S + (long)i * SLAB, S0 + (long)i * dv + j0, sizeof(float) * width);
+                    memset(S + (long)i * SLAB + width, 0, sizeof(float) * (SLAB - width));
+                }
+                for (int t = 0; t < T; t++) {
+                    slab_step(S, dk, width, q + (long)t * dk, k + (long)t * dk, v + (long)t * dv + j0, beta[t],
+                              decay[t], o + (long)t * dv + j0);
+                    if (t == P - 1)                           /* the committed state */
+                        for (int i = 0; i < dk; i++)
+                            memcpy(S1 + (long)i * dv + j0, S + (long)i * SLAB, sizeof(float) * width);
+                }
+                for (int t = P; t < T; t++) {                 /* block readout of the end state, mixed */
+                    slab_readout(S, dk, width, q + (long)t * dk, ob);
+                    for (int j = 0; j < width; j++)
+                        o[(long)t * dv + j0 + j] = w0 * o[(long)t * dv + j0 + j] + w1 * ob[j];
+                }
+            }
+            /* gated RMSNorm per token: rms_norm(o as bf16) → bf16, × weight in bf16, × SiLU(z) in fp32 → bf16 */
+            for (int t = 0; t < T; t++) {
+                float *ot = o + (long)t * dv, ss = 0.0f;
+                for (int j = 0; j < dv; j++) {
+                    ot[j] = round_bf16(ot[j]);
+                    ss = ss + ot[j] * ot[j];
+                }
+                __m512 rr = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dv + norm_eps));
+                const uint16_t *zr = z + row * ldz + (long)t * ldtz + (long)h * dv;
+                uint16_t *dst = out + row * ldo + (long)t * ldto + (long)h * dv;
+                for (int j = 0; j < dv; j += 16) {
+                    __mmask16 m = lanes(dv - j);
+                    __m512 hn = round_bf16_16(_mm512_mul_ps(round_bf16_16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, ot + j), rr)),
+                                                            _mm512_maskz_loadu_ps(m, norm_w + j)));
+                    __m512 zf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, zr + j)), 16));
+                    _mm256_mask_storeu_epi16(dst + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(hn, silu16(zf))));
+                }
             }
         }
-
-        /* gated RMSNorm per token: rms_norm(o as bf16) → bf16, × weight in bf16, × SiLU(z) in fp32 → bf16 */
-        for (int t = 0; t < T; t++) {
-            float *ot = o + (long)t * dv, ss = 0.0f;
-            for (int j = 0; j < dv; j++) {
-                ot[j] = round_bf16(ot[j]);
-                ss = ss + ot[j] * ot[j];
-            }
-            float r = 1.0f / sqrtf(ss / (float)dv + norm_eps);
-            const uint16_t *zr = z + row * ldz + (long)t * ldtz + (long)h * dv;
-            uint16_t *dst = out + row * ldo + (long)t * ldto + (long)h * dv;
-            for (int j = 0; j < dv; j++) {
-                float hn = round_bf16(round_bf16(ot[j] * r) * norm_w[j]);
-                dst[j] = f32_to_bf16(hn * silu(bf16_to_f32(zr[j])));
-            }
-        }
-        free(work);
     }
     return failed ? -1 : 0;
 }

@@ -21,8 +21,8 @@ def _constants(mixer):
     consts = getattr(mixer, "_kernel_constants", None)
     if consts is None:
         f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
-        consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1)),
-                  f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1)),
+        consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
+                  f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
                   f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
                   f32(mixer.norm.weight))
         mixer._kernel_constants = consts
@@ -56,7 +56,7 @@ def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
     tail_ptrs, new_tail_ptrs = _pointers(tails), _pointers(new_tails)
     state_ptrs, new_state_ptrs = _pointers(recurrent), _pointers(new_states)
     status = library().clover_gdn_short(
-        B, T, P, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[1],
+        B, T, P, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
         u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
         b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
         tail_ptrs.data_ptr(), new_tail_ptrs.data_ptr(), conv_w.data_ptr(), right_w.data_ptr(),
