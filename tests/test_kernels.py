@@ -135,7 +135,7 @@ def test_build_is_cached_and_failures_fall_back(tmp_path):
 def test_gdn_short_kernel_matches_the_pytorch_path(variant):
     """kernels/gdn_short.c against GatedDeltaNet's PyTorch path (the definition) on a bf16 tiny model,
     rows with different histories: decode tokens, block steps over the cache, commits, a commit with
-    the next block in one call, a 40-token chunk. Conv tails are copies (equal); outputs and recurrent
+    the next block in one call, a 40-token chunk, a 150-token prefill chunk (64 tokens per call). Conv tails are copies (equal); outputs and recurrent
     states agree to rounding (the kernel runs the delta rule token by token, the PyTorch path in
     chunks); a block step leaves the states alone; replaced state tensors are never mutated."""
     import copy
@@ -169,7 +169,7 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant):
     ref_states = fresh_states()
     kern_states = [copy.deepcopy(s) for s in ref_states]
     with torch.inference_mode():
-        for T, block_len in [(1, 0), (8, 8), (1, 0), (5, 0), (9, 6), (32, 32), (40, 0), (1, 0)]:
+        for T, block_len in [(1, 0), (8, 8), (1, 0), (5, 0), (9, 6), (32, 32), (40, 0), (150, 0), (1, 0), (4, 4)]:
             x = torch.randn(B, T, H, generator=g).bfloat16()
             mixer.short_kernel = False
             want = mixer(x, ref_states, block_len=block_len)

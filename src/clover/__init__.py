@@ -20,8 +20,9 @@ def load(path=None, dtype=None, device="cpu", pack: bool = False, flush_denormal
     """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
 
     `dtype`: None (as stored), torch.float32, torch.bfloat16 or torch.float64.
-    `pack=True`: for bf16 on CPU, reorder the weights into oneDNN's blocked layout (same results,
-    faster decode; inference only — see `clover.layers.packed`).
+    `pack=True`: for bf16 on CPU, repack the weights for Clover's native kernels (or oneDNN's layout
+    where they cannot be built): faster prefill, decode and block steps, results equal to rounding;
+    inference only — see `clover.layers.packed` and `clover.kernels`.
     `flush_denormal=True`: flush denormal floats to zero in this thread and the threads it starts
     later (x86 runs denormal math ~100× slower; see `clover.runtime`)."""
     from .checkpoint import load_model

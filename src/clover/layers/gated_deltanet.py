@@ -112,12 +112,18 @@ class GatedDeltaNet(nn.Module):
         dtype = x.dtype
         cdt = compute_dtype(dtype)
         u, z, b, a = self._project(x)
-        if (self.short_kernel and T <= 64 and states is not None and valid_lens is None
+        if (self.short_kernel and states is not None and valid_lens is None and (T <= 64 or not block_len)
                 and dtype == torch.bfloat16 and not torch.is_grad_enabled()
                 and all(s.record is None for s in states)):      # speculation records need q, k, v, g, β
-            from ..kernels.gdn_short import gdn_short
+            from ..kernels.gdn_short import MAX_TOKENS, gdn_short
 
-            return self.out_proj(gdn_short(self, u, z, b, a, states, block_len))
+            if T <= MAX_TOKENS:
+                return self.out_proj(gdn_short(self, u, z, b, a, states, block_len))
+            # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form:
+            # the kernel keeps each state slab in L1 for all 64 tokens)
+            parts = [gdn_short(self, *(t[:, s:s + MAX_TOKENS] for t in (u, z, b, a)), states)
+                     for s in range(0, T, MAX_TOKENS)]
+            return self.out_proj(torch.cat(parts, dim=1))
         u = u.transpose(1, 2)                                                # [B, C, T]
         z = z.reshape(B, T, self.num_v_heads, self.dv)
         K = self.kernel

@@ -10,10 +10,11 @@ Two backends, chosen by `pack_for_cpu(model, kernels=...)`:
   (bit-equal outputs, measured) ~1.4–1.8× faster for one or a few rows.
 
 `pack_for_cpu(model)` swaps every bf16 `nn.Linear` and each layer's routed experts for packed copies
-and frees the originals, so memory does not grow. First it stacks the maps that read the same input (a module lists them in
-`input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared expert's
-gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call where it
-made four, and the outputs stay bit-equal. The unpacked model stays the reference (tests compare the
+and frees the originals, so memory does not grow. First it stacks the maps that read the same input
+(a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
+with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
+matrix-vector call where it made four (bit-equal outputs). With the kernels it also routes the GDN
+mixers' short inputs (decode, block steps, commits) through `kernels/gdn_short.c`. The unpacked model stays the reference (tests compare the
 two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
