@@ -46,7 +46,8 @@ def top_k_lowest_index_first(values: Tensor, k: int) -> Tensor:
     int64 keys `(order-preserving 32-bit image) · 2³² + (E − 1 − index)`, which never tie, so
     ``torch.topk`` (fast, but unspecified on ties) gives that order. Other dtypes use the sort."""
     E = values.shape[-1]
-    if values.dtype != torch.float32 or E >= 2 ** 31:
+    if values.dtype != torch.float32 or E >= 2 ** 31 or values.numel() <= 1024:
+        # a few rows (decode): one sort call beats the key's ~10 small ops
         return torch.sort(values, dim=-1, descending=True, stable=True)[1][..., :k]
     bits = (values + 0.0).view(torch.int32)                      # + 0.0: −0 becomes +0, as sort sees them
     bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)        # negative floats: larger bits are smaller
