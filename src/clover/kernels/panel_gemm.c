@@ -13,6 +13,7 @@
 #define PANEL 32
 #define MAX_ROWS 12         /* 2 accumulators per row + 2 weight vectors + 1 broadcast <= 32 zmm */
 #define PREFETCH_AHEAD 64   /* lines ahead in the one-row kernel (measured: 16 < 64 on DRAM streams) */
+#define PREFETCH_AHEAD_ROWS 16  /* with several rows, into L1 from L2 (in-process A/B: +3-7%) */
 
 static inline void convert(const uint16_t *src, __m512 *lo, __m512 *hi) {
     __m512i v = _mm512_loadu_si512((const void *)src);
@@ -55,7 +56,7 @@ static void kernel_##R(const float *A, const uint16_t *W, int K, char *C, long l
             pf += (long)every * PANEL;                                                            \
             countdown = every;                                                                    \
         }                                                                                         \
-        if (R == 1) _mm_prefetch((const char *)(W + (long)(k + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0); \
+        _mm_prefetch((const char *)(W + (long)(k + (R == 1 ? PREFETCH_AHEAD : PREFETCH_AHEAD_ROWS)) * PANEL), _MM_HINT_T0); \
         convert(W + (long)k * PANEL, &lo, &hi);                                                   \
         _Pragma("GCC unroll 12")                                                                  \
         for (int r = 0; r < R; r++) {                                                             \
