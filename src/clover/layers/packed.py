@@ -14,7 +14,8 @@ and frees the originals, so memory does not grow. First it stacks the maps that 
 (a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
 with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
 matrix-vector call where it made four (bit-equal outputs). With the kernels it also routes the GDN
-mixers' short inputs (decode, block steps, commits) through `kernels/gdn_short.c`. The unpacked model stays the reference (tests compare the
+mixers' cached inputs (decode, block steps, commits, causal prefill chunks) through
+`kernels/gdn_short.c`. The unpacked model stays the reference (tests compare the
 two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
