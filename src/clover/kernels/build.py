@@ -57,7 +57,7 @@ def build(out_dir: Path | None = None) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
     sources = b"".join(s.read_bytes() for s in SOURCES)
     key = hashlib.sha256(sources + " ".join([cc, *version, *FLAGS]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())

@@ -47,7 +47,7 @@ def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
     tails = [s.conv for s in states]
     recurrent = [s.recurrent for s in states]
     for t, r in zip(tails, recurrent):
-        if not (t.is_contiguous() and r.is_contiguous() and r.dtype == torch.float32):
+        if not (t.is_contiguous() and t.dtype == torch.bfloat16 and r.is_contiguous() and r.dtype == torch.float32):
             raise ValueError("gdn_short needs contiguous bf16 conv tails and fp32 recurrent states")
     new_tails = [torch.empty_like(t) for t in tails] if P else tails
     new_states = [torch.empty_like(r) for r in recurrent] if P else recurrent

@@ -1,4 +1,4 @@
-/* bf16-weight matrix products computed in fp32 FMAs (clover/kernels/panels.py explains the why).
+/* bf16-weight matrix products computed in fp32 FMAs (clover/kernels/build.py says why).
  *
  * C[M, N] = A[M, K] . W[N, K]^T with A in bf16 or fp32, W in bf16 "panels", C in bf16 (rounded to
  * nearest even, as torch rounds) or fp32. A panel is 32 output columns: for each k one 64-byte line whose

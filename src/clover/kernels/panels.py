@@ -1,8 +1,8 @@
 """bf16 weights in 32-column panels, multiplied by the native kernel (kernels/panel_gemm.c).
 
-`PanelWeight.pack(w)` reorders a [N, K] bf16 matrix once; `linear(x, w)` is `F.linear(x, W)` for bf16
-or fp32 `x`: inputs are widened to fp32 and the products and sums run in fp32 (one FMA per k, in k order, for every output), the
-result is rounded once to x's dtype. `grouped_linear` multiplies row spans of one input by different
+`PanelWeight(w)` reorders a [N, K] bf16 matrix once; `linear(x, w)` is `F.linear(x, W)` for bf16 or
+fp32 `x`: inputs are widened to fp32, products and sums run in fp32 (one FMA per k, in k order, for
+every output), the result is rounded once to x's dtype. `grouped_linear` multiplies row spans of one input by different
 entries of a stacked weight (the routed experts) in a single parallel call. The reference for both
 is `F.linear` in fp64 (tests/test_kernels.py).
 """
@@ -35,10 +35,6 @@ class PanelWeight:
             raise ValueError("panel weights are for CPU inference")
         *self.lead, self.out_features, self.in_features = weight.shape
         self.panels = pack_panels(weight)
-
-    @property
-    def nbytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size()
 
 
 def _input(x: torch.Tensor, K: int) -> torch.Tensor:

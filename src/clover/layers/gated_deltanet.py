@@ -64,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
-        self.short_kernel = False   # packing with the native kernels: ≤ 64 cached tokens go through kernels/gdn_short.py
+        self.short_kernel = False   # set by packing with the native kernels: see kernels/gdn_short.py
 
     input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
