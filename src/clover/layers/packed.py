@@ -93,10 +93,11 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
     still needs the plain tensor)."""
     from ..kernels import available
 
+    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
+        return 0                           # (checked first: deciding on the kernels may compile them)
     if kernels is None:
         kernels = available()
-    if (not available() if kernels else not onednn_available()) or model.dtype != torch.bfloat16 \
-            or model.device.type != "cpu":
+    if not (available() if kernels else onednn_available()):
         return 0
     from .moe import Experts
 
