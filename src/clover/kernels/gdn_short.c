@@ -111,8 +111,6 @@ static void l2_normalize(float *x, int n, float scale) {
  * whole 64 KB state from L2. */
 #define SLAB 64
 
-typedef struct { __m512 v[SLAB / 16]; } Row;            /* one slab row in registers */
-
 /* Token t on slab S [dk, SLAB] (row stride SLAB; lanes past `width` stay 0): S ← decay·S;
  * δ = (v − Sᵀk)·β; S ← S + k δᵀ; o = Sᵀq (written to o[0..width)). */
 static void slab_step(float *S, int dk, int width, const float *q, const float *k, const float *v,

@@ -37,7 +37,7 @@ static inline void store_row(char *c, int ncols, int c_fp32, __m512 lo, __m512 h
  * so the kernel's R broadcasts for one k are R consecutive floats. Read in place, R rows K floats
  * apart (8 KB at K = 2048) fall into the same L1 set and evict each other: packing measured 5–30%
  * faster on 32–1024 rows. */
-typedef struct { int row, rows, group; long offset; } Block;
+typedef struct { int row, rows; long offset; } Block;
 
 /* R rows times one panel. The following panel is pulled towards L2 while this one computes, spread
  * over all of the panel's row blocks: block i of n prefetches lines i, i+n, i+2n, ... starting at
@@ -77,12 +77,12 @@ static const kernel_fn KERNELS[MAX_ROWS + 1] = {0, kernel_1, kernel_2, kernel_3,
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 /* Split rows [m0, m1) into blocks of at most MAX_ROWS (a tail split evenly); returns the count. */
-static int plan_rows(int m0, int m1, int group, long *offset, int K, Block *out) {
+static int plan_rows(int m0, int m1, long *offset, int K, Block *out) {
     int n = 0;
     for (int m = m0; m < m1;) {
         int rows = m1 - m;
         if (rows > MAX_ROWS) rows = rows >= 2 * MAX_ROWS ? MAX_ROWS : (rows + 1) / 2;
-        out[n++] = (Block){m, rows, group, *offset};
+        out[n++] = (Block){m, rows, *offset};
         *offset += (long)rows * K;
         m += rows;
     }
@@ -157,7 +157,7 @@ int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const u
     float *buf = scratch;
     for (int m0 = 0; m0 < M; m0 += mc) {
         long offset = 0;
-        int blocks = plan_rows(m0, min_int(M, m0 + mc), 0, &offset, K, blk);
+        int blocks = plan_rows(m0, min_int(M, m0 + mc), &offset, K, blk);
         for (int i = 0; i < blocks; i++) blk[i].row -= m0;
         const char *A0 = a_bf16 ? (const char *)A + m0 * lda * 2 : (const char *)A + m0 * lda * 4;
         int serial = offset <= SERIAL_PACK_FLOATS;
@@ -201,7 +201,7 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
     int blocks = 0;
     for (int g = 0; g < G; g++) {
         first[g] = blocks;
-        blocks += plan_rows((int)offsets[g], (int)offsets[g + 1], g, &offset, K, blk + blocks);
+        blocks += plan_rows((int)offsets[g], (int)offsets[g + 1], &offset, K, blk + blocks);
     }
     first[G] = blocks;
     int serial = offset <= SERIAL_PACK_FLOATS;

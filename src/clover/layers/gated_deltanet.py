@@ -112,6 +112,7 @@ class GatedDeltaNet(nn.Module):
         dtype = x.dtype
         cdt = compute_dtype(dtype)
         u, z, b, a = self._project(x)
+        # (64 = gdn_short.MAX_TOKENS; a longer input goes through in 64-token calls, causal only)
         if (self.short_kernel and states is not None and valid_lens is None and (T <= 64 or not block_len)
                 and dtype == torch.bfloat16 and not torch.is_grad_enabled()
                 and all(s.record is None for s in states)):      # speculation records need q, k, v, g, β

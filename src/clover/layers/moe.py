@@ -98,27 +98,24 @@ class Experts(nn.Module):
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of_slot = order // k
-        if self.panels is not None:
-            counts = torch.bincount(flat_expert, minlength=self.num_experts)
-            ids = counts.nonzero().squeeze(1)
-            offsets = torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)])
-            ys = self._panel_experts(x[token_of_slot], offsets, ids)
-            ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-            return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
-        spans = []                                                         # (expert, start, end)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                spans.append((expert, start, start + count))
-                start += count
-        if self.packed is not None and xs.shape[0] <= self.batched_swiglu_rows:
-            ys = self._packed_spans(xs, spans)
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        if self.panels is not None:
+            ids = counts.nonzero().squeeze(1)
+            ys = self._panel_experts(xs, torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)]), ids)
         else:
-            ys = torch.empty_like(xs)
-            for expert, start, end in spans:
-                ys[start:end] = self._expert(xs[start:end], expert)
+            spans = []                                                     # (expert, start, end)
+            start = 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    spans.append((expert, start, start + count))
+                    start += count
+            if self.packed is not None and xs.shape[0] <= self.batched_swiglu_rows:
+                ys = self._packed_spans(xs, spans)
+            else:
+                ys = torch.empty_like(xs)
+                for expert, start, end in spans:
+                    ys[start:end] = self._expert(xs[start:end], expert)
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of_slot, ys)
@@ -145,16 +142,14 @@ class Experts(nn.Module):
         bit-identical to the grouped path (tested). The SwiGLU between the two projections runs once
         over all k experts' rows instead of once per expert."""
         order = indices[0].argsort(stable=True)
+        ascending = indices[0, order]                                     # the token's experts, ascending
         if self.panels is not None:
-            k = indices.shape[1]
-            ys = self._panel_experts(x, torch.arange(k + 1), indices[0, order], same_row=True)
-            ys = ys * weights[0, order, None].to(ys.dtype)
-            return ys.sum(0, keepdim=True)
-        ids = indices[0, order].tolist()                                  # ascending expert ids
-        if self.packed is not None:
+            ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, same_row=True)
+        elif self.packed is not None:
+            ids = ascending.tolist()
             ys = self._packed_spans(x.expand(len(ids), -1), [(e, j, j + 1) for j, e in enumerate(ids)])
         else:
-            ys = torch.cat([self._expert(x, e) for e in ids])                            # [k, H]
+            ys = torch.cat([self._expert(x, e) for e in ascending.tolist()])            # [k, H]
         ys = ys * weights[0, order, None].to(ys.dtype)
         return ys.sum(0, keepdim=True)
 

@@ -124,7 +124,7 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
 
         for m in model.modules():
             if isinstance(m, GatedDeltaNet):
-                m.short_kernel = True        # decode, block steps, commits: kernels/gdn_short.c
+                m.short_kernel = True        # decode, block steps, commits, prefill: kernels/gdn_short.c
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
