@@ -134,7 +134,7 @@ def test_build_is_cached_and_failures_fall_back(tmp_path):
 @pytest.mark.parametrize("variant", ["base", "gdn_heavy"])
 def test_gdn_short_kernel_matches_the_pytorch_path(variant):
     """kernels/gdn_short.c against GatedDeltaNet's PyTorch path (the definition) on a bf16 tiny model,
-    rows with different histories: decode tokens, block steps over the cache, commits, a commit with
+    rows with different histories: decode tokens, block steps over the cache (one of a single token), commits, a commit with
     the next block in one call, a 40-token chunk, a 150-token prefill chunk (64 tokens per call). Conv tails are copies (equal); outputs and recurrent
     states agree to rounding (the kernel runs the delta rule token by token, the PyTorch path in
     chunks); a block step leaves the states alone; replaced state tensors are never mutated."""
@@ -169,7 +169,8 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant):
     ref_states = fresh_states()
     kern_states = [copy.deepcopy(s) for s in ref_states]
     with torch.inference_mode():
-        for T, block_len in [(1, 0), (8, 8), (1, 0), (5, 0), (9, 6), (32, 32), (40, 0), (150, 0), (1, 0), (4, 4)]:
+        for T, block_len in [(1, 0), (8, 8), (1, 0), (1, 1), (5, 0), (9, 6), (32, 32), (40, 0), (150, 0), (1, 0),
+                              (4, 4)]:
             x = torch.randn(B, T, H, generator=g).bfloat16()
             mixer.short_kernel = False
             want = mixer(x, ref_states, block_len=block_len)
@@ -186,3 +187,49 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant):
             for a, b in zip(ref_states, kern_states):
                 assert torch.equal(a.conv, b.conv)
                 assert (a.recurrent - b.recurrent).abs().max() <= 1e-5 * a.recurrent.abs().max(), (T, block_len)
+
+
+@pytest.mark.parametrize("variant", ["base", "attn_first"])
+def test_decode_layer_glue_matches_the_pytorch_modules(variant):
+    """kernels/decode_layer.c against the modules it replaces on a packed bf16 tiny model: the residual
+    add + ZeroCenteredRMSNorm (rows of any count and stride, with and without the add) and one token
+    through the MoE block (router softmax, top-k with ties to the lower index, renormalised weights,
+    SwiGLU experts, shared expert and its gate, residual add). The C follows the modules' roundings,
+    so outputs are bit-equal here; a reduction-order difference would show as a one-ulp change and be
+    judged against fp32, not waved through."""
+    import copy
+
+    from clover.kernels.decode_layer import add_rmsnorm, moe_decode
+    from clover.layers.packed import pack_for_cpu
+    from tiny_models import make_model
+
+    plain = make_model(variant, seed=4, dtype=torch.bfloat16)
+    model = copy.deepcopy(plain)
+    assert pack_for_cpu(model, kernels=True) > 0
+    H = model.config.hidden_size
+    g = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for i, layer in enumerate(model.model.layers):
+            norm = layer.post_attention_layernorm
+            for trial in range(40):
+                h = (torch.randn(1, 1, H, generator=g) * (1 + trial % 7)).bfloat16()
+                d = torch.randn(1, 1, H, generator=g).bfloat16()
+                got_h, got_x = add_rmsnorm(h, d, norm)
+                want_h = h + d
+                want_x = plain.model.layers[i].post_attention_layernorm(want_h)
+                assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
+                got = moe_decode(layer.mlp, want_x, want_h)
+                moe_out, _ = plain.model.layers[i].mlp(want_x)
+                assert torch.equal(got, want_h + moe_out), (i, trial)
+            rows = torch.randn(5, 3, 2 * H, generator=g).bfloat16()[..., ::2]        # strided rows
+            assert torch.equal(add_rmsnorm(rows, None, norm)[1], plain.model.layers[i].post_attention_layernorm(rows))
+        # a near-tie in the router goes to the lower expert, as the stable sort does
+        layer = model.model.layers[0]
+        x = torch.zeros(1, 1, H, dtype=torch.bfloat16)           # every router logit 0: all experts tie
+        h = torch.randn(1, 1, H, generator=g).bfloat16()
+        moe_out, _ = plain.model.layers[0].mlp(x)
+        assert torch.equal(moe_decode(layer.mlp, x, h), h + moe_out)
+        with pytest.raises(ValueError, match="one bf16 token"):
+            moe_decode(layer.mlp, torch.zeros(1, 2, H, dtype=torch.bfloat16), h)
+        with pytest.raises(ValueError, match="bf16"):
+            add_rmsnorm(h.float(), None, layer.post_attention_layernorm)

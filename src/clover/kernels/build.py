@@ -23,7 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_short.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_short.c", "decode_layer.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
@@ -58,7 +59,7 @@ def build(out_dir: Path | None = None) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
-    sources = b"".join(s.read_bytes() for s in SOURCES)
+    sources = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
     key = hashlib.sha256(sources + " ".join([cc, *version, *FLAGS]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
     target = out_dir / f"clover_kernels-{key}.so"
@@ -102,6 +103,10 @@ def library() -> ctypes.CDLL | None:
     lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \
         + [f32, f32, ptr, i64, i64, i32]
     lib.clover_gdn_short.restype = i32
+    lib.clover_add_rmsnorm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i32]
+    lib.clover_add_rmsnorm.restype = None
+    lib.clover_moe_decode.argtypes = [i32] * 5 + [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+    lib.clover_moe_decode.restype = i32
     return lib
 
 

@@ -16,50 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t f32_to_bf16(float f) {     /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* e^x for 16 lanes: x = n·ln2 + r, |r| ≤ ln2/2, a degree-6 Taylor polynomial for e^r (relative error
- * < 2e-7, about libm's), scaled by 2^n. Lanes that overflow give +inf, underflow 0. */
-static inline __m512 exp16(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, _mm512_max_ps(n, _mm512_set1_ps(-200.0f)));
-}
-
-static inline __m512 silu16(__m512 x) {
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-static inline __m512 round_bf16_16(__m512 x) {      /* to bf16 (nearest even) and back */
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 /* x_conv for channels [c0, c0+16) ∩ [0, C) of one row, all T tokens, into xc [T, C] fp32: the causal
  * depthwise conv over [tail | u] in fp32 (products and sums in the PyTorch path's order) rounded to
@@ -142,6 +102,39 @@ static void slab_step(float *S, int dk, int width, const float *q, const float *
     for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
 }
 
+/* slab_step for a single token, reading the state's rows in place (row stride ld0) and writing the
+ * updated rows to S1 (stride ld1; NULL: not kept): no copy of the slab in and out, which was most
+ * of a decode call. The same operations in the same order as slab_step. */
+static void slab_step_once(const float *S0, long ld0, float *S1, long ld1, int dk, int width, const float *q,
+                           const float *k, const float *v, float beta, float decay, float *o) {
+    const int nv = (width + 15) / 16;
+    __m512 pred[SLAB / 16], out[SLAB / 16], dec = _mm512_set1_ps(decay);
+    for (int x = 0; x < nv; x++) pred[x] = _mm512_setzero_ps(), out[x] = _mm512_setzero_ps();
+    for (int i = 0; i < dk; i++) {
+        __m512 ki = _mm512_set1_ps(k[i]);
+        for (int x = 0; x < nv; x++) {
+            __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(width - 16 * x), S0 + i * ld0 + 16 * x), dec);
+            pred[x] = _mm512_add_ps(pred[x], _mm512_mul_ps(ki, s));
+        }
+    }
+    __m512 b = _mm512_set1_ps(beta);
+    for (int x = 0; x < nv; x++) {
+        __mmask16 m = lanes(width - 16 * x);
+        pred[x] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, v + 16 * x), pred[x]), b);   /* δ */
+    }
+    for (int i = 0; i < dk; i++) {
+        __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        for (int x = 0; x < nv; x++) {
+            __mmask16 m = lanes(width - 16 * x);
+            __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, S0 + i * ld0 + 16 * x), dec);
+            s = _mm512_add_ps(s, _mm512_mul_ps(ki, pred[x]));
+            if (S1) _mm512_mask_storeu_ps(S1 + i * ld1 + 16 * x, m, s);
+            out[x] = _mm512_add_ps(out[x], _mm512_mul_ps(qi, s));
+        }
+    }
+    for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
+}
+
 /* o[0..width) = Sᵀq over a slab. */
 static void slab_readout(const float *S, int dk, int width, const float *q, float *o) {
     const int nv = SLAB / 16;
@@ -152,6 +145,15 @@ static void slab_readout(const float *S, int dk, int width, const float *q, floa
         for (int x = 0; x < nv; x++) out[x] = _mm512_add_ps(out[x], _mm512_mul_ps(qi, _mm512_loadu_ps(S + (long)i * SLAB + 16 * x)));
     }
     for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
+}
+
+/* dst[0..n) = src[0..width), zero past width (n ≤ SLAB). For these 256-byte rows the compiler's
+ * inlined memcpy (rep movsq) took 40% of a decode call (perf); vector moves do not. */
+static inline void copy_floats(float *dst, const float *src, int width, int n) {
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 m = lanes(n - j);
+        _mm512_mask_storeu_ps(dst + j, m, _mm512_maskz_loadu_ps(lanes(width - j > 0 ? width - j : 0), src + j));
+    }
 }
 
 /* Per thread, grown on demand: a fresh allocation per call would be fresh pages (faults) every time. */
@@ -231,18 +233,22 @@ int clover_gdn_short(int B, int T, int P, int Hk, int Hv, int dk, int dv, int K,
             const float *S0 = (const float *)states[row] + (long)h * dk * dv;
             float *S1 = P > 0 ? (float *)new_states[row] + (long)h * dk * dv : 0;
             float w0 = mix[2 * h], w1 = mix[2 * h + 1];
-            for (int j0 = 0; j0 < dv; j0 += SLAB) {
+            for (int j0 = 0; T == 1 && j0 < dv; j0 += SLAB) {    /* one token: straight from the state */
                 int width = dv - j0 < SLAB ? dv - j0 : SLAB;
-                for (int i = 0; i < dk; i++) {                /* the slab, zero-padded past dv */
-                    memcpy(S + (long)i * SLAB, S0 + (long)i * dv + j0, sizeof(float) * width);
-                    memset(S + (long)i * SLAB + width, 0, sizeof(float) * (SLAB - width));
-                }
+                slab_step_once(S0 + j0, dv, S1 ? S1 + j0 : 0, dv, dk, width, q, k, v + j0, beta[0], decay[0], o + j0);
+                if (P == 0)                                   /* a one-token block: its end state is S1 */
+                    for (int j = 0; j < width; j++) o[j0 + j] = w0 * o[j0 + j] + w1 * o[j0 + j];
+            }
+            for (int j0 = 0; T > 1 && j0 < dv; j0 += SLAB) {
+                int width = dv - j0 < SLAB ? dv - j0 : SLAB;
+                for (int i = 0; i < dk; i++)                  /* the slab, zero-padded past dv */
+                    copy_floats(S + (long)i * SLAB, S0 + (long)i * dv + j0, width, SLAB);
                 for (int t = 0; t < T; t++) {
                     slab_step(S, dk, width, q + (long)t * dk, k + (long)t * dk, v + (long)t * dv + j0, beta[t],
                               decay[t], o + (long)t * dv + j0);
                     if (t == P - 1)                           /* the committed state */
                         for (int i = 0; i < dk; i++)
-                            memcpy(S1 + (long)i * dv + j0, S + (long)i * SLAB, sizeof(float) * width);
+                            copy_floats(S1 + (long)i * dv + j0, S + (long)i * SLAB, width, width);
                 }
                 for (int t = P; t < T; t++) {                 /* block readout of the end state, mixed */
                     slab_readout(S, dk, width, q + (long)t * dk, ob);

@@ -125,6 +125,13 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
         for m in model.modules():
             if isinstance(m, GatedDeltaNet):
                 m.short_kernel = True        # decode, block steps, commits, prefill: kernels/gdn_short.c
+        from .norms import ZeroCenteredRMSNorm
+
+        for m in model.modules():            # residual adds, norms, a decode token's MoE: kernels/decode_layer.c
+            if isinstance(m, ZeroCenteredRMSNorm):
+                m.native = True
+        for layer in model.model.layers:
+            layer.native_glue = True
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
