@@ -233,3 +233,36 @@ def test_decode_layer_glue_matches_the_pytorch_modules(variant):
             moe_decode(layer.mlp, torch.zeros(1, 2, H, dtype=torch.bfloat16), h)
         with pytest.raises(ValueError, match="bf16"):
             add_rmsnorm(h.float(), None, layer.post_attention_layernorm)
+
+
+@pytest.mark.parametrize("variant", ["base", "tied_gqa4"])
+def test_attention_decode_kernel_matches_the_pytorch_path(variant):
+    """kernels/attention_decode.c against Attention's PyTorch path on a packed bf16 tiny model, decode
+    tokens at growing positions (the cache also growing past its capacity): the K/V written to the cache
+    are bit-equal (same norm and rotary roundings), the gated output agrees to bf16 rounding (the
+    attention itself runs in fp32 there, with bf16 probabilities in PyTorch's kernel)."""
+    import copy
+
+    from clover.layers.packed import pack_for_cpu
+    from tiny_models import make_model
+
+    model = make_model(variant, seed=5, dtype=torch.bfloat16)
+    assert pack_for_cpu(model, kernels=True) > 0
+    index = next(i for i, layer in enumerate(model.model.layers) if layer.kind == "full_attention")
+    attn = model.model.layers[index].self_attn
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        cache = model.make_cache(capacity=16)
+        model.step(torch.randint(5, 90, (1, 11), generator=g), [cache])
+        ref, kern = copy.deepcopy(cache.layers[index]), copy.deepcopy(cache.layers[index])
+        for pos in range(11, 30):
+            x = torch.randn(1, 1, model.config.hidden_size, generator=g).bfloat16()
+            cos, sin = model.model.rotary(torch.tensor([[pos]]), torch.bfloat16)
+            attn.decode_kernel = False
+            want = attn(x, cos, sin, [ref], [pos], 0)
+            attn.decode_kernel = True
+            got = attn(x, cos, sin, [kern], [pos], 0)
+            assert ref.length == kern.length == pos + 1
+            assert torch.equal(ref.k[:, : pos + 1], kern.k[:, : pos + 1])
+            assert torch.equal(ref.v[:, : pos + 1], kern.v[:, : pos + 1])
+            assert (got.float() - want.float()).abs().max() <= 1.5e-2 * want.float().abs().max(), pos  # ≤ 4 ulps

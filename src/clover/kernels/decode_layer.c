@@ -23,8 +23,8 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
                               void *C, long ldc, int c_fp32, int threads);
 
 /* One row: out_x = x·rsqrt(mean(x²) + eps)·scale in fp32, rounded to bf16; x = h (+ delta, rounded
- * to bf16 and written to out_h). */
-static void add_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const float *scale, float eps,
+ * to bf16 and written to out_h). Also attention_decode.c's q/k norm, so every path rounds alike. */
+void clover_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const float *scale, float eps,
                             uint16_t *out_h, uint16_t *out_x) {
     __m512 acc = _mm512_setzero_ps();
     for (int j = 0; j < H; j += 16) {
@@ -52,7 +52,7 @@ void clover_add_rmsnorm(int N, int H, const uint16_t *h, long ldh, const uint16_
     if ((long)N * H < (1L << 15)) threads = 1;          /* a few rows: a parallel region costs more */
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int i = 0; i < N; i++)
-        add_rmsnorm_row(H, h + i * ldh, delta ? delta + i * ldd : 0, scale, eps, out_h + (long)i * H,
+        clover_rmsnorm_row(H, h + i * ldh, delta ? delta + i * ldd : 0, scale, eps, out_h + (long)i * H,
                         out_x + (long)i * H);
 }
 
@@ -147,12 +147,16 @@ int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, con
 
     float g = bf16_to_f32(y_in[E + 2 * Is]);
     float gate = round_bf16(1.0f / (1.0f + expf(-g)));          /* torch.sigmoid on a bf16 value */
-    for (int c = 0; c < H; c++) {
-        float acc = 0.0f;                                        /* Σ_j bf16(y_j · w_j), then bf16 */
-        for (int j = 0; j < k; j++) acc += round_bf16(bf16_to_f32(ys[(size_t)j * H + c]) * weights[j]);
-        float routed = round_bf16(acc);
-        float moe = round_bf16(routed + round_bf16(gate * bf16_to_f32(shared[c])));
-        out_h[c] = f32_to_bf16(bf16_to_f32(h[c]) + moe);
+    __m512 vgate = _mm512_set1_ps(gate);
+    for (int c = 0; c < H; c += 16) {
+        __mmask16 m = lanes(H - c);
+        __m512 acc = _mm512_setzero_ps();                        /* Σ_j bf16(y_j · w_j), then bf16 */
+        for (int j = 0; j < k; j++)
+            acc = _mm512_add_ps(acc, round_bf16_16(_mm512_mul_ps(load_bf16_16(ys + (size_t)j * H + c, m),
+                                                                 _mm512_set1_ps(weights[j]))));
+        __m512 routed = round_bf16_16(acc);
+        __m512 moe = round_bf16_16(_mm512_add_ps(routed, round_bf16_16(_mm512_mul_ps(vgate, load_bf16_16(shared + c, m)))));
+        store_bf16_16(out_h + c, m, _mm512_add_ps(load_bf16_16(h + c, m), moe));
     }
     if (ids_out) memcpy(ids_out, ids, sizeof(int64_t) * k);
     return 0;

@@ -32,6 +32,7 @@ class Attention(nn.Module):
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
 
     input_projections = ("q_proj", "k_proj", "v_proj")
+    decode_kernel = False   # set by packing with the native kernels: a decode token runs kernels/attention_decode.c
 
     def _project(self, x):
         if self.fused_input is not None:
@@ -47,6 +48,14 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         qg, k, v = self._project(x)
+        if (self.decode_kernel and B * T == 1 and not block_len and states is not None and valid_lens is None
+                and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
+            from ..kernels.attention_decode import attention_decode
+
+            state = states[0]
+            out = attention_decode(self, qg, k, v, cos, sin, state, starts[0])
+            state.length = starts[0] + 1
+            return self.o_proj(out)
         qg = qg.reshape(B, T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
         q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]

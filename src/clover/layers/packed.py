@@ -132,6 +132,8 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
                 m.native = True
         for layer in model.model.layers:
             layer.native_glue = True
+            if layer.kind != "linear_attention":
+                layer.self_attn.decode_kernel = True
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
