@@ -217,7 +217,7 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
             int g = item / panels, p = item % panels;
             const uint16_t *w = W + ids[g] * wstride + p * panel_size;
             /* the next item's panel: this expert's next one, or the next expert's first */
-            const uint16_t *next = p + 1 < panels ? w + panel_size : g + 1 < G ? W + ids[g + 1] * wstride : 0;
+            const uint16_t *next = p + 1 < panels ? w + panel_size : 0;
             char *Cp = (char *)C + (long)p * PANEL * esize;
             run_blocks(blk, first[g], first[g + 1], buf, w, K, next, Cp, ldc_bytes, min_int(PANEL, N - p * PANEL),
                        c_fp32);
