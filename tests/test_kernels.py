@@ -94,6 +94,39 @@ def test_grouped_linear_matches_per_group_products():
         assert torch.equal(shared[j], linear(one, PanelWeight(stack[e]))[0])
 
 
+def test_grouped_linear_epilogues_gather_swiglu_and_scale():
+    """The grouped form's gather (`rows`), SwiGLU over interleaved gate/up panels and per-row scaling
+    give what the tensor ops they replace give: x[rows], then `F.silu(gate) * up`, then `ys * w`
+    on bf16 tensors (bit-equal: same roundings), including a zero-padded intermediate size."""
+    from clover.kernels.panels import interleave_gate_up
+
+    g = torch.Generator().manual_seed(4)
+    E, I, K, T = 5, 20, 48, 30                         # I = 20: padded to 32 inside the panels
+    gate_up = torch.randn(E, 2 * I, K, generator=g).bfloat16()
+    x = torch.randn(9, K, generator=g).bfloat16()
+    rows = torch.randint(0, 9, (T,), generator=g)
+    ids, offsets = torch.tensor([3, 0, 4]), torch.tensor([0, 11, 12, T])
+    fused = PanelWeight(interleave_gate_up(gate_up, I))
+    assert fused.out_features == 64
+    got = grouped_linear(x, fused, offsets, ids, rows=rows, swiglu=True)
+    plain = grouped_linear(x[rows], PanelWeight(gate_up), offsets, ids)
+    gate, up = plain.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.equal(got[:, :I], want) and not got[:, I:].any()      # padded columns are exactly 0
+    scale = torch.rand(T, generator=g).bfloat16().float()
+    down = torch.randn(E, 16, I, generator=g).bfloat16()
+    ys = grouped_linear(want, PanelWeight(down), offsets, ids, scale=scale)
+    assert torch.equal(ys, grouped_linear(want, PanelWeight(down), offsets, ids) * scale[:, None].bfloat16())
+    with pytest.raises(ValueError, match="scale has"):
+        grouped_linear(want, PanelWeight(down), offsets, ids, scale=scale[:-1])
+    with pytest.raises(ValueError, match="multiple of"):
+        grouped_linear(x, PanelWeight(gate_up[:, :40]), torch.tensor([0, 9]), ids[:1], swiglu=True)   # N = 40
+    with pytest.raises(ValueError, match="rows must hold"):
+        grouped_linear(x, fused, offsets, ids, rows=rows.clamp(max=8) + 1, swiglu=True)   # index 9 of 9 rows
+    with pytest.raises(ValueError, match="offsets reach"):
+        grouped_linear(x, fused, offsets, ids, swiglu=True)                              # 30 rows of 9
+
+
 def test_panel_layout():
     """The layout the kernel reads (kernels/panel_gemm.c): for panel p and input k, 16-bit slot 2j holds
     column 32p+j and slot 2j+1 column 32p+16+j; columns past N are zero."""

@@ -97,7 +97,8 @@ def library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.clover_panel_gemm.argtypes = [ptr, i64, i32, i32, i32, ptr, i32, ptr, i64, i32, i32]
     lib.clover_panel_gemm.restype = i32
-    lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32]
+    lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32,
+                                              ptr, i32]
     lib.clover_panel_gemm_grouped.restype = i32
     f32 = ctypes.c_float
     lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \

@@ -19,8 +19,8 @@
 int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
                       void *C, long ldc, int c_fp32, int threads);
 int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
-                              const int64_t *ids, int K, const uint16_t *W, long wstride, int N,
-                              void *C, long ldc, int c_fp32, int threads);
+                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
+                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads);
 
 /* One row: out_x = x·rsqrt(mean(x²) + eps)·scale in fp32, rounded to bf16; x = h (+ delta, rounded
  * to bf16 and written to out_h). Also attention_decode.c's q/k norm, so every path rounds alike. */
@@ -121,7 +121,7 @@ int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, con
                       int threads) {
     if (k < 1 || k > 64 || k > E) return -2;
     int n_in = E + 2 * Is + 1;
-    size_t bytes = sizeof(float) * E + 2 * ((size_t)n_in + (size_t)k * 3 * I + (size_t)k * H + Is + H) + 64 * 64;
+    size_t bytes = sizeof(float) * E + 2 * ((size_t)n_in + (size_t)k * I + (size_t)k * H + Is + H) + 64 * 64;
     if (bytes > moe_scratch_bytes) {
         free(moe_scratch);
         moe_scratch = malloc(bytes);
@@ -129,7 +129,7 @@ int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, con
         if (!moe_scratch) return -1;
     }
     float *probs = moe_scratch;
-    uint16_t *y_in = (uint16_t *)(probs + E), *gu = y_in + n_in, *act = gu + (size_t)k * 2 * I;
+    uint16_t *y_in = (uint16_t *)(probs + E), *act = y_in + n_in;
     uint16_t *ys = act + (size_t)k * I, *act_s = ys + (size_t)k * H, *shared = act_s + Is;
     int64_t ids[64], offsets[65];
     float weights[64];
@@ -137,11 +137,13 @@ int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, con
     if (clover_panel_gemm(x, H, 1, 1, H, w_in, n_in, y_in, n_in, 0, threads)) return -1;
     route(E, k, y_in, probs, ids, weights);
     for (int j = 0; j <= k; j++) offsets[j] = j;
-    if (clover_panel_gemm_grouped(x, 0, 1, k, offsets, ids, H, gate_up, gate_up_stride, 2 * I, gu, 2 * I, 0,
+    /* the experts' SwiGLU and routing weights happen in the grouped kernels' epilogues */
+    if (clover_panel_gemm_grouped(x, 0, 1, k, offsets, ids, 0, H, gate_up, gate_up_stride, 2 * I, act, I, 0, 1, 0,
                                   threads))
         return -1;
-    for (int j = 0; j < k; j++) swiglu(I, gu + (size_t)j * 2 * I, gu + (size_t)j * 2 * I + I, act + (size_t)j * I);
-    if (clover_panel_gemm_grouped(act, I, 1, k, offsets, ids, I, down, down_stride, H, ys, H, 0, threads)) return -1;
+    if (clover_panel_gemm_grouped(act, I, 1, k, offsets, ids, 0, I, down, down_stride, H, ys, H, 0, 0, weights,
+                                  threads))
+        return -1;
     swiglu(Is, y_in + E, y_in + E + Is, act_s);
     if (clover_panel_gemm(act_s, Is, 1, 1, Is, shared_down, H, shared, H, 0, threads)) return -1;
 
@@ -151,9 +153,7 @@ int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, con
     for (int c = 0; c < H; c += 16) {
         __mmask16 m = lanes(H - c);
         __m512 acc = _mm512_setzero_ps();                        /* Σ_j bf16(y_j · w_j), then bf16 */
-        for (int j = 0; j < k; j++)
-            acc = _mm512_add_ps(acc, round_bf16_16(_mm512_mul_ps(load_bf16_16(ys + (size_t)j * H + c, m),
-                                                                 _mm512_set1_ps(weights[j]))));
+        for (int j = 0; j < k; j++) acc = _mm512_add_ps(acc, load_bf16_16(ys + (size_t)j * H + c, m));
         __m512 routed = round_bf16_16(acc);
         __m512 moe = round_bf16_16(_mm512_add_ps(routed, round_bf16_16(_mm512_mul_ps(vgate, load_bf16_16(shared + c, m)))));
         store_bf16_16(out_h + c, m, _mm512_add_ps(load_bf16_16(h + c, m), moe));

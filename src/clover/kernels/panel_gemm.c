@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
+
 #define PANEL 32
 #define MAX_ROWS 12         /* 2 accumulators per row + 2 weight vectors + 1 broadcast <= 32 zmm */
 #define PREFETCH_AHEAD 64   /* lines ahead in the one-row kernel (measured: 16 < 64 on DRAM streams) */
@@ -21,7 +23,25 @@ static inline void convert(const uint16_t *src, __m512 *lo, __m512 *hi) {
     *hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
-static inline void store_row(char *c, int ncols, int c_fp32, __m512 lo, __m512 hi) {
+/* What the grouped (experts) form may do to a finished row besides rounding it, so the MoE needs no
+ * separate passes over the routed rows (each a tensor op over up to 8192 × 2048 values in prefill):
+ *   swiglu: the panels hold 16 gate columns then the 16 matching up columns (Experts.pack interleaves
+ *           them); store the 16 values bf16(bf16(silu(bf16 gate)) · bf16 up) at column 16·panel;
+ *   scale:  store bf16(bf16(value) · scale[row]) (the routing weight of the row's slot).
+ * Both round exactly where `F.silu(gate) * up` and `ys * w` round on bf16 tensors. */
+typedef struct { int swiglu; const float *scale; } Epilogue;
+
+static inline void store_row(char *c, int ncols, int c_fp32, __m512 lo, __m512 hi, const Epilogue *ep, long row) {
+    if (ep && ep->swiglu) {
+        __m512 up = round_bf16_16(hi);
+        store_bf16_16((uint16_t *)c, 0xFFFF, _mm512_mul_ps(round_bf16_16(silu16(round_bf16_16(lo))), up));
+        return;
+    }
+    if (ep && ep->scale) {
+        __m512 w = _mm512_set1_ps(ep->scale[row]);
+        lo = _mm512_mul_ps(round_bf16_16(lo), w);
+        hi = _mm512_mul_ps(round_bf16_16(hi), w);
+    }
     __mmask16 mlo = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
     __mmask16 mhi = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
     if (c_fp32) {
@@ -45,7 +65,8 @@ typedef struct { int row, rows; long offset; } Block;
  * whole panel in a third of the time at 32 rows (lm_head of a block step: 271 → ~300 GFLOP/s). */
 #define DEFINE_KERNEL(R)                                                                          \
 static void kernel_##R(const float *A, const uint16_t *W, int K, char *C, long ldc_bytes,         \
-                       int ncols, int c_fp32, const uint16_t *pf, int every) {                    \
+                       int ncols, int c_fp32, const uint16_t *pf, int every, const Epilogue *ep,  \
+                       long row0) {                                                               \
     __m512 acc[2 * R];                                                                            \
     for (int i = 0; i < 2 * R; i++) acc[i] = _mm512_setzero_ps();                                 \
     int countdown = 1;                                                                            \
@@ -65,12 +86,14 @@ static void kernel_##R(const float *A, const uint16_t *W, int K, char *C, long l
             acc[2 * r + 1] = _mm512_fmadd_ps(a, hi, acc[2 * r + 1]);                              \
         }                                                                                         \
     }                                                                                             \
-    for (int r = 0; r < R; r++) store_row(C + r * ldc_bytes, ncols, c_fp32, acc[2 * r], acc[2 * r + 1]); \
+    for (int r = 0; r < R; r++)                                                                   \
+        store_row(C + r * ldc_bytes, ncols, c_fp32, acc[2 * r], acc[2 * r + 1], ep, row0 + r);    \
 }
 DEFINE_KERNEL(1) DEFINE_KERNEL(2) DEFINE_KERNEL(3) DEFINE_KERNEL(4) DEFINE_KERNEL(5) DEFINE_KERNEL(6)
 DEFINE_KERNEL(7) DEFINE_KERNEL(8) DEFINE_KERNEL(9) DEFINE_KERNEL(10) DEFINE_KERNEL(11) DEFINE_KERNEL(12)
 
-typedef void (*kernel_fn)(const float *, const uint16_t *, int, char *, long, int, int, const uint16_t *, int);
+typedef void (*kernel_fn)(const float *, const uint16_t *, int, char *, long, int, int, const uint16_t *, int,
+                          const Epilogue *, long);
 static const kernel_fn KERNELS[MAX_ROWS + 1] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
                                                 kernel_7, kernel_8, kernel_9, kernel_10, kernel_11, kernel_12};
 
@@ -92,9 +115,10 @@ static int plan_rows(int m0, int m1, long *offset, int K, Block *out) {
 /* Below this many floats the calling thread packs alone: a parallel pass costs a barrier (decode). */
 #define SERIAL_PACK_FLOATS (1L << 16)
 
-static void pack_block(const void *A, long lda, int a_bf16, int K, Block b, float *dst) {
+static void pack_block(const void *A, long lda, int a_bf16, int K, Block b, float *dst, const int64_t *a_rows) {
     for (int r = 0; r < b.rows; r++) {
-        long row = (long)(b.row + r) * lda;     /* lda 0: every row is row 0 */
+        /* lda 0: every row is row 0; a_rows: the row's input is A row a_rows[row] (routed tokens) */
+        long row = (a_rows ? a_rows[b.row + r] : (long)(b.row + r)) * lda;
         if (a_bf16) {
             const uint16_t *src = (const uint16_t *)A + row;
             for (int k = 0; k < K; k++) {
@@ -132,11 +156,11 @@ static int reserve(long floats, long blocks) {
 
 /* Blocks [first, last) of one panel; `next` is the following panel (0: none) to prefetch meanwhile. */
 static void run_blocks(const Block *blk, int first, int last, const float *packed, const uint16_t *W, int K,
-                       const uint16_t *next, char *C, long ldc_bytes, int ncols, int c_fp32) {
+                       const uint16_t *next, char *C, long ldc_bytes, int ncols, int c_fp32, const Epilogue *ep) {
     int n = last - first;
     for (int i = first; i < last; i++)
         KERNELS[blk[i].rows](packed + blk[i].offset, W, K, C + (long)blk[i].row * ldc_bytes, ldc_bytes, ncols,
-                             c_fp32, next ? next + (long)(i - first) * PANEL : 0, n);
+                             c_fp32, next ? next + (long)(i - first) * PANEL : 0, n, ep, blk[i].row);
 }
 
 /* Panels are handed out in chunks as threads ask for them (OpenMP dynamic schedule), not split in
@@ -171,19 +195,19 @@ int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const u
         const char *A0 = a_bf16 ? (const char *)A + m0 * lda * 2 : (const char *)A + m0 * lda * 4;
         int serial = offset <= SERIAL_PACK_FLOATS;
         if (serial)
-            for (int i = 0; i < blocks; i++) pack_block(A0, lda, a_bf16, K, blk[i], buf + blk[i].offset);
+            for (int i = 0; i < blocks; i++) pack_block(A0, lda, a_bf16, K, blk[i], buf + blk[i].offset, 0);
         #pragma omp parallel num_threads(threads)
         {
             if (!serial) {
                 #pragma omp for schedule(static)
-                for (int i = 0; i < blocks; i++) pack_block(A0, lda, a_bf16, K, blk[i], buf + blk[i].offset);
+                for (int i = 0; i < blocks; i++) pack_block(A0, lda, a_bf16, K, blk[i], buf + blk[i].offset, 0);
             }
             #pragma omp for schedule(dynamic, chunk)
             for (int p = 0; p < panels; p++) {
                 const uint16_t *next = p + 1 < panels ? W + (p + 1) * panel_size : 0;
                 char *Cp = (char *)C + m0 * ldc_bytes + (long)p * PANEL * esize;
                 run_blocks(blk, 0, blocks, buf, W + p * panel_size, K, next, Cp, ldc_bytes,
-                           min_int(PANEL, N - p * PANEL), c_fp32);
+                           min_int(PANEL, N - p * PANEL), c_fp32, 0);
             }
         }
     }
@@ -193,10 +217,15 @@ int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const u
 /* Grouped (mixture-of-experts): rows [offsets[g], offsets[g+1]) of A times stacked weight ids[g],
  * for all G groups in one parallel loop over (group, panel), so a token's experts share one call.
  * Stack entry e starts at W + e * wstride (elements). lda may be 0: every row is the same input
- * (then it is packed once per group, still a handful of floats). Returns 0, or -1 when out of memory. */
+ * (then it is packed once per group, still a handful of floats). a_rows (nullable): row r's input is
+ * A row a_rows[r] (the gather of routed tokens happens in the packing). swiglu / scale: see Epilogue
+ * (bf16 output only; with swiglu, C has N/2 columns). Returns 0, -1 when out of memory, -2 bad shape. */
 int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
-                              const int64_t *ids, int K, const uint16_t *W, long wstride, int N,
-                              void *C, long ldc, int c_fp32, int threads) {
+                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
+                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads) {
+    if ((swiglu || scale) && c_fp32) return -2;
+    if (swiglu && N % PANEL) return -2;
+    Epilogue epilogue = {swiglu, scale}, *ep = (swiglu || scale) ? &epilogue : 0;
     int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads);
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize, panel_size = (long)K * PANEL;
     long rows = offsets[G] - offsets[0];
@@ -214,12 +243,12 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
     }
     first[G] = blocks;
     int serial = offset <= SERIAL_PACK_FLOATS;
-    for (int i = 0; serial && i < blocks; i++) pack_block(A, lda, a_bf16, K, blk[i], buf + blk[i].offset);
+    for (int i = 0; serial && i < blocks; i++) pack_block(A, lda, a_bf16, K, blk[i], buf + blk[i].offset, a_rows);
     #pragma omp parallel num_threads(threads)
     {
         if (!serial) {
             #pragma omp for schedule(static)
-            for (int i = 0; i < blocks; i++) pack_block(A, lda, a_bf16, K, blk[i], buf + blk[i].offset);
+            for (int i = 0; i < blocks; i++) pack_block(A, lda, a_bf16, K, blk[i], buf + blk[i].offset, a_rows);
         }
         #pragma omp for schedule(dynamic, chunk)
         for (int item = 0; item < G * panels; item++) {
@@ -227,9 +256,9 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
             const uint16_t *w = W + ids[g] * wstride + p * panel_size;
             /* the next item's panel: this expert's next one, or the next expert's first */
             const uint16_t *next = p + 1 < panels ? w + panel_size : 0;
-            char *Cp = (char *)C + (long)p * PANEL * esize;
+            char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
             run_blocks(blk, first[g], first[g + 1], buf, w, K, next, Cp, ldc_bytes, min_int(PANEL, N - p * PANEL),
-                       c_fp32);
+                       c_fp32, ep);
         }
     }
     free(first);

@@ -67,19 +67,53 @@ def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = Non
 
 
 def grouped_linear(x: torch.Tensor, weight: PanelWeight, offsets: torch.Tensor, ids: torch.Tensor,
-                   same_row: bool = False) -> torch.Tensor:
+                   same_row: bool = False, rows: torch.Tensor | None = None, swiglu: bool = False,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [T, K] times stacked matrix ids[g] of `weight` [E, N, K] → [T, N].
-    With `same_row`, x is one row [1, K] used as the input of every one of T = offsets[-1] rows."""
+    With `same_row`, x is one row [1, K] used as the input of every one of T = offsets[-1] rows; with
+    `rows` [T], row r's input is x[rows[r]] (no gathered copy). `swiglu`: the weight's panels interleave
+    16 gate and 16 up columns and the result is SwiGLU(gate, up) [T, N/2]; `scale` [T] fp32: each
+    result row times its value (routing weights). Both round as the bf16 tensor ops they replace."""
     N, K = weight.out_features, weight.in_features
     a = _input(x, K)
     offsets = offsets.to(torch.int64).contiguous()
     ids = ids.to(torch.int64).contiguous()
-    rows = int(offsets[-1]) if same_row else a.shape[0]
-    out = torch.empty(rows, N, dtype=x.dtype)
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+    total = int(offsets[-1]) if (same_row or rows is not None) else a.shape[0]
+    if rows is None and not same_row and total < int(offsets[-1]):
+        raise ValueError(f"offsets reach row {int(offsets[-1])} of an input with {total} rows")
+    if rows is not None and (rows.numel() != total or (total and not 0 <= int(rows.min()) <= int(rows.max()) < a.shape[0])):
+        raise ValueError(f"rows must hold {total} indices into the input's {a.shape[0]} rows")
+    if (swiglu or scale is not None) and x.dtype != torch.bfloat16:
+        raise TypeError("the SwiGLU and scaling epilogues produce bf16 and take bf16 inputs")
+    if scale is not None:
+        scale = scale.to(torch.float32).contiguous()
+        if scale.numel() != total:
+            raise ValueError(f"scale has {scale.numel()} values for {total} rows")
+    out = torch.empty(total, N // 2 if swiglu else N, dtype=x.dtype)
     if len(ids):
         panels = weight.panels
-        _check(library().clover_panel_gemm_grouped(
+        status = library().clover_panel_gemm_grouped(
             a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16), len(ids),
-            offsets.data_ptr(), ids.data_ptr(), K, panels.data_ptr(), panels[0].numel(), N, out.data_ptr(), N,
-            int(x.dtype == torch.float32), torch.get_num_threads()))
+            offsets.data_ptr(), ids.data_ptr(), None if rows is None else rows.data_ptr(), K, panels.data_ptr(),
+            panels[0].numel(), N, out.data_ptr(), out.shape[1], int(x.dtype == torch.float32), int(swiglu),
+            None if scale is None else scale.data_ptr(), torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"grouped_linear: a SwiGLU epilogue needs N a multiple of {PANEL}, got {N}")
+        _check(status)
     return out
+
+
+def interleave_gate_up(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """[E, 2I, K] with gate rows then up rows → [E, 2I', K] (I' = I rounded up to 16, padded with zero
+    rows) ordered gate 0–15, up 0–15, gate 16–31, … so each 32-column panel feeds the SwiGLU epilogue."""
+    E, _, K = gate_up.shape
+    pad = -intermediate % (PANEL // 2)
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    if pad:
+        zeros = gate_up.new_zeros(E, pad, K)
+        gate, up = torch.cat([gate, zeros], dim=1), torch.cat([up, zeros], dim=1)
+    blocks = (intermediate + pad) // (PANEL // 2)
+    return torch.stack([gate.reshape(E, blocks, PANEL // 2, K), up.reshape(E, blocks, PANEL // 2, K)], dim=2) \
+        .reshape(E, 2 * (intermediate + pad), K)

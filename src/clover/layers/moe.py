@@ -57,9 +57,15 @@ class Experts(nn.Module):
 
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
         if kernels:
-            gate_up = _pack(self.gate_up_proj.data, kernels=True)
+            from ..kernels.panels import interleave_gate_up
+
+            intermediate = self.down_proj.shape[-1]
+            gate_up = _pack(interleave_gate_up(self.gate_up_proj.data, intermediate), kernels=True)
             self.gate_up_proj = None
-            self.panels = (gate_up, _pack(self.down_proj.data, kernels=True))
+            down = self.down_proj.data
+            if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
+                down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
+            self.panels = (gate_up, _pack(down, kernels=True))
             self.down_proj = None
             return
         gate_up = [_pack(self.gate_up_proj[e], kernels=False) for e in range(self.num_experts)]
@@ -68,14 +74,16 @@ class Experts(nn.Module):
         self.down_proj = None
         self.packed = list(zip(gate_up, down))
 
-    def _panel_experts(self, xs, offsets, ids, same_row: bool = False):
-        """Native grouped kernels: rows offsets[g]:offsets[g+1] through expert ids[g], every expert's
-        gate/up in one call, one SwiGLU, every expert's down in one call (see kernels/panels.py)."""
+    def _panel_experts(self, x, offsets, ids, scale, same_row: bool = False, rows=None):
+        """Native grouped kernels: rows offsets[g]:offsets[g+1] through expert ids[g], each row's input
+        x[rows[r]] (or x itself, or its one row with `same_row`), every expert's gate/up with the SwiGLU
+        in one call, every expert's down times the row's routing weight `scale` in one call: the
+        gather, SwiGLU and weighting happen inside the kernels (see kernels/panels.py)."""
         from ..kernels.panels import grouped_linear
 
         gate_up, down = self.panels
-        gate, up = grouped_linear(xs, gate_up, offsets, ids, same_row).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, down, offsets, ids)
+        hidden = grouped_linear(x, gate_up, offsets, ids, same_row, rows=rows, swiglu=True)
+        return grouped_linear(hidden, down, offsets, ids, scale=scale)
 
     def _expert(self, x, expert: int):
         if self.packed is not None:
@@ -98,28 +106,28 @@ class Experts(nn.Module):
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of_slot = order // k
-        xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        slot_weights = weights.reshape(-1)[order, None].to(x.dtype)
         if self.panels is not None:
             ids = counts.nonzero().squeeze(1)
-            ys = self._panel_experts(xs, torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)]), ids)
+            ys = self._panel_experts(x, torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)]), ids,
+                                     slot_weights[:, 0], rows=token_of_slot)          # weighted inside
+            return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
+        xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
+        spans = []                                                         # (expert, start, end)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                spans.append((expert, start, start + count))
+                start += count
+        if self.packed is not None and xs.shape[0] <= self.batched_swiglu_rows:
+            ys = self._packed_spans(xs, spans)
         else:
-            spans = []                                                     # (expert, start, end)
-            start = 0
-            for expert, count in enumerate(counts.tolist()):
-                if count:
-                    spans.append((expert, start, start + count))
-                    start += count
-            if self.packed is not None and xs.shape[0] <= self.batched_swiglu_rows:
-                ys = self._packed_spans(xs, spans)
-            else:
-                ys = torch.empty_like(xs)
-                for expert, start, end in spans:
-                    ys[start:end] = self._expert(xs[start:end], expert)
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        out = torch.zeros_like(x)
-        out.index_add_(0, token_of_slot, ys)
-        return out
+            ys = torch.empty_like(xs)
+            for expert, start, end in spans:
+                ys[start:end] = self._expert(xs[start:end], expert)
+        ys = ys * slot_weights
+        return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
 
     # Up to this many routed rows (decode, block steps) the SwiGLU runs once over all experts' rows;
     # beyond it (prefill chunks) each expert's intermediate stays in cache instead. In-process A/B on
@@ -143,15 +151,16 @@ class Experts(nn.Module):
         over all k experts' rows instead of once per expert."""
         order = indices[0].argsort(stable=True)
         ascending = indices[0, order]                                     # the token's experts, ascending
+        slot_weights = weights[0, order, None].to(x.dtype)
         if self.panels is not None:
-            ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, same_row=True)
-        elif self.packed is not None:
+            ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, slot_weights[:, 0], same_row=True)
+            return ys.sum(0, keepdim=True)                                 # weighted inside the kernel
+        if self.packed is not None:
             ids = ascending.tolist()
             ys = self._packed_spans(x.expand(len(ids), -1), [(e, j, j + 1) for j, e in enumerate(ids)])
         else:
             ys = torch.cat([self._expert(x, e) for e in ascending.tolist()])            # [k, H]
-        ys = ys * weights[0, order, None].to(ys.dtype)
-        return ys.sum(0, keepdim=True)
+        return (ys * slot_weights).sum(0, keepdim=True)
 
 
 def reference_experts(experts: Experts, x, indices, weights):
