@@ -98,7 +98,7 @@ def test_grouped_linear_epilogues_gather_swiglu_and_scale():
     """The grouped form's gather (`rows`), SwiGLU over interleaved gate/up panels and per-row scaling
     give what the tensor ops they replace give: x[rows], then `F.silu(gate) * up`, then `ys * w`
     on bf16 tensors (bit-equal: same roundings), including a zero-padded intermediate size."""
-    from clover.kernels.panels import interleave_gate_up
+    from clover.kernels.panels import pack_gate_up
 
     g = torch.Generator().manual_seed(4)
     E, I, K, T = 5, 20, 48, 30                         # I = 20: padded to 32 inside the panels
@@ -106,7 +106,7 @@ def test_grouped_linear_epilogues_gather_swiglu_and_scale():
     x = torch.randn(9, K, generator=g).bfloat16()
     rows = torch.randint(0, 9, (T,), generator=g)
     ids, offsets = torch.tensor([3, 0, 4]), torch.tensor([0, 11, 12, T])
-    fused = PanelWeight(interleave_gate_up(gate_up, I))
+    fused = pack_gate_up(gate_up, I)
     assert fused.out_features == 64
     got = grouped_linear(x, fused, offsets, ids, rows=rows, swiglu=True)
     plain = grouped_linear(x[rows], PanelWeight(gate_up), offsets, ids)

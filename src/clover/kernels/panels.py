@@ -105,15 +105,22 @@ def grouped_linear(x: torch.Tensor, weight: PanelWeight, offsets: torch.Tensor, 
     return out
 
 
-def interleave_gate_up(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
-    """[E, 2I, K] with gate rows then up rows → [E, 2I', K] (I' = I rounded up to 16, padded with zero
-    rows) ordered gate 0–15, up 0–15, gate 16–31, … so each 32-column panel feeds the SwiGLU epilogue."""
+def pack_gate_up(gate_up: torch.Tensor, intermediate: int) -> PanelWeight:
+    """Stacked expert [E, 2I, K] (gate rows, then up rows) → panels whose 32 columns are 16 gate columns
+    and the 16 matching up columns (the SwiGLU epilogue's layout); I is padded to a multiple of 16
+    with zero rows. Written straight into the panel tensor: no full-size temporary beside the input
+    (packing a checkpoint must not grow peak memory)."""
     E, _, K = gate_up.shape
-    pad = -intermediate % (PANEL // 2)
-    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
-    if pad:
-        zeros = gate_up.new_zeros(E, pad, K)
-        gate, up = torch.cat([gate, zeros], dim=1), torch.cat([up, zeros], dim=1)
-    blocks = (intermediate + pad) // (PANEL // 2)
-    return torch.stack([gate.reshape(E, blocks, PANEL // 2, K), up.reshape(E, blocks, PANEL // 2, K)], dim=2) \
-        .reshape(E, 2 * (intermediate + pad), K)
+    half = PANEL // 2
+    P = -(-intermediate // half)
+    pw = PanelWeight.__new__(PanelWeight)
+    pw.lead, pw.out_features, pw.in_features = [E], 2 * P * half, K
+    panels = (torch.zeros if intermediate % half else torch.empty)(E, P, K, half, 2, dtype=torch.bfloat16)
+    for slot, part in enumerate((gate_up[:, :intermediate], gate_up[:, intermediate:])):
+        rows = P * half if intermediate % half == 0 else intermediate
+        full = rows // half                          # whole 16-row blocks, then a partial one
+        panels[:, :full, :, :, slot].copy_(part[:, :full * half].reshape(E, full, half, K).transpose(-1, -2))
+        if rows % half:
+            panels[:, full, :, : rows % half, slot].copy_(part[:, full * half:].transpose(-1, -2))
+    pw.panels = panels.view(E, P, K, PANEL)
+    return pw

@@ -57,10 +57,10 @@ class Experts(nn.Module):
 
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
         if kernels:
-            from ..kernels.panels import interleave_gate_up
+            from ..kernels.panels import pack_gate_up
 
             intermediate = self.down_proj.shape[-1]
-            gate_up = _pack(interleave_gate_up(self.gate_up_proj.data, intermediate), kernels=True)
+            gate_up = pack_gate_up(self.gate_up_proj.data, intermediate)
             self.gate_up_proj = None
             down = self.down_proj.data
             if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
