@@ -24,17 +24,23 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
 /* x_conv for channels [c0, c0+16) ∩ [0, C) of one row, all T tokens, into xc [T, C] fp32: the causal
  * depthwise conv over [tail | u] in fp32 (products and sums in the PyTorch path's order) rounded to
  * bf16; for block tokens (t ≥ P) plus the right conv over the following block tokens, rounded to bf16
- * and added in bf16; then SiLU rounded to bf16. hist [T+K-1, C] holds [tail | u] in fp32. Writes
- * the channels' new conv tails (the last K-1 inputs after the causal tokens) when asked. */
-static void conv_block(int c0, int C, int T, int P, int K, int Kr, const float *hist, const float *conv_wt,
-                       const float *right_wt, float *xc, uint16_t *new_tail) {
+ * and added in bf16; then SiLU rounded to bf16. The block's [tail | u] history is widened to fp32
+ * here, 16 channels at a time (a separate serial pass over all channels was ~15% of a prefill call).
+ * tail [C, K-1] and u [T, ·] (token stride ldtu) are bf16. Writes the channels' new conv tails (the
+ * last K-1 inputs after the causal tokens) when asked. */
+#define MAX_CONV 16
+static void conv_block(int c0, int C, int T, int P, int K, int Kr, const uint16_t *tail, const uint16_t *u,
+                       long ldtu, const float *conv_wt, const float *right_wt, float *xc, uint16_t *new_tail) {
     __mmask16 m = lanes(C - c0);
-    int L = T - P;
+    int L = T - P, width = C - c0 < 16 ? C - c0 : 16;
+    float hist[(64 + MAX_CONV - 1) * 16];                      /* [T+K-1][16] */
+    for (int j = 0; j < K - 1; j++)
+        for (int x = 0; x < 16; x++) hist[j * 16 + x] = x < width ? bf16_to_f32(tail[(long)(c0 + x) * (K - 1) + j]) : 0.0f;
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(hist + (K - 1 + t) * 16, load_bf16_16(u + t * ldtu + c0, m));
     for (int t = 0; t < T; t++) {
-        __m512 acc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, hist + (long)t * C + c0),
-                                   _mm512_maskz_loadu_ps(m, conv_wt + c0));
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(hist + t * 16), _mm512_maskz_loadu_ps(m, conv_wt + c0));
         for (int j = 1; j < K; j++)
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, hist + (long)(t + j) * C + c0),
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(hist + (t + j) * 16),
                                                    _mm512_maskz_loadu_ps(m, conv_wt + (long)j * C + c0)));
         __m512 left = round_bf16_16(acc);
         if (t >= P) {
@@ -42,7 +48,7 @@ static void conv_block(int c0, int C, int T, int P, int K, int Kr, const float *
             __m512 right = _mm512_setzero_ps();
             for (int j = 0; j < Kr; j++) {
                 int s = tb + 1 + j;
-                __m512 x = s < L ? _mm512_maskz_loadu_ps(m, hist + (long)(K - 1 + P + s) * C + c0) : _mm512_setzero_ps();
+                __m512 x = s < L ? _mm512_loadu_ps(hist + (K - 1 + P + s) * 16) : _mm512_setzero_ps();
                 __m512 prod = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, right_wt + (long)j * C + c0));
                 right = j == 0 ? prod : _mm512_add_ps(right, prod);
             }
@@ -51,18 +57,24 @@ static void conv_block(int c0, int C, int T, int P, int K, int Kr, const float *
         _mm512_mask_storeu_ps(xc + (long)t * C + c0, m, round_bf16_16(silu16(left)));
     }
     if (new_tail)
-        for (int c = c0; c < c0 + 16 && c < C; c++)
+        for (int x = 0; x < width; x++)
             for (int j = 0; j < K - 1; j++)
-                new_tail[(long)c * (K - 1) + j] = f32_to_bf16(hist[(long)(P + j) * C + c]);   /* exact */
+                new_tail[(long)(c0 + x) * (K - 1) + j] = f32_to_bf16(hist[(P + j) * 16 + x]);   /* exact */
 }
 
-static void l2_normalize(float *x, int n, float scale) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss = ss + x[i] * x[i];
-    float r = 1.0f / sqrtf(ss + 1e-6f);
-    for (int i = 0; i < n; i++) x[i] = x[i] * r;
-    if (scale != 1.0f)
-        for (int i = 0; i < n; i++) x[i] = x[i] * scale;
+/* dst[0..n) = src · rsqrt(Σ src² + 1e-6) (· scale), the sum over 16 lanes then across them */
+static void l2_normalize(float *dst, const float *src, int n, float scale) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __m512 x = _mm512_maskz_loadu_ps(lanes(n - i), src + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
+    }
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) + 1e-6f)), sc = _mm512_set1_ps(scale);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = lanes(n - i);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), r);
+        _mm512_mask_storeu_ps(dst + i, m, scale != 1.0f ? _mm512_mul_ps(x, sc) : x);
+    }
 }
 
 /* The delta rule splits by value column: column j of the state only needs column j of v and the
@@ -147,8 +159,8 @@ static void slab_readout(const float *S, int dk, int width, const float *q, floa
     for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
 }
 
-/* dst[0..n) = src[0..width), zero past width (n ≤ SLAB). For these 256-byte rows the compiler's
- * inlined memcpy (rep movsq) took 40% of a decode call (perf); vector moves do not. */
+/* dst[0..n) = src[0..width), zero past width. For rows of a few hundred bytes the compiler's inlined
+ * memcpy (rep movsq) took 40% of a decode call (perf); vector moves do not. */
 static inline void copy_floats(float *dst, const float *src, int width, int n) {
     for (int j = 0; j < n; j += 16) {
         __mmask16 m = lanes(n - j);
@@ -183,46 +195,34 @@ int clover_gdn_short(int B, int T, int P, int Hk, int Hv, int dk, int dv, int K,
                      const int64_t *states, const int64_t *new_states,
                      const float *norm_w, float norm_eps, float q_scale,
                      uint16_t *out, long ldo, long ldto, int threads) {
-    if (T > 64 || T < 1 || K < 2) return -2;
+    if (T > 64 || T < 1 || K < 2 || K > MAX_CONV) return -2;
     int rep = Hv / Hk, failed = 0;
     long key_dim = (long)Hk * dk, C = 2 * key_dim + (long)Hv * dv;
     int cblocks = (int)((C + 15) / 16);
-    /* one shared buffer (the calling thread's): per row [tail | u] and x_conv, both [·, C] fp32 */
-    long hist_size = (long)(T + K - 1) * C, row_size = hist_size + (long)T * C;
+    /* one shared buffer (the calling thread's): per row x_conv [T, C] fp32 */
+    long row_size = (long)T * C;
     float *shared = reserve(&shared_scratch, (size_t)B * row_size);
     if (!shared) return -1;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         #pragma omp for schedule(static)
-        for (int r = 0; r < B; r++) {                         /* [tail | u] in fp32, token-major */
-            float *hist = shared + r * row_size;
-            const uint16_t *tail = (const uint16_t *)tails[r];
-            for (long c = 0; c < C; c++)
-                for (int j = 0; j < K - 1; j++) hist[(long)j * C + c] = bf16_to_f32(tail[c * (K - 1) + j]);
-            for (int t = 0; t < T; t++)
-                for (long c = 0; c < C; c++) hist[(long)(K - 1 + t) * C + c] = bf16_to_f32(u[r * ldu + t * ldtu + c]);
-        }
-        #pragma omp for schedule(static)
         for (int item = 0; item < B * cblocks; item++) {
             int r = item / cblocks;
-            float *hist = shared + r * row_size;
-            conv_block((item % cblocks) * 16, (int)C, T, P, K, Kr, hist, conv_wt, right_wt, hist + hist_size,
-                       P > 0 ? (uint16_t *)new_tails[r] : 0);
+            conv_block((item % cblocks) * 16, (int)C, T, P, K, Kr, (const uint16_t *)tails[r], u + r * ldu, ldtu,
+                       conv_wt, right_wt, shared + r * row_size, P > 0 ? (uint16_t *)new_tails[r] : 0);
         }
         #pragma omp for schedule(static)
         for (int item = 0; item < B * Hv; item++) {
             int row = item / Hv, h = item % Hv, kh = h / rep;
-            const float *xc = shared + row * row_size + hist_size;            /* x_conv [T, C] */
+            const float *xc = shared + row * row_size;            /* x_conv [T, C] */
             float *work = reserve(&head_scratch, (size_t)dk * SLAB + (size_t)T * (2 * dk + 2 * dv) + SLAB);
             if (!work) { failed = 1; continue; }
             float *S = work, *q = S + (long)dk * SLAB, *k = q + (long)T * dk, *v = k + (long)T * dk;
             float *o = v + (long)T * dv, *ob = o + (long)T * dv;
             for (int t = 0; t < T; t++) {
-                memcpy(q + (long)t * dk, xc + t * C + kh * dk, sizeof(float) * dk);
-                memcpy(k + (long)t * dk, xc + t * C + key_dim + kh * dk, sizeof(float) * dk);
-                memcpy(v + (long)t * dv, xc + t * C + 2 * key_dim + (long)h * dv, sizeof(float) * dv);
-                l2_normalize(q + (long)t * dk, dk, q_scale);
-                l2_normalize(k + (long)t * dk, dk, 1.0f);
+                l2_normalize(q + (long)t * dk, xc + t * C + kh * dk, dk, q_scale);
+                l2_normalize(k + (long)t * dk, xc + t * C + key_dim + kh * dk, dk, 1.0f);
+                copy_floats(v + (long)t * dv, xc + t * C + 2 * key_dim + (long)h * dv, dv, dv);
             }
             float beta[64], decay[64];
             for (int t = 0; t < T; t++) {
@@ -258,12 +258,15 @@ int clover_gdn_short(int B, int T, int P, int Hk, int Hv, int dk, int dv, int K,
             }
             /* gated RMSNorm per token: rms_norm(o as bf16) → bf16, × weight in bf16, × SiLU(z) in fp32 → bf16 */
             for (int t = 0; t < T; t++) {
-                float *ot = o + (long)t * dv, ss = 0.0f;
-                for (int j = 0; j < dv; j++) {
-                    ot[j] = round_bf16(ot[j]);
-                    ss = ss + ot[j] * ot[j];
+                float *ot = o + (long)t * dv;
+                __m512 acc = _mm512_setzero_ps();
+                for (int j = 0; j < dv; j += 16) {
+                    __mmask16 m = lanes(dv - j);
+                    __m512 x = round_bf16_16(_mm512_maskz_loadu_ps(m, ot + j));
+                    _mm512_mask_storeu_ps(ot + j, m, x);
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
                 }
-                __m512 rr = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dv + norm_eps));
+                __m512 rr = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dv + norm_eps));
                 const uint16_t *zr = z + row * ldz + (long)t * ldtz + (long)h * dv;
                 uint16_t *dst = out + row * ldo + (long)t * ldto + (long)h * dv;
                 for (int j = 0; j < dv; j += 16) {
