@@ -9,11 +9,45 @@ is `F.linear` in fp64 (tests/test_kernels.py).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
 from .build import library
 
 PANEL = 32
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+def weight_buffer(shape, dtype=torch.bfloat16) -> torch.Tensor:
+    """An empty tensor for packed weights, asked (before its pages are first touched) to be backed by
+    2 MB pages where Linux allows it (transparent huge pages in "madvise" mode, the common default).
+    Weights are streamed once per token; with 4 KB pages the vocabulary GEMV of the full bench model
+    read 24–25 GB/s, with 2 MB pages 27–28 (in-process, alternating, 40 rounds). Elsewhere a no-op."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    madvise = _madvise() if nbytes >= 2 * HUGE_PAGE else None
+    if madvise is not None:
+        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_HUGEPAGE)      # advice only: failure changes nothing
+    return t
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -24,7 +58,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     if pad:
         w = torch.cat([w, w.new_zeros(*lead, pad, K)], dim=-2)
     P = (N + pad) // PANEL
-    return w.reshape(*lead, P, 2, 16, K).movedim(-1, -3).transpose(-1, -2).contiguous().flatten(-2)
+    out = weight_buffer((*lead, P, K, PANEL))
+    out.view(*lead, P, K, 16, 2).copy_(w.reshape(*lead, P, 2, 16, K).permute(*range(len(lead)), -4, -1, -2, -3))
+    return out
 
 
 class PanelWeight:
@@ -115,7 +151,9 @@ def pack_gate_up(gate_up: torch.Tensor, intermediate: int) -> PanelWeight:
     P = -(-intermediate // half)
     pw = PanelWeight.__new__(PanelWeight)
     pw.lead, pw.out_features, pw.in_features = [E], 2 * P * half, K
-    panels = (torch.zeros if intermediate % half else torch.empty)(E, P, K, half, 2, dtype=torch.bfloat16)
+    panels = weight_buffer((E, P, K, half, 2))
+    if intermediate % half:
+        panels.zero_()
     for slot, part in enumerate((gate_up[:, :intermediate], gate_up[:, intermediate:])):
         rows = P * half if intermediate % half == 0 else intermediate
         full = rows // half                          # whole 16-row blocks, then a partial one
