@@ -34,33 +34,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    # set by packing with the native kernels (layers/packed.py): the residual adds, norms and a decode
-    # token's MoE block go through kernels/decode_layer.c
+    # set by packing with the native kernels (layers/packed.py): the residual add with the norm after it,
+    # and a decode token's whole MoE block, go through kernels/decode_layer.c (same roundings)
     native_glue = False
 
     def forward(self, h, cos, sin, states, starts, block_len, block_top_p, valid_lens=None):
-        if self.native_glue and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            return self._forward_native(h, cos, sin, states, starts, block_len, block_top_p, valid_lens)
-        x = self.input_layernorm(h)
-        if self.kind == "linear_attention":
-            h = h + self.linear_attn(x, states, block_len, valid_lens)
-        else:
-            h = h + self.self_attn(x, cos, sin, states, starts, block_len, valid_lens)
-        moe_out, distinct = self.mlp(self.post_attention_layernorm(h), block_len, block_top_p)
-        return h + moe_out, distinct
-
-    def _forward_native(self, h, cos, sin, states, starts, block_len, block_top_p, valid_lens):
-        """`forward` with the glue in C (same roundings, see kernels/decode_layer.c)."""
-        from .kernels.decode_layer import add_rmsnorm, moe_decode
-
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
             mixed = self.linear_attn(x, states, block_len, valid_lens)
         else:
             mixed = self.self_attn(x, cos, sin, states, starts, block_len, valid_lens)
-        h, x = add_rmsnorm(h, mixed, self.post_attention_layernorm)
-        if h.shape[0] * h.shape[1] == 1 and not block_len:
-            return moe_decode(self.mlp, x, h), None
+        if self.native_glue and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            from .kernels.decode_layer import add_rmsnorm, moe_decode
+
+            h, x = add_rmsnorm(h, mixed, self.post_attention_layernorm)
+            if h.shape[0] * h.shape[1] == 1 and not block_len:
+                return moe_decode(self.mlp, x, h), None
+        else:
+            h = h + mixed
+            x = self.post_attention_layernorm(h)
         moe_out, distinct = self.mlp(x, block_len, block_top_p)
         return h + moe_out, distinct
 

@@ -153,7 +153,8 @@ class Experts(nn.Module):
         ascending = indices[0, order]                                     # the token's experts, ascending
         slot_weights = weights[0, order, None].to(x.dtype)
         if self.panels is not None:
-            ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, slot_weights[:, 0], same_row=True)
+            ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, slot_weights[:, 0],
+                                     same_row=True)
             return ys.sum(0, keepdim=True)                                 # weighted inside the kernel
         if self.packed is not None:
             ids = ascending.tolist()

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .norms import ZeroCenteredRMSNorm
+
 
 def onednn_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
@@ -125,8 +127,6 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
         for m in model.modules():
             if isinstance(m, GatedDeltaNet):
                 m.short_kernel = True        # decode, block steps, commits, prefill: kernels/gdn_short.c
-        from .norms import ZeroCenteredRMSNorm
-
         for m in model.modules():            # residual adds, norms, a decode token's MoE: kernels/decode_layer.c
             if isinstance(m, ZeroCenteredRMSNorm):
                 m.native = True
