@@ -28,7 +28,7 @@ def _madvise():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.madvise
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):       # no C library to ask (not a POSIX system)
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return fn
@@ -154,11 +154,10 @@ def pack_gate_up(gate_up: torch.Tensor, intermediate: int) -> PanelWeight:
     panels = weight_buffer((E, P, K, half, 2))
     if intermediate % half:
         panels.zero_()
+    full = intermediate // half                      # whole 16-row blocks, then a partial one
     for slot, part in enumerate((gate_up[:, :intermediate], gate_up[:, intermediate:])):
-        rows = P * half if intermediate % half == 0 else intermediate
-        full = rows // half                          # whole 16-row blocks, then a partial one
         panels[:, :full, :, :, slot].copy_(part[:, :full * half].reshape(E, full, half, K).transpose(-1, -2))
-        if rows % half:
-            panels[:, full, :, : rows % half, slot].copy_(part[:, full * half:].transpose(-1, -2))
+        if intermediate % half:
+            panels[:, full, :, : intermediate % half, slot].copy_(part[:, full * half:].transpose(-1, -2))
     pw.panels = panels.view(E, P, K, PANEL)
     return pw
