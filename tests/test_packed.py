@@ -59,7 +59,8 @@ def test_packed_model_matches_plain_model(variant, kernels):
         assert out_a == out_b
         # several prompts decoded together (batched cached steps: block mode, commits, AR rows)
         prompts = [ids[0, :9].tolist(), ids[1, :15].tolist(), ids[0, 20:31].tolist()]
-        for kw in ({"block_size": 8, "threshold": 0.5}, {"block_size": 1}):
+        for kw in ({"block_size": 8, "threshold": 0.5}, {"block_size": 1},
+                   {"block_size": 8, "decoding": "self_speculative"}):   # speculation: GDN records + rollback
             want = plain.generate(prompts, max_new_tokens=16, **kw)
             got = packed.generate(prompts, max_new_tokens=16, **kw)
             assert got == want
