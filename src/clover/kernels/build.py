@@ -106,7 +106,7 @@ def library() -> ctypes.CDLL | None:
     lib.clover_gdn_short.restype = i32
     lib.clover_add_rmsnorm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i32]
     lib.clover_add_rmsnorm.restype = None
-    lib.clover_moe_decode.argtypes = [i32] * 5 + [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+    lib.clover_moe_decode.argtypes = [i32] * 5 + [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i32]
     lib.clover_moe_decode.restype = i32
     lib.clover_attention_decode.argtypes = [i32] * 4 + [ptr] * 5 + [f32, ptr, ptr, ptr, ptr, i64, i64, ptr, i32]
     lib.clover_attention_decode.restype = i32

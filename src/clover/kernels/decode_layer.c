@@ -12,7 +12,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
 
@@ -114,10 +113,10 @@ static __thread size_t moe_scratch_bytes;
  *   out_h = h + (Σ_j w_j·expert_j(x) + sigmoid(g·x)·shared(x))
  * w_in: panels of the stacked input maps [router E | shared gate Is | shared up Is | shared gate 1] × H;
  * gate_up / down: the experts' stacked panels (entry strides in elements); shared_down: [H, Is] panels.
- * ids_out (nullable) receives the routed experts, ascending. Returns 0, -1 out of memory, -2 bad k. */
+ * Returns 0, -1 out of memory, -2 bad k. */
 int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, const uint16_t *h,
                       const uint16_t *w_in, const uint16_t *gate_up, long gate_up_stride, const uint16_t *down,
-                      long down_stride, const uint16_t *shared_down, uint16_t *out_h, int64_t *ids_out,
+                      long down_stride, const uint16_t *shared_down, uint16_t *out_h,
                       int threads) {
     if (k < 1 || k > 64 || k > E) return -2;
     int n_in = E + 2 * Is + 1;
@@ -158,6 +157,5 @@ int clover_moe_decode(int H, int E, int k, int I, int Is, const uint16_t *x, con
         __m512 moe = round_bf16_16(_mm512_add_ps(routed, round_bf16_16(_mm512_mul_ps(vgate, load_bf16_16(shared + c, m)))));
         store_bf16_16(out_h + c, m, _mm512_add_ps(load_bf16_16(h + c, m), moe));
     }
-    if (ids_out) memcpy(ids_out, ids, sizeof(int64_t) * k);
     return 0;
 }

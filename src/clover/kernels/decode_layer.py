@@ -66,7 +66,7 @@ def moe_decode(moe, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(h)
     status = library().clover_moe_decode(H, moe.num_experts, moe.top_k, I, Is, x.data_ptr(), h.data_ptr(),
                                          w_in.data_ptr(), gate_up.data_ptr(), gate_up[0].numel(), down.data_ptr(),
-                                         down[0].numel(), shared_down.data_ptr(), out.data_ptr(), None,
+                                         down[0].numel(), shared_down.data_ptr(), out.data_ptr(),
                                          torch.get_num_threads())
     if status == -1:
         raise MemoryError("moe_decode: out of memory")

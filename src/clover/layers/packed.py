@@ -14,8 +14,8 @@ and frees the originals, so memory does not grow. First it stacks the maps that 
 (a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
 with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
 matrix-vector call where it made four (bit-equal outputs). With the kernels it also routes the GDN
-mixers' cached inputs (decode, block steps, commits, causal prefill chunks) through
-`kernels/gdn_short.c`. The unpacked model stays the reference (tests compare the
+mixers' cached inputs, the norms and residual adds, and a decode token's MoE block and attention
+through the other kernels (`_route_to_kernels`). The unpacked model stays the reference (tests compare the
 two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
@@ -122,20 +122,28 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
             count += 1
         del child       # the replaced weight is freed here, before the next matrix is packed
     if kernels:
-        from .gated_deltanet import GatedDeltaNet
-
-        for m in model.modules():
-            if isinstance(m, GatedDeltaNet):
-                m.short_kernel = True        # decode, block steps, commits, prefill: kernels/gdn_short.c
-        for m in model.modules():            # residual adds, norms, a decode token's MoE: kernels/decode_layer.c
-            if isinstance(m, ZeroCenteredRMSNorm):
-                m.native = True
-        for layer in model.model.layers:
-            layer.native_glue = True
-            if layer.kind != "linear_attention":
-                layer.self_attn.decode_kernel = True
+        _route_to_kernels(model)
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
+
+
+def _route_to_kernels(model) -> None:
+    """Point the modules' short inputs at the native kernels (each keeps its PyTorch path): GDN mixers
+    (decode, block steps, commits, prefill chunks: kernels/gdn_short.c), norms and the residual add
+    before each MoE block, a decode token's MoE block (kernels/decode_layer.c) and its attention
+    (kernels/attention_decode.c)."""
+    from .attention import Attention
+    from .gated_deltanet import GatedDeltaNet
+
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.short_kernel = True
+        elif isinstance(m, ZeroCenteredRMSNorm):
+            m.native = True
+        elif isinstance(m, Attention):
+            m.decode_kernel = True
+    for layer in model.model.layers:
+        layer.native_glue = True
 
 
 def _fuse_input_projections(model, kernels: bool) -> int:
