@@ -223,49 +223,83 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant):
 
 
 @pytest.mark.parametrize("variant", ["base", "attn_first"])
-def test_decode_layer_glue_matches_the_pytorch_modules(variant):
-    """kernels/decode_layer.c against the modules it replaces on a packed bf16 tiny model: the residual
-    add + ZeroCenteredRMSNorm (rows of any count and stride, with and without the add) and one token
-    through the MoE block (router softmax, top-k with ties to the lower index, renormalised weights,
-    SwiGLU experts, shared expert and its gate, residual add). The C follows the modules' roundings,
-    so outputs are bit-equal here; a reduction-order difference would show as a one-ulp change and be
-    judged against fp32, not waved through."""
+def test_add_rmsnorm_matches_the_pytorch_modules(variant):
+    """kernels/rmsnorm.c against the residual add + ZeroCenteredRMSNorm it replaces, rows of any count and
+    stride, with and without the add. The C follows the module's roundings, so outputs are bit-equal;
+    a reduction-order difference would show as a one-ulp change and be judged against fp32, not waved
+    through."""
+    from clover.kernels.rmsnorm import add_rmsnorm
+    from tiny_models import make_model
+
+    model = make_model(variant, seed=4, dtype=torch.bfloat16)
+    H = model.config.hidden_size
+    g = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for layer in model.model.layers:
+            norm = layer.post_attention_layernorm
+            for trial in range(40):
+                h = (torch.randn(1 + trial % 3, 1 + trial % 5, H, generator=g) * (1 + trial % 7)).bfloat16()
+                d = torch.randn(h.shape, generator=g).bfloat16()
+                got_h, got_x = add_rmsnorm(h, d, norm)
+                assert torch.equal(got_h, h + d) and torch.equal(got_x, norm(h + d))
+            rows = torch.randn(5, 3, 2 * H, generator=g).bfloat16()[..., ::2]        # strided rows
+            assert torch.equal(add_rmsnorm(rows, None, norm)[1], norm(rows))
+        with pytest.raises(ValueError, match="bf16"):
+            add_rmsnorm(h.float(), None, norm)
+
+
+# (B, T, block_len, block_top_p): decode, prefill rows, block steps with selection per row (1.0 = off for
+# that row), a commit fused with the next block, and a block without selection
+MOE_CASES = [(1, 1, 0, None), (1, 37, 0, None), (1, 32, 32, [0.7]), (2, 12, 8, [0.5, 1.0]),
+             (3, 6, 6, [0.9, 0.2, 0.99]), (2, 9, 9, None)]
+
+
+@pytest.mark.parametrize("variant", ["base", "attn_first"])
+def test_moe_block_kernel_matches_the_pytorch_module(variant):
+    """kernels/moe_block.c (router softmax, block expert selection, restricted top-k with ties to the lower
+    index, renormalised weights, grouped SwiGLU experts, shared expert and its gate, residual add, the
+    distinct-expert count) against `SparseMoE.forward` on the same packed weights: bit-equal outputs and
+    equal counts. Also a selection keeping fewer experts than top-k (zero-weight slots), an all-tie
+    router, and bad input."""
     import copy
 
-    from clover.kernels.decode_layer import add_rmsnorm, moe_decode
+    from clover.kernels.moe_block import moe_block
     from clover.layers.packed import pack_for_cpu
     from tiny_models import make_model
 
-    plain = make_model(variant, seed=4, dtype=torch.bfloat16)
-    model = copy.deepcopy(plain)
+    model = copy.deepcopy(make_model(variant, seed=4, dtype=torch.bfloat16))
     assert pack_for_cpu(model, kernels=True) > 0
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(11)
     with torch.inference_mode():
-        for i, layer in enumerate(model.model.layers):
-            norm = layer.post_attention_layernorm
-            for trial in range(40):
-                h = (torch.randn(1, 1, H, generator=g) * (1 + trial % 7)).bfloat16()
-                d = torch.randn(1, 1, H, generator=g).bfloat16()
-                got_h, got_x = add_rmsnorm(h, d, norm)
-                want_h = h + d
-                want_x = plain.model.layers[i].post_attention_layernorm(want_h)
-                assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
-                got = moe_decode(layer.mlp, want_x, want_h)
-                moe_out, _ = plain.model.layers[i].mlp(want_x)
-                assert torch.equal(got, want_h + moe_out), (i, trial)
-            rows = torch.randn(5, 3, 2 * H, generator=g).bfloat16()[..., ::2]        # strided rows
-            assert torch.equal(add_rmsnorm(rows, None, norm)[1], plain.model.layers[i].post_attention_layernorm(rows))
-        # a near-tie in the router goes to the lower expert, as the stable sort does
-        layer = model.model.layers[0]
-        x = torch.zeros(1, 1, H, dtype=torch.bfloat16)           # every router logit 0: all experts tie
-        h = torch.randn(1, 1, H, generator=g).bfloat16()
-        moe_out, _ = plain.model.layers[0].mlp(x)
-        assert torch.equal(moe_decode(layer.mlp, x, h), h + moe_out)
-        with pytest.raises(ValueError, match="one bf16 token"):
-            moe_decode(layer.mlp, torch.zeros(1, 2, H, dtype=torch.bfloat16), h)
-        with pytest.raises(ValueError, match="bf16"):
-            add_rmsnorm(h.float(), None, layer.post_attention_layernorm)
+        for moe in (layer.mlp for layer in model.model.layers):
+            for min_experts in (moe.min_block_experts, 1):      # 1: a row may keep fewer experts than top-k
+                moe.min_block_experts = min_experts
+                for B, T, block_len, top_p in MOE_CASES:
+                    for trial in range(4):
+                        x = (torch.randn(B, T, H, generator=g) * (1 + trial)).bfloat16()
+                        h = torch.randn(B, T, H, generator=g).bfloat16()
+                        p = None if top_p is None else torch.tensor(top_p)
+                        got, distinct = moe_block(moe, x, h, block_len, p)
+                        want, want_distinct = moe(x, block_len, p)
+                        assert torch.equal(got, h + want), (B, T, block_len, top_p, trial)
+                        if block_len:
+                            assert torch.equal(distinct, want_distinct)
+                        else:
+                            assert distinct is None
+        moe = model.model.layers[0].mlp
+        x = torch.zeros(2, 4, H, dtype=torch.bfloat16)         # every router logit 0: all experts tie
+        h = torch.randn(2, 4, H, generator=g).bfloat16()
+        for block_len, p in ((0, None), (4, torch.tensor([0.5, 0.8]))):
+            want, want_distinct = moe(x, block_len, p)
+            got, distinct = moe_block(moe, x, h, block_len, p)
+            assert torch.equal(got, h + want) and (block_len == 0 or torch.equal(distinct, want_distinct))
+        with pytest.raises(ValueError, match="one \\[B, T, H\\] shape"):
+            moe_block(moe, x, h[:, :2])
+        with pytest.raises(ValueError, match="block_len"):
+            moe_block(moe, x, h, block_len=5)
+        with pytest.raises(ValueError, match="packed by pack_for_cpu"):
+            moe_block(make_model(variant, seed=4, dtype=torch.bfloat16).model.layers[0].mlp, x, h)
 
 
 @pytest.mark.parametrize("variant", ["base", "tied_gqa4"])

@@ -34,8 +34,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    # set by packing with the native kernels (layers/packed.py): the residual add with the norm after it,
-    # and a decode token's whole MoE block, go through kernels/decode_layer.c (same roundings)
+    # set by packing with the native kernels (layers/packed.py): the residual add with the norm after it
+    # and the whole MoE block, routing included, go through kernels/rmsnorm.c and kernels/moe_block.c
+    # (same roundings as the modules)
     native_glue = False
 
     def forward(self, h, cos, sin, states, starts, block_len, block_top_p, valid_lens=None):
@@ -45,15 +46,13 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(x, cos, sin, states, starts, block_len, valid_lens)
         if self.native_glue and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            from .kernels.decode_layer import add_rmsnorm, moe_decode
+            from .kernels.moe_block import moe_block
+            from .kernels.rmsnorm import add_rmsnorm
 
             h, x = add_rmsnorm(h, mixed, self.post_attention_layernorm)
-            if h.shape[0] * h.shape[1] == 1 and not block_len:
-                return moe_decode(self.mlp, x, h), None
-        else:
-            h = h + mixed
-            x = self.post_attention_layernorm(h)
-        moe_out, distinct = self.mlp(x, block_len, block_top_p)
+            return moe_block(self.mlp, x, h, block_len, block_top_p)
+        h = h + mixed
+        moe_out, distinct = self.mlp(self.post_attention_layernorm(h), block_len, block_top_p)
         return h + moe_out, distinct
 
 

@@ -17,7 +17,7 @@
 void clover_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const float *scale, float eps,
                         uint16_t *out_h, uint16_t *out_x);
 
-/* x [D] bf16 → RMSNorm(x)·scale rounded to bf16 (decode_layer.c's row norm), then rotary on the first
+/* x [D] bf16 → RMSNorm(x)·scale rounded to bf16 (rmsnorm.c's row norm), then rotary on the first
  * R dims (rotate-half; each product and the sum rounded to bf16, as bf16 tensors compute it), into
  * dst [D] as fp32 values. */
 static void norm_rope(const uint16_t *x, int D, int R, const float *scale, float eps, const uint16_t *cos,

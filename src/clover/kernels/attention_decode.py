@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .build import library
-from .decode_layer import _scale
+from .rmsnorm import _scale
 
 
 def attention_decode(attn, qg, k, v, cos, sin, state, pos: int) -> torch.Tensor:

@@ -93,7 +93,9 @@ def select_block_experts_batched(
     # Aggregate top-k mass per expert.
     cand = top_k_lowest_index_first(probs, k)
     in_cand = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, cand, True)
-    mass = (probs * in_cand).sum(dim=1)  # [B, E]
+    # summed in fp64 (exact, or within an fp64 rounding, for 32 terms), then rounded: the result does not
+    # depend on the summation order, which backends and kernels/moe_block.c choose differently
+    mass = (probs.double() * in_cand).sum(dim=1).to(probs.dtype)  # [B, E]
 
     # Shortest prefix (in rank order) reaching p of the total, plus the minimum.
     m_sorted, rank_order = torch.sort(mass, dim=-1, descending=True, stable=True)

@@ -20,11 +20,11 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    native = False   # set by packing with the native kernels: bf16 inference runs kernels/decode_layer.c
+    native = False   # set by packing with the native kernels: bf16 inference runs kernels/rmsnorm.c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            from ..kernels.decode_layer import add_rmsnorm
+            from ..kernels.rmsnorm import add_rmsnorm
 
             return add_rmsnorm(x, None, self)[1]    # F.rms_norm costs ~20 µs per call on a few rows
         cdt = compute_dtype(x.dtype)

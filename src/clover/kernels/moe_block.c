@@ -1,0 +1,265 @@
+/* A sparse MoE block over N rows in one call, routing included: router, softmax, block expert
+ * selection (SPEC §6), restricted top-k, the grouped experts, the shared expert and its gate, the sum
+ * of each row's experts and the residual add. clover/layers/moe.py and layers/expert_selection.py
+ * are the definitions; tests/test_kernels.py compares against them.
+ *
+ * Why: around its four matrix calls a block step's MoE layer ran ~60 small tensor ops (softmax,
+ * top-k with tie-breaking keys, the selection's mass / sort / cumsum, the restricted top-k, the sort by
+ * expert, bincount, index_add, the distinct count): ~1 ms per layer on 32 rows, as much as the experts'
+ * arithmetic on the small bench model. Here that bookkeeping is a few microseconds of scalar code.
+ *
+ * Roundings follow the PyTorch path (built with -ffp-contract=off): softmax in fp32 (exp16, then a
+ * multiply by the inverse sum, as torch's CPU softmax does), weights p/Σp in fp32 rounded to bf16,
+ * each slot's bf16(bf16(y)·w) summed in fp32 in ascending expert order and rounded once (what
+ * index_add_ does on bf16 rows), then the shared expert and residual in bf16 steps. The selection's
+ * expert mass is summed in fp64 and rounded to fp32 (the PyTorch path does the same, so the order of
+ * the 32 terms cannot matter in practice), the prefix sums run in fp64 with each prefix rounded to
+ * fp32, as torch.cumsum does on CPU. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
+                      void *C, long ldc, int c_fp32, int threads);
+int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
+                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
+                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads);
+
+#define MAX_TOP_K 64
+
+/* Softmax of E bf16 logits in fp32 (torch.softmax on the widened logits). */
+static void softmax_row(int E, const uint16_t *logits, float *probs) {
+    float mx = -INFINITY;
+    for (int e = 0; e < E; e++) mx = fmaxf(mx, bf16_to_f32(logits[e]));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int e = 0; e < E; e += 16) {
+        __mmask16 m = lanes(E - e);
+        __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(load_bf16_16(logits + e, m), _mm512_set1_ps(mx))));
+        _mm512_mask_storeu_ps(probs + e, m, p);
+        vsum = _mm512_add_ps(vsum, p);
+    }
+    float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+    for (int e = 0; e < E; e++) probs[e] *= inv;
+}
+
+/* The (at most) k largest v[e] with allowed[e] (allowed NULL: every e), descending, ties to the lower
+ * index (a later equal value never passes an earlier one). Returns how many were found. Whatever the
+ * values (NaN included), every index written is a valid expert. */
+static int top_k(int E, int k, const float *v, const uint8_t *allowed, int *ids) {
+    float best[MAX_TOP_K];
+    int n = 0;
+    for (int e = 0; e < E; e++) {
+        if (allowed && !allowed[e]) continue;
+        float x = v[e];
+        int i;
+        if (n < k) i = n++;
+        else if (x > best[k - 1]) i = k - 1;
+        else continue;
+        for (; i > 0 && best[i - 1] < x; i--) {
+            best[i] = best[i - 1];
+            ids[i] = ids[i - 1];
+        }
+        best[i] = x;
+        ids[i] = e;
+    }
+    return n;
+}
+
+typedef struct { float mass; int expert; } Ranked;
+
+static int by_mass(const void *a, const void *b) {          /* descending mass, ties to the lower index */
+    const Ranked *x = a, *y = b;
+    if (x->mass > y->mass) return -1;
+    if (x->mass < y->mass) return 1;
+    return x->expert - y->expert;
+}
+
+/* Block expert selection for one sequence's L block rows of probabilities (SPEC §6): keep[e] = 1 for
+ * the shortest prefix of experts ranked by top-k mass whose mass reaches p of the total, at least
+ * n_min of them. */
+static void select_experts(int E, int k, int L, const float *probs, float p, int n_min, uint8_t *keep,
+                           Ranked *ranked, double *mass) {
+    int cand[MAX_TOP_K];
+    for (int e = 0; e < E; e++) mass[e] = 0.0;
+    for (int t = 0; t < L; t++) {
+        int n = top_k(E, k, probs + (long)t * E, 0, cand);
+        for (int j = 0; j < n; j++) mass[cand[j]] += (double)probs[(long)t * E + cand[j]];
+    }
+    for (int e = 0; e < E; e++) ranked[e] = (Ranked){(float)mass[e], e};
+    qsort(ranked, (size_t)E, sizeof(Ranked), by_mass);
+    double cum = 0.0;
+    for (int r = 0; r < E; r++) cum += (double)ranked[r].mass;
+    float threshold = p * (float)cum;                 /* p · total, total the last prefix sum */
+    float before = 0.0f;
+    cum = 0.0;
+    for (int r = 0; r < E; r++) {
+        keep[ranked[r].expert] = before < threshold || r < n_min;
+        cum += (double)ranked[r].mass;
+        before = (float)cum;
+    }
+}
+
+/* out[i] = bf16(bf16(silu(gate[i])) · up[i]) for n values: F.silu(gate) * up on bf16 tensors */
+static void swiglu(int n, const uint16_t *gate, const uint16_t *up, uint16_t *out) {
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 m = lanes(n - j);
+        __m512 s = round_bf16_16(silu16(load_bf16_16(gate + j, m)));
+        store_bf16_16(out + j, m, _mm512_mul_ps(s, load_bf16_16(up + j, m)));
+    }
+}
+
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
+
+/* The next `bytes` of the scratch area, 64-byte aligned. */
+static void *carve(char **at, size_t bytes) {
+    void *p = *at;
+    *at += (bytes + 63) / 64 * 64;
+    return p;
+}
+
+/* Rows x [N, H] (bf16, normalised) through the MoE block, added to the residual h [N, H]:
+ *   out_h = h + (Σ_j w_j·expert_j(x) + sigmoid(g·x)·shared(x))
+ * The rows are B sequences of T; the last block_len rows of sequence b are a noisy block, routed among
+ * the experts its selection keeps when top_p[b] < 1 (top_p NULL: no selection). distinct (nullable,
+ * [B]): how many experts sequence b's block rows route to with a positive weight.
+ * w_in: panels of the stacked input maps [router E | shared gate Is | shared up Is | shared gate 1] × H;
+ * gate_up / down: the experts' stacked panels (entry strides in elements; gate_up interleaved for the
+ * SwiGLU epilogue, intermediate I padded to 16); shared_down: [H, Is] panels.
+ * Returns 0, -1 out of memory, -2 bad shape or setting. */
+int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_experts, int H, int E, int k, int I,
+                     int Is, const uint16_t *x, const uint16_t *h, const uint16_t *w_in, const uint16_t *gate_up,
+                     long gate_up_stride, const uint16_t *down, long down_stride, const uint16_t *shared_down,
+                     uint16_t *out_h, int64_t *distinct, int threads) {
+    if (k < 1 || k > MAX_TOP_K || k > E || B < 1 || T < 1 || block_len < 0 || block_len > T) return -2;
+    long N = (long)B * T, S = N * k;
+    int n_in = E + 2 * Is + 1, n_min = min_experts < 1 ? 1 : min_experts > E ? E : min_experts, P = T - block_len;
+    size_t bytes = 64 * 20 + sizeof(float) * N * E + 2 * N * n_in + (size_t)B * E + E + sizeof(Ranked) * E
+                   + sizeof(double) * E + sizeof(int64_t) * (4 * E + 2) + (2 * sizeof(int) + 2 * sizeof(float)
+                   + sizeof(int64_t)) * S + 2 * (S * I + S * H + N * Is + N * H);
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = malloc(bytes);
+        scratch_bytes = scratch ? bytes : 0;
+        if (!scratch) return -1;
+    }
+    char *at = scratch;
+    float *probs = carve(&at, sizeof(float) * N * E);
+    uint16_t *y_in = carve(&at, 2 * N * n_in);
+    uint8_t *keep = carve(&at, (size_t)B * E), *hit = carve(&at, (size_t)E);
+    Ranked *ranked = carve(&at, sizeof(Ranked) * E);
+    double *mass = carve(&at, sizeof(double) * E);
+    int *slot_expert = carve(&at, sizeof(int) * S);       /* row n's slots n·k…: ascending expert, then −1 */
+    float *slot_weight = carve(&at, sizeof(float) * S);
+    int *position = carve(&at, sizeof(int) * S);          /* a row slot's place among the grouped slots */
+    int64_t *first = carve(&at, sizeof(int64_t) * (E + 1)), *next = carve(&at, sizeof(int64_t) * E);
+    int64_t *group_ids = carve(&at, sizeof(int64_t) * E), *offsets = carve(&at, sizeof(int64_t) * (E + 1));
+    int64_t *a_rows = carve(&at, sizeof(int64_t) * S);    /* grouped slots: the row, its routing weight */
+    float *scale = carve(&at, sizeof(float) * S);
+    uint16_t *act = carve(&at, 2 * S * I), *ys = carve(&at, 2 * S * H);
+    uint16_t *act_s = carve(&at, 2 * N * Is), *shared = carve(&at, 2 * N * H);
+
+    if (clover_panel_gemm(x, H, 1, (int)N, H, w_in, n_in, y_in, n_in, 0, threads)) return -1;
+    int par = N >= 64 ? threads : 1;                      /* a block step's 32 rows: a parallel region costs more */
+    #pragma omp parallel for schedule(static) num_threads(par)
+    for (long n = 0; n < N; n++) softmax_row(E, y_in + n * n_in, probs + n * E);
+
+    for (int b = 0; b < B; b++) {
+        if (top_p && block_len && top_p[b] < 1.0f)
+            select_experts(E, k, block_len, probs + ((long)b * T + P) * E, top_p[b], n_min, keep + (long)b * E,
+                           ranked, mass);
+        else
+            memset(keep + (long)b * E, 1, (size_t)E);
+    }
+
+    /* each row's top-k among its allowed experts, weights renormalised over the found slots and rounded to
+     * bf16; slots of weight 0 (a row allowing fewer than k experts) would add exact zeros and are dropped */
+    #pragma omp parallel for schedule(static) num_threads(par)
+    for (long n = 0; n < N; n++) {
+        const float *pr = probs + n * E;
+        int ids[MAX_TOP_K];
+        int found = top_k(E, k, pr, n % T >= P ? keep + (n / T) * E : 0, ids);
+        float total = 0.0f;
+        for (int j = 0; j < found; j++) total += pr[ids[j]];
+        int *se = slot_expert + n * k, m = 0;
+        float *sw = slot_weight + n * k;
+        for (int j = 0; j < found; j++) {
+            float w = round_bf16(total > 0.0f ? pr[ids[j]] / total : 0.0f);
+            if (w == 0.0f) continue;
+            int e = ids[j], i = m++;
+            for (; i > 0 && se[i - 1] > e; i--) {
+                se[i] = se[i - 1];
+                sw[i] = sw[i - 1];
+            }
+            se[i] = e;
+            sw[i] = w;
+        }
+        for (int j = m; j < k; j++) se[j] = -1;
+    }
+
+    /* group the slots by expert, rows ascending within each (a counting sort) */
+    memset(first, 0, sizeof(int64_t) * (E + 1));
+    for (long s = 0; s < S; s++)
+        if (slot_expert[s] >= 0) first[slot_expert[s] + 1]++;
+    for (int e = 0; e < E; e++) first[e + 1] += first[e];
+    int G = 0;
+    for (int e = 0; e < E; e++) {
+        next[e] = first[e];
+        if (first[e + 1] > first[e]) {
+            group_ids[G] = e;
+            offsets[G++] = first[e];
+        }
+    }
+    offsets[G] = first[E];
+    for (long s = 0; s < S; s++) {
+        int e = slot_expert[s];
+        if (e < 0) continue;
+        long pos = next[e]++;
+        a_rows[pos] = s / k;
+        scale[pos] = slot_weight[s];
+        position[s] = (int)pos;
+    }
+    if (distinct)
+        for (int b = 0; b < B; b++) {
+            memset(hit, 0, (size_t)E);
+            int d = 0;
+            for (long s = ((long)b * T + P) * k; s < ((long)b + 1) * T * k; s++)
+                if (slot_expert[s] >= 0 && slot_weight[s] > 0.0f && !hit[slot_expert[s]]) {
+                    hit[slot_expert[s]] = 1;
+                    d++;
+                }
+            distinct[b] = block_len ? d : 0;
+        }
+
+    /* the experts' SwiGLU and routing weights happen in the grouped kernels' epilogues */
+    if (G && clover_panel_gemm_grouped(x, H, 1, G, offsets, group_ids, a_rows, H, gate_up, gate_up_stride, 2 * I,
+                                       act, I, 0, 1, 0, threads))
+        return -1;
+    if (G && clover_panel_gemm_grouped(act, I, 1, G, offsets, group_ids, 0, I, down, down_stride, H, ys, H, 0, 0,
+                                       scale, threads))
+        return -1;
+    #pragma omp parallel for schedule(static) num_threads(par)
+    for (long n = 0; n < N; n++) swiglu(Is, y_in + n * n_in + E, y_in + n * n_in + E + Is, act_s + n * Is);
+    if (clover_panel_gemm(act_s, Is, 1, (int)N, Is, shared_down, H, shared, H, 0, threads)) return -1;
+
+    #pragma omp parallel for schedule(static) num_threads(par)
+    for (long n = 0; n < N; n++) {
+        float g = bf16_to_f32(y_in[n * n_in + E + 2 * Is]);
+        __m512 gate = _mm512_set1_ps(round_bf16(1.0f / (1.0f + expf(-g))));    /* torch.sigmoid on bf16 */
+        const int *se = slot_expert + n * k, *pos = position + n * k;
+        for (int c = 0; c < H; c += 16) {
+            __mmask16 m = lanes(H - c);
+            __m512 acc = _mm512_setzero_ps();               /* Σ_j bf16(y_j · w_j) in ascending expert, then bf16 */
+            for (int j = 0; j < k && se[j] >= 0; j++) acc = _mm512_add_ps(acc, load_bf16_16(ys + (long)pos[j] * H + c, m));
+            __m512 routed = round_bf16_16(acc);
+            __m512 sh = round_bf16_16(_mm512_mul_ps(gate, load_bf16_16(shared + n * H + c, m)));
+            __m512 moe = round_bf16_16(_mm512_add_ps(routed, sh));
+            store_bf16_16(out_h + n * H + c, m, _mm512_add_ps(load_bf16_16(h + n * H + c, m), moe));
+        }
+    }
+    return 0;
+}

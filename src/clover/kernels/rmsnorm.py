@@ -1,0 +1,41 @@
+"""Python face of `rmsnorm.c`: the residual add with the zero-centred RMSNorm after it.
+
+`add_rmsnorm(h, delta, norm)` is `(h + delta, norm(h + delta))` for a `ZeroCenteredRMSNorm` (delta may
+be None: `norm(h)` alone), in one call instead of three tensor ops (per-op dispatch dominates a
+decode step on small models). The PyTorch module is the reference (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import library
+
+
+def _scale(norm) -> torch.Tensor:
+    """The norm's fp32 `1 + w`, made once (the model is inference-only once packed)."""
+    scale = getattr(norm, "_kernel_scale", None)
+    if scale is None:
+        scale = (1.0 + norm.weight.detach().to(torch.float32)).contiguous()
+        norm._kernel_scale = scale
+    return scale
+
+
+def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
+    t = t.reshape(-1, H)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 h [..., H] (+ delta) → (the sum, or h itself without delta; its normalised rows)."""
+    H = h.shape[-1]
+    if h.dtype != torch.bfloat16 or (delta is not None and (delta.dtype != torch.bfloat16 or delta.shape != h.shape)):
+        raise ValueError("add_rmsnorm takes bf16 tensors of one shape")
+    a = _rows(h, H)
+    d = None if delta is None else _rows(delta, H)
+    out_h = h if d is None else torch.empty(h.shape, dtype=torch.bfloat16)
+    out_x = torch.empty(h.shape, dtype=torch.bfloat16)
+    library().clover_add_rmsnorm(a.shape[0], H, a.data_ptr(), a.stride(0), None if d is None else d.data_ptr(),
+                                 0 if d is None else d.stride(0), _scale(norm).data_ptr(), norm.eps,
+                                 None if d is None else out_h.data_ptr(), out_x.data_ptr(), torch.get_num_threads())
+    return out_h, out_x
