@@ -164,8 +164,8 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
     uint16_t *act_s = carve(&at, 2 * N * Is), *shared = carve(&at, 2 * N * H);
 
     if (clover_panel_gemm(x, H, 1, (int)N, H, w_in, n_in, y_in, n_in, 0, threads)) return -1;
-    int par = N >= 64 ? threads : 1;                      /* a block step's 32 rows: a parallel region costs more */
-    #pragma omp parallel for schedule(static) num_threads(par)
+    int par = N >= 64;                                    /* a block step's 32 rows: a parallel region costs more */
+    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (long n = 0; n < N; n++) softmax_row(E, y_in + n * n_in, probs + n * E);
 
     for (int b = 0; b < B; b++) {
@@ -178,7 +178,7 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
 
     /* each row's top-k among its allowed experts, weights renormalised over the found slots and rounded to
      * bf16; slots of weight 0 (a row allowing fewer than k experts) would add exact zeros and are dropped */
-    #pragma omp parallel for schedule(static) num_threads(par)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (long n = 0; n < N; n++) {
         const float *pr = probs + n * E;
         int ids[MAX_TOP_K];
@@ -242,11 +242,11 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
     if (G && clover_panel_gemm_grouped(act, I, 1, G, offsets, group_ids, 0, I, down, down_stride, H, ys, H, 0, 0,
                                        scale, threads))
         return -1;
-    #pragma omp parallel for schedule(static) num_threads(par)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (long n = 0; n < N; n++) swiglu(Is, y_in + n * n_in + E, y_in + n * n_in + E + Is, act_s + n * Is);
     if (clover_panel_gemm(act_s, Is, 1, (int)N, Is, shared_down, H, shared, H, 0, threads)) return -1;
 
-    #pragma omp parallel for schedule(static) num_threads(par)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (long n = 0; n < N; n++) {
         float g = bf16_to_f32(y_in[n * n_in + E + 2 * Is]);
         __m512 gate = _mm512_set1_ps(round_bf16(1.0f / (1.0f + expf(-g))));    /* torch.sigmoid on bf16 */
