@@ -14,7 +14,7 @@ and frees the originals, so memory does not grow. First it stacks the maps that 
 (a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
 with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
 matrix-vector call where it made four (bit-equal outputs). With the kernels it also routes the GDN
-mixers' cached inputs, the norms and residual adds, and a decode token's MoE block and attention
+mixers' cached inputs, the norms and residual adds, every MoE block and a decode token's attention
 through the other kernels (`_route_to_kernels`). The unpacked model stays the reference (tests compare the
 two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
@@ -130,8 +130,8 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
 def _route_to_kernels(model) -> None:
     """Point the modules' short inputs at the native kernels (each keeps its PyTorch path): GDN mixers
     (decode, block steps, commits, prefill chunks: kernels/gdn_short.c), norms and the residual add
-    before each MoE block, a decode token's MoE block (kernels/decode_layer.c) and its attention
-    (kernels/attention_decode.c)."""
+    before each MoE block (kernels/rmsnorm.c), every MoE block with its routing and block expert
+    selection (kernels/moe_block.c), and a decode token's attention (kernels/attention_decode.c)."""
     from .attention import Attention
     from .gated_deltanet import GatedDeltaNet
 
