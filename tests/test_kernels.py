@@ -302,12 +302,17 @@ def test_moe_block_kernel_matches_the_pytorch_module(variant):
             moe_block(make_model(variant, seed=4, dtype=torch.bfloat16).model.layers[0].mlp, x, h)
 
 
+# (tokens, block_len) per call: decode tokens, a commit, block steps, a commit fused with the next block
+ATTENTION_CALLS = [(1, 0), (1, 0), (5, 0), (8, 8), (1, 1), (10, 6), (3, 0), (32, 32), (1, 0)]
+
+
 @pytest.mark.parametrize("variant", ["base", "tied_gqa4"])
-def test_attention_decode_kernel_matches_the_pytorch_path(variant):
-    """kernels/attention_decode.c against Attention's PyTorch path on a packed bf16 tiny model, decode
-    tokens at growing positions (the cache also growing past its capacity): the K/V written to the cache
-    are bit-equal (same norm and rotary roundings), the gated output agrees to bf16 rounding (the
-    attention itself runs in fp32 there, with bf16 probabilities in PyTorch's kernel)."""
+def test_attention_cached_kernel_matches_the_pytorch_path(variant):
+    """kernels/attention_cached.c against Attention's PyTorch path on a packed bf16 tiny model: decode
+    tokens, commits, block steps and commit + block calls, two sequences at different positions, the
+    cache growing past its capacity. The K/V written to the cache are bit-equal (same norm and rotary
+    roundings) and the lengths agree; the gated output agrees to bf16 rounding (the attention itself
+    runs in fp32 in the kernel; PyTorch's kernel rounds probabilities to bf16 below 32 queries)."""
     import copy
 
     from clover.layers.packed import pack_for_cpu
@@ -317,19 +322,31 @@ def test_attention_decode_kernel_matches_the_pytorch_path(variant):
     assert pack_for_cpu(model, kernels=True) > 0
     index = next(i for i, layer in enumerate(model.model.layers) if layer.kind == "full_attention")
     attn = model.model.layers[index].self_attn
+    H = model.config.hidden_size
     g = torch.Generator().manual_seed(2)
     with torch.inference_mode():
-        cache = model.make_cache(capacity=16)
-        model.step(torch.randint(5, 90, (1, 11), generator=g), [cache])
-        ref, kern = copy.deepcopy(cache.layers[index]), copy.deepcopy(cache.layers[index])
-        for pos in range(11, 30):
-            x = torch.randn(1, 1, model.config.hidden_size, generator=g).bfloat16()
-            cos, sin = model.model.rotary(torch.tensor([[pos]]), torch.bfloat16)
-            attn.decode_kernel = False
-            want = attn(x, cos, sin, [ref], [pos], 0)
-            attn.decode_kernel = True
-            got = attn(x, cos, sin, [kern], [pos], 0)
-            assert ref.length == kern.length == pos + 1
-            assert torch.equal(ref.k[:, : pos + 1], kern.k[:, : pos + 1])
-            assert torch.equal(ref.v[:, : pos + 1], kern.v[:, : pos + 1])
-            assert (got.float() - want.float()).abs().max() <= 1.5e-2 * want.float().abs().max(), pos  # ≤ 4 ulps
+        caches = [model.make_cache(capacity=16) for _ in range(2)]
+        for c, n in zip(caches, (11, 4)):
+            model.step(torch.randint(5, 90, (1, n), generator=g), [c])
+        ref = [copy.deepcopy(c.layers[index]) for c in caches]
+        kern = [copy.deepcopy(c.layers[index]) for c in caches]
+        for T, block_len in ATTENTION_CALLS:
+            starts = [s.length for s in ref]
+            x = torch.randn(2, T, H, generator=g).bfloat16()
+            positions = torch.tensor(starts)[:, None] + torch.arange(T)
+            cos, sin = model.model.rotary(positions, torch.bfloat16)
+            attn.short_kernel = False
+            want = attn(x, cos, sin, ref, starts, block_len)
+            attn.short_kernel = True
+            got = attn(x, cos, sin, kern, starts, block_len)
+            for a, b, start in zip(ref, kern, starts):
+                assert a.length == b.length == start + T - block_len
+                assert torch.equal(a.k[:, : start + T], b.k[:, : start + T])
+                assert torch.equal(a.v[:, : start + T], b.v[:, : start + T])
+            assert (got.float() - want.float()).abs().max() <= 1.5e-2 * want.float().abs().max(), (T, block_len)
+        assert kern[0].k.shape[1] > 16                         # the cache grew past its first capacity
+        with pytest.raises(ValueError, match="tokens"):
+            from clover.kernels.attention_cached import attention_cached
+
+            qg = torch.zeros(65, 2 * attn.num_heads * attn.head_dim, dtype=torch.bfloat16)
+            attention_cached(attn, qg, qg, qg, cos[0], sin[0], kern[0], 0)

@@ -14,9 +14,18 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="no CPU weight p
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["clover-kernels", "onednn"])
 @pytest.mark.parametrize("variant", ["base", "tied_gqa4"])
-def test_packed_model_matches_plain_model(variant, kernels):
+def test_packed_model_matches_plain_model(variant, kernels, monkeypatch):
     if not (kernels_available() if kernels else onednn_available()):
         pytest.skip("backend unavailable here")
+    if kernels:
+        # kernels/attention_cached.c computes attention in fp32 for any number of queries; PyTorch's CPU
+        # kernel rounds the probabilities to bf16 below FP32_ATTENTION_MIN_QUERIES. With that rounding
+        # the plain model flips one near-tie decision of the batched block generation below (position
+        # 10 of the first prompt: 15 vs 38, checked); the plain model computing attention in fp32 too
+        # decides as the kernels do, so that is the reference here.
+        import clover.layers.attention as attention
+
+        monkeypatch.setattr(attention, "FP32_ATTENTION_MIN_QUERIES", 1)
     plain = make_model(variant, seed=4, dtype=torch.bfloat16)
     packed = copy.deepcopy(plain)
     assert pack_for_cpu(packed, kernels=kernels) > 0

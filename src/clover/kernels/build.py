@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c", "attention_decode.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c", "attention_cached.c")]
 HEADERS = [Path(__file__).with_name("bf16.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
@@ -108,8 +108,9 @@ def library() -> ctypes.CDLL | None:
     lib.clover_add_rmsnorm.restype = None
     lib.clover_moe_block.argtypes = [i32, i32, i32, ptr] + [i32] * 6 + [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
     lib.clover_moe_block.restype = i32
-    lib.clover_attention_decode.argtypes = [i32] * 4 + [ptr] * 5 + [f32, ptr, ptr, ptr, ptr, i64, i64, ptr, i32]
-    lib.clover_attention_decode.restype = i32
+    lib.clover_attention_cached.argtypes = [i32] * 6 + [ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64,
+                                             i64, ptr, i64, i32]
+    lib.clover_attention_cached.restype = i32
     return lib
 
 

@@ -11,7 +11,7 @@
 #include "bf16.h"
 
 /* One row: out_x = x·rsqrt(mean(x²) + eps)·scale in fp32, rounded to bf16; x = h (+ delta, rounded
- * to bf16 and written to out_h). Also attention_decode.c's q/k norm, so every path rounds alike. */
+ * to bf16 and written to out_h). Also attention_cached.c's q/k norm, so every path rounds alike. */
 void clover_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const float *scale, float eps,
                             uint16_t *out_h, uint16_t *out_x) {
     __m512 acc = _mm512_setzero_ps();

@@ -32,7 +32,9 @@ class Attention(nn.Module):
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
 
     input_projections = ("q_proj", "k_proj", "v_proj")
-    decode_kernel = False   # set by packing with the native kernels: a decode token runs kernels/attention_decode.c
+    # set by packing with the native kernels: up to 64 cached tokens (decode, block steps, commits) run
+    # kernels/attention_cached.c
+    short_kernel = False
 
     def _project(self, x):
         if self.fused_input is not None:
@@ -48,13 +50,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         qg, k, v = self._project(x)
-        if (self.decode_kernel and B * T == 1 and not block_len and states is not None and valid_lens is None
+        if (self.short_kernel and T <= 64 and states is not None and valid_lens is None and D <= 512
+                and self.num_heads // self.num_kv_heads <= 16
                 and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
-            from ..kernels.attention_decode import attention_decode
+            from ..kernels.attention_cached import attention_cached
 
-            state = states[0]
-            out = attention_decode(self, qg, k, v, cos, sin, state, starts[0])
-            state.length = starts[0] + 1
+            out = torch.empty(B, T, self.num_heads * D, dtype=x.dtype)
+            for b, state in enumerate(states):
+                out[b] = attention_cached(self, qg[b], k[b], v[b], cos[b], sin[b], state, starts[b], block_len)
+                state.length = starts[b] + T - block_len
             return self.o_proj(out)
         qg = qg.reshape(B, T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)

@@ -14,8 +14,8 @@ and frees the originals, so memory does not grow. First it stacks the maps that 
 (a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
 with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
 matrix-vector call where it made four (bit-equal outputs). With the kernels it also routes the GDN
-mixers' cached inputs, the norms and residual adds, every MoE block and a decode token's attention
-through the other kernels (`_route_to_kernels`). The unpacked model stays the reference (tests compare the
+mixers' cached inputs, the norms and residual adds, every MoE block and the attention of short cached
+inputs through the other kernels (`_route_to_kernels`). The unpacked model stays the reference (tests compare the
 two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
@@ -131,7 +131,8 @@ def _route_to_kernels(model) -> None:
     """Point the modules' short inputs at the native kernels (each keeps its PyTorch path): GDN mixers
     (decode, block steps, commits, prefill chunks: kernels/gdn_short.c), norms and the residual add
     before each MoE block (kernels/rmsnorm.c), every MoE block with its routing and block expert
-    selection (kernels/moe_block.c), and a decode token's attention (kernels/attention_decode.c)."""
+    selection (kernels/moe_block.c), and attention over the cache for up to 64 tokens
+    (kernels/attention_cached.c)."""
     from .attention import Attention
     from .gated_deltanet import GatedDeltaNet
 
@@ -141,7 +142,7 @@ def _route_to_kernels(model) -> None:
         elif isinstance(m, ZeroCenteredRMSNorm):
             m.native = True
         elif isinstance(m, Attention):
-            m.decode_kernel = True
+            m.short_kernel = True
     for layer in model.model.layers:
         layer.native_glue = True
 

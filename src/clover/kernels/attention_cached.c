@@ -1,0 +1,178 @@
+/* A few tokens through gated attention over a K/V cache, between the input and output projections:
+ * a decode token, a block-denoising step (every block token sees the cached prefix and the whole
+ * block), a commit (causal), or a commit followed by a block. Per token: q/k RMSNorm per head, rotary
+ * embedding on the first R dims, its K/V written into the cache, attention over the keys it may see
+ * (grouped-query heads), times the sigmoid output gate. clover/layers/attention.py is the definition;
+ * tests/test_kernels.py compares the two.
+ *
+ * In PyTorch a block step's attention is ~60 small tensor ops (norms, rotary halves and concatenations,
+ * the cache write, fp32 copies for the CPU flash kernel, the gate) around one scaled-dot-product call:
+ * ~1 ms of dispatch beside ~1 ms of attention on the small bench model. Roundings follow the PyTorch
+ * path (bf16 after the norms, each rotary product and sum, the gate) except inside the attention
+ * itself, which runs in fp32 and rounds its output once (as PyTorch's fp32 path for 32 queries or
+ * more does; for fewer it rounds the probabilities to bf16 before multiplying V). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+void clover_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const float *scale, float eps,
+                        uint16_t *out_h, uint16_t *out_x);
+
+/* x [D] bf16 → RMSNorm(x)·scale rounded to bf16 (rmsnorm.c's row norm), then rotary on the first
+ * R dims (rotate-half; each product and the sum rounded to bf16, as bf16 tensors compute it), into
+ * dst [D] as fp32 values. */
+static void norm_rope(const uint16_t *x, int D, int R, const float *scale, float eps, const uint16_t *cos,
+                      const uint16_t *sin, float *dst) {
+    uint16_t normed[512];
+    clover_rmsnorm_row(D, x, 0, scale, eps, 0, normed);
+    for (int j = 0; j < D; j++) dst[j] = bf16_to_f32(normed[j]);
+    int half = R / 2;
+    float rot[512];
+    for (int j = 0; j < R; j++) {
+        float other = j < half ? -dst[j + half] : dst[j - half];
+        rot[j] = round_bf16(round_bf16(dst[j] * bf16_to_f32(cos[j])) + round_bf16(other * bf16_to_f32(sin[j])));
+    }
+    for (int j = 0; j < R; j++) dst[j] = rot[j];
+}
+
+static __thread float *scores;
+static __thread long score_floats;
+
+#define MAX_GROUP 16        /* query heads per K/V head */
+#define PV_CHUNK 32         /* output dims per pass over the keys: 2 vectors × group accumulators */
+
+/* 16 bf16 values widened to fp32 with a plain load (masked loads are much slower on this machine) */
+static inline __m512 widen16(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+/* One token's G query heads that share a K/V head (qg: the first head's query | gate, heads 2D apart):
+ * q norm + rotary, scores over keys 0 … S−1 with each key row widened once for all G heads, softmax,
+ * Σ p·v 32 output dims at a time with the G heads' accumulators in registers, normalised, rounded,
+ * times the sigmoid gate, into out (heads D apart). p: G rows of `stride` floats of scratch. Inlined
+ * with G constant (see the caller) so the accumulator arrays live in registers. */
+static inline __attribute__((always_inline)) void attend_group(
+        const int G, int D, int R, long S, const uint16_t *qg, const float *q_scale, float eps, const uint16_t *cos,
+        const uint16_t *sin, const uint16_t *K, const uint16_t *V, float *p, long stride, float scale, uint16_t *out) {
+    int nd = (D + 15) / 16, full = D % 16 == 0;
+    float q[MAX_GROUP][512], mx[MAX_GROUP], inv[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        norm_rope(qg + (long)g * 2 * D, D, R, q_scale, eps, cos, sin, q[g]);
+        mx[g] = -INFINITY;
+    }
+    for (long s = 0; s < S; s++) {                       /* scores q·k_s / √D, each key row widened once */
+        __m512 acc[MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int j = 0; j < nd; j++) {
+            __m512 kj;
+            if (full) {
+                kj = widen16(K + s * D + 16 * j);
+                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * j), kj, acc[g]);
+            } else {
+                __mmask16 m = lanes(D - 16 * j);
+                kj = load_bf16_16(K + s * D + 16 * j, m);
+                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[g] + 16 * j), kj, acc[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float x = _mm512_reduce_add_ps(acc[g]) * scale;
+            p[g * stride + s] = x;
+            mx[g] = fmaxf(mx[g], x);
+        }
+    }
+    for (int g = 0; g < G; g++) {                        /* softmax numerators */
+        float *pg = p + g * stride;
+        __m512 vsum = _mm512_setzero_ps();
+        for (long s = 0; s < S; s += 16) {
+            __mmask16 m = lanes((int)(S - s < 16 ? S - s : 16));
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + s), _mm512_set1_ps(mx[g]))));
+            _mm512_mask_storeu_ps(pg + s, m, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    for (int d0 = 0; d0 < D; d0 += PV_CHUNK) {          /* Σ_s p_s·v_s, 32 dims at a time in registers */
+        __m512 lo[MAX_GROUP], hi[MAX_GROUP];
+        __mmask16 mlo = lanes(D - d0), mhi = D - d0 > 16 ? lanes(D - d0 - 16) : 0;
+        int whole = D - d0 >= PV_CHUNK;
+        for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+        for (long s = 0; s < S; s++) {
+            __m512 vl = whole ? widen16(V + s * D + d0) : load_bf16_16(V + s * D + d0, mlo);
+            __m512 vh = whole ? widen16(V + s * D + d0 + 16) : load_bf16_16(V + s * D + d0 + 16, mhi);
+            for (int g = 0; g < G; g++) {
+                __m512 ps = _mm512_set1_ps(p[g * stride + s]);
+                lo[g] = _mm512_fmadd_ps(ps, vl, lo[g]);
+                hi[g] = _mm512_fmadd_ps(ps, vh, hi[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {                    /* normalised, rounded; × gate */
+            const uint16_t *gate = qg + (long)g * 2 * D + D + d0;
+            uint16_t *dst = out + (long)g * D + d0;
+            for (int half = 0; half < 2; half++) {
+                __mmask16 m = half ? mhi : mlo;
+                __m512 o = round_bf16_16(_mm512_mul_ps(half ? hi[g] : lo[g], _mm512_set1_ps(inv[g])));
+                __m512 gv = load_bf16_16(gate + 16 * half, m);
+                gv = round_bf16_16(_mm512_div_ps(_mm512_set1_ps(1.0f),
+                                                 _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+                store_bf16_16(dst + 16 * half, m, _mm512_mul_ps(o, gv));
+            }
+        }
+    }
+}
+
+/* T tokens at positions start … start+T−1 of one sequence: the first P causal (token t sees keys
+ * 0 … start+t), the rest a block (each sees keys 0 … start+T−1). qg [T, Hq·2D] (query | gate per
+ * head; token stride ldq), k and v [T, Hkv·D] (token stride ldkv): the projections (bf16).
+ * Kc / Vc: the layer's cache [Hkv, cap, D] bf16; the tokens' K/V go to positions start … .
+ * cos / sin [T, R] bf16. out [T, Hq·D] (token stride ldo) bf16: attention output × sigmoid(gate).
+ * Work goes by (K/V head, token): the query heads that share a K/V head read and widen each key and
+ * value row once between them. Returns 0, -1 out of memory, -2 unsupported sizes. */
+int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
+                            const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
+                            const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
+                            uint16_t *Vc, long cap, long start, uint16_t *out, long ldo, int threads) {
+    if (D > 512 || R > D || R % 2 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T < 1 || P < 0 || P > T
+        || start < 0 || start + T > cap)
+        return -2;
+    int failed = 0, G = Hq / Hkv;
+    float scale = 1.0f / sqrtf((float)D);
+    long S_max = start + T, stride = (S_max + 15) / 16 * 16;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        #pragma omp for schedule(static)
+        for (int item = 0; item < T * Hkv; item++) {         /* the new K (normalised, rotated) and V */
+            int t = item / Hkv, h = item % Hkv;
+            float kr[512];
+            norm_rope(k + t * ldkv + (long)h * D, D, R, k_scale, eps, cos + (long)t * R, sin + (long)t * R, kr);
+            uint16_t *kd = Kc + ((long)h * cap + start + t) * D, *vd = Vc + ((long)h * cap + start + t) * D;
+            for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldkv + (long)h * D + j];
+        }
+        if (G * stride > score_floats) {
+            free(scores);
+            scores = aligned_alloc(64, sizeof(float) * (size_t)(G * stride));
+            score_floats = scores ? G * stride : 0;
+        }
+        float *p = scores;
+        #pragma omp for schedule(static)
+        for (int item = 0; item < T * Hkv; item++) {
+            if (!p) { failed = 1; continue; }
+            int t = item / Hkv, kvh = item % Hkv;
+            long S = t < P ? start + t + 1 : S_max;
+            const uint16_t *qgt = qg + t * ldq + (long)kvh * G * 2 * D;
+            const uint16_t *K = Kc + (long)kvh * cap * D, *V = Vc + (long)kvh * cap * D;
+            const uint16_t *ct = cos + (long)t * R, *st = sin + (long)t * R;
+            uint16_t *ot = out + t * ldo + (long)kvh * G * D;
+            switch (G) {                    /* a constant group size keeps the accumulators in registers */
+            case 1: attend_group(1, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
+            case 2: attend_group(2, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
+            case 4: attend_group(4, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
+            case 8: attend_group(8, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
+            default: attend_group(G, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}

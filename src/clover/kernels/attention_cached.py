@@ -1,0 +1,44 @@
+"""Python face of `attention_cached.c`: a few tokens through gated attention over their K/V cache.
+
+`attention_cached(attn, qg, k, v, cos, sin, state, start, block_len)` takes an `Attention` module's
+projections of one sequence's T tokens (bf16 [T, ·]), the first T − block_len causal and the rest a
+block, writes their K/V into `state` at `start …` and returns the gated attention output [T, Hq·D]
+that goes into `o_proj`. Decode tokens, block steps, commits and speculation checks go through it.
+The PyTorch path in `Attention.forward` is the reference (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import library
+from .rmsnorm import _scale
+
+MAX_TOKENS = 64   # longer inputs (prefill chunks) stay with PyTorch's flash attention, which blocks over queries
+
+
+def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int = 0) -> torch.Tensor:
+    Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    T, R = qg.shape[0], cos.shape[-1]
+    if not 1 <= T <= MAX_TOKENS or not 0 <= block_len <= T:
+        raise ValueError(f"attention_cached takes 1..{MAX_TOKENS} tokens and a block within them, "
+                         f"got {T} tokens, block {block_len}")
+    for t, n in ((qg, 2 * Hq * D), (k, Hkv * D), (v, Hkv * D)):
+        if t.shape != (T, n) or t.dtype != torch.bfloat16 or t.stride(-1) != 1:
+            raise ValueError("attention_cached takes [T, ·] bf16 projections with contiguous features")
+    if k.stride(0) != v.stride(0):
+        k, v = k.contiguous(), v.contiguous()
+    if cos.shape != (T, R) or cos.dtype != torch.bfloat16 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("attention_cached takes contiguous bf16 rotary tables [T, R]")
+    state.reserve(start + T)
+    out = torch.empty(T, Hq * D, dtype=torch.bfloat16)
+    status = library().clover_attention_cached(
+        Hq, Hkv, D, R, T, T - block_len, qg.data_ptr(), qg.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+        _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos.data_ptr(),
+        sin.data_ptr(), state.k.data_ptr(), state.v.data_ptr(), state.k.shape[1], start, out.data_ptr(),
+        out.stride(0), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("attention_cached: out of memory")
+    if status != 0:
+        raise ValueError(f"attention_cached: unsupported sizes (head_dim {D}, rotary dims {R})")
+    return out
