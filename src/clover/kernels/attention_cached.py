@@ -17,7 +17,10 @@ from .rmsnorm import _scale
 MAX_TOKENS = 64   # longer inputs (prefill chunks) stay with PyTorch's flash attention, which blocks over queries
 
 
-def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int = 0) -> torch.Tensor:
+def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int = 0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's T tokens (see the module docstring) → the gated attention output [T, Hq·D],
+    written into `out` when given (bf16, contiguous rows: a batch's row of a preallocated output)."""
     Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     T, R = qg.shape[0], cos.shape[-1]
     if not 1 <= T <= MAX_TOKENS or not 0 <= block_len <= T:
@@ -31,7 +34,10 @@ def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int
     if cos.shape != (T, R) or cos.dtype != torch.bfloat16 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("attention_cached takes contiguous bf16 rotary tables [T, R]")
     state.reserve(start + T)
-    out = torch.empty(T, Hq * D, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(T, Hq * D, dtype=torch.bfloat16)
+    elif out.shape != (T, Hq * D) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+        raise ValueError("attention_cached writes into a bf16 [T, Hq·D] output with contiguous rows")
     status = library().clover_attention_cached(
         Hq, Hkv, D, R, T, T - block_len, qg.data_ptr(), qg.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
         _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos.data_ptr(),

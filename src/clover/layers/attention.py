@@ -50,6 +50,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         qg, k, v = self._project(x)
+        # (64 = attention_cached.MAX_TOKENS; head_dim ≤ 512 and ≤ 16 query heads per K/V head: the C limits)
         if (self.short_kernel and T <= 64 and states is not None and valid_lens is None and D <= 512
                 and self.num_heads // self.num_kv_heads <= 16
                 and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
@@ -57,7 +58,7 @@ class Attention(nn.Module):
 
             out = torch.empty(B, T, self.num_heads * D, dtype=x.dtype)
             for b, state in enumerate(states):
-                out[b] = attention_cached(self, qg[b], k[b], v[b], cos[b], sin[b], state, starts[b], block_len)
+                attention_cached(self, qg[b], k[b], v[b], cos[b], sin[b], state, starts[b], block_len, out=out[b])
                 state.length = starts[b] + T - block_len
             return self.o_proj(out)
         qg = qg.reshape(B, T, self.num_heads, 2 * D)

@@ -137,12 +137,10 @@ def _route_to_kernels(model) -> None:
     from .gated_deltanet import GatedDeltaNet
 
     for m in model.modules():
-        if isinstance(m, GatedDeltaNet):
+        if isinstance(m, (GatedDeltaNet, Attention)):
             m.short_kernel = True
         elif isinstance(m, ZeroCenteredRMSNorm):
             m.native = True
-        elif isinstance(m, Attention):
-            m.short_kernel = True
     for layer in model.model.layers:
         layer.native_glue = True
 
