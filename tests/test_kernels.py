@@ -164,20 +164,24 @@ def test_build_is_cached_and_failures_fall_back(tmp_path):
     assert "kernels unavailable" in broken.stderr and "failed" in broken.stderr
 
 
-@pytest.mark.parametrize("variant", ["base", "gdn_heavy"])
-def test_gdn_short_kernel_matches_the_pytorch_path(variant):
+@pytest.mark.parametrize("variant, overrides", [
+    ("base", {}), ("gdn_heavy", {}),
+    ("base", dict(linear_key_head_dim=128, linear_value_head_dim=128)),      # the real heads: decode's own path
+])
+def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
     """kernels/gdn_short.c against GatedDeltaNet's PyTorch path (the definition) on a bf16 tiny model,
     rows with different histories: decode tokens, block steps over the cache (one of a single token), commits, a commit with
     the next block in one call, a 40-token chunk, a 150-token prefill chunk (64 tokens per call). Conv tails are copies (equal); outputs and recurrent
     states agree to rounding (the kernel runs the delta rule token by token, the PyTorch path in
-    chunks); a block step leaves the states alone; replaced state tensors are never mutated."""
+    chunks); a block step leaves the states alone; replaced state tensors are never mutated. Heads of
+    128 (the real model's) take the kernel's whole-head one-token path, other sizes its slab path."""
     import copy
 
     from clover.cache import GDNState
     from clover.layers.gated_deltanet import GatedDeltaNet
     from tiny_models import make_model
 
-    model = make_model(variant, seed=3, dtype=torch.bfloat16)
+    model = make_model(variant, seed=3, dtype=torch.bfloat16, **overrides)
     mixer = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():                                   # non-trivial gates, convs, block mix
