@@ -9,6 +9,8 @@ The PyTorch path in `GatedDeltaNet.forward` is the reference (tests/test_kernels
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .build import library
@@ -29,8 +31,10 @@ def _constants(mixer):
     return consts
 
 
-def _pointers(tensors) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+def _pointers(tensors):
+    """The tensors' addresses as a C int64 array (a ctypes array: ~0.7 µs, where a torch.tensor of them
+    took ~5.5; a decode step builds twelve of these). The caller keeps it alive over the call."""
+    return (ctypes.c_int64 * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
 def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
@@ -59,8 +63,9 @@ def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
         B, T, P, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
         u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
         b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
-        tail_ptrs.data_ptr(), new_tail_ptrs.data_ptr(), conv_w.data_ptr(), right_w.data_ptr(),
-        A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), state_ptrs.data_ptr(), new_state_ptrs.data_ptr(),
+        ctypes.addressof(tail_ptrs), ctypes.addressof(new_tail_ptrs), conv_w.data_ptr(), right_w.data_ptr(),
+        A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), ctypes.addressof(state_ptrs),
+        ctypes.addressof(new_state_ptrs),
         norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1),
         torch.get_num_threads())
     if status == -1:
