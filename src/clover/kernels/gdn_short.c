@@ -147,7 +147,7 @@ static void slab_step_once(const float *S0, long ld0, float *S1, long ld1, int d
     for (int x = 0; x < nv; x++) _mm512_mask_storeu_ps(o + 16 * x, lanes(width - 16 * x), out[x]);
 }
 
-/* One token over a whole head of dv = 16·NV columns (NV a compile-time constant at the call), rows
+/* One token over a whole head of dv = 16·NV columns (NV ≤ 8, a compile-time constant at the call), rows
  * read in place from S0 and written to S1: the same operations in the same order as slab_step_once,
  * but the 2·NV accumulators stay in registers (slab_step_once's width-dependent count kept them on
  * the stack, each add a store-forwarding round trip) and each state row is one contiguous read. In a
