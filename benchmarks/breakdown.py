@@ -1,0 +1,176 @@
+"""Where one step goes: every kernel call and matrix product of a prefill, decode or block step, timed.
+
+    python -m benchmarks.breakdown --variant full --op prefill --tokens 4096
+    python -m benchmarks.breakdown --variant small --op decode --glue
+
+`benchmarks.compare` says how fast a step is; this says why. It loads a bench checkpoint packed for the
+native kernels, wraps the Python faces of the kernels (`panels.linear` by matrix shape, `moe_block`,
+`gdn_short`, `attention_cached`, `add_rmsnorm`) and PyTorch's attention for long inputs with timers,
+runs the step `--repeats` times, and prints each one's share of the step with its arithmetic rate
+(GFLOP/s) or, for one-row products, the rate it read the weights at (GB/s). What no timer covers is
+the Python and tensor-op glue between the calls (the wrappers' own Python is inside their calls).
+`--glue` (decode only) times all of a step's Python and tensor ops, wrappers included: the same step
+with every kernel call replaced by a no-op.
+
+The timers cost ~1 µs per call; the machine's drift between steps is larger (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks import checkpoints
+from benchmarks.common import make_input_ids
+
+KERNEL_FACES = ("moe_block", "gdn_short", "attention_cached", "rmsnorm")
+
+
+class Timers:
+    """Accumulated seconds, calls and work per label, reset per step."""
+
+    def __init__(self):
+        self.seconds = collections.Counter()
+        self.calls = collections.Counter()
+        self.flops = collections.Counter()
+        self.bytes = collections.Counter()
+
+    def wrap(self, module, name: str, label, work=None):
+        inner = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            key = label(*args, **kwargs)
+            self.seconds[key] += time.perf_counter() - start
+            self.calls[key] += 1
+            if work is not None:
+                flops, nbytes = work(*args, **kwargs)
+                self.flops[key] += flops
+                self.bytes[key] += nbytes
+            return result
+
+        setattr(module, name, timed)
+
+
+def _linear_work(x, weight, bias=None):
+    rows = x.numel() // weight.in_features
+    return 2 * rows * weight.in_features * weight.out_features, 2 * weight.in_features * weight.out_features
+
+
+def instrument(timers: Timers) -> None:
+    panels = importlib.import_module("clover.kernels.panels")
+    timers.wrap(panels, "linear", lambda x, w, b=None: f"linear {x.numel() // w.in_features}×{w.in_features}→{w.out_features}",
+                _linear_work)
+    for face, name in (("moe_block", "moe_block"), ("gdn_short", "gdn_short"),
+                       ("attention_cached", "attention_cached"), ("rmsnorm", "add_rmsnorm")):
+        timers.wrap(importlib.import_module(f"clover.kernels.{face}"), name, lambda *a, name=name, **k: name)
+    attention = importlib.import_module("clover.layers.attention")
+    timers.wrap(attention, "_sdpa", lambda q, k, v, m: f"PyTorch attention {q.shape[2]}×{k.shape[2]}")
+
+
+def disable_kernels() -> None:
+    """Every kernel call returns success at once (outputs stay uninitialised): what is left is glue."""
+
+    class NoOps:
+        def __getattr__(self, name):
+            return lambda *args: 0
+
+    noops = NoOps()
+    for face in ("panels", *KERNEL_FACES):
+        importlib.import_module(f"clover.kernels.{face}").library = lambda: noops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", default="small", choices=sorted(checkpoints.VARIANTS))
+    ap.add_argument("--op", default="decode", choices=("prefill", "decode", "block"))
+    ap.add_argument("--tokens", type=int, default=512, help="prefill length, or the cached prefix of decode / block")
+    ap.add_argument("--block-top-p", type=float, default=0.7)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--glue", action="store_true", help="decode only: time the step with every kernel a no-op")
+    args = ap.parse_args(argv)
+    if args.glue and args.op != "decode":
+        ap.error("--glue measures decode steps only")
+
+    import clover
+    from clover.kernels import available
+    from clover.runtime import flush_denormals
+
+    flush_denormals(True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not available():
+        sys.exit("the native kernels are not available here: nothing to break down")
+    path = checkpoints.ensure_checkpoint(args.variant)
+    config = checkpoints.load_config(path)
+    model = clover.load(path, dtype=torch.bfloat16, pack=True)
+    prompt = make_input_ids(config, args.tokens)
+    block = make_input_ids(config, 32, seed=2)
+
+    with torch.inference_mode():
+        cache = model.make_cache(capacity=args.tokens + 64 + args.repeats)
+        if args.op != "prefill":
+            model.step(prompt, [cache], logits_at="last")
+
+        def step():
+            if args.op == "prefill":
+                model.step(prompt, [model.make_cache(capacity=args.tokens + 64)], logits_at="last")
+            elif args.op == "decode":
+                model.step(prompt[:, -1:], [cache], logits_at="last")
+                if args.glue:                             # no kernel wrote anything: keep the cache's length
+                    cache.length -= 1
+                    for state in cache.layers:
+                        if hasattr(state, "length"):
+                            state.length = cache.length
+            else:
+                model.step(block, [cache], block=True, block_top_p=args.block_top_p)
+
+        step()                                            # warm-up: kernels built, buffers grown
+        if args.glue:
+            disable_kernels()
+            step()
+        timers = Timers()
+        if not args.glue:
+            instrument(timers)
+        totals, per_label = [], collections.defaultdict(list)
+        for _ in range(args.repeats):
+            timers.seconds.clear()
+            start = time.perf_counter()
+            step()
+            totals.append(time.perf_counter() - start)
+            for key, seconds in timers.seconds.items():
+                per_label[key].append(seconds)
+
+    total = statistics.median(totals)
+    what = f"{args.op} ({args.tokens} tokens)" if args.op == "prefill" else f"{args.op} after {args.tokens}"
+    print(f"{args.variant}: {what}, {torch.get_num_threads()} threads, median of {args.repeats}: "
+          f"{total * 1e3:.2f} ms per step" + (" with every kernel a no-op (glue only)" if args.glue else ""))
+    if args.glue:
+        return 0
+    covered = 0.0
+    print(f"{'call':44s} {'per step':>8s} {'ms':>9s} {'share':>6s}  rate")
+    for key, runs in sorted(per_label.items(), key=lambda kv: -statistics.median(kv[1])):
+        seconds = statistics.median(runs)
+        covered += seconds
+        calls = timers.calls[key] // args.repeats
+        rate = ""
+        if timers.flops[key]:
+            flops = timers.flops[key] / args.repeats
+            nbytes = timers.bytes[key] / args.repeats
+            rate = f"{flops / seconds / 1e9:.0f} GFLOP/s" if flops / nbytes > 4 else f"{nbytes / seconds / 1e9:.1f} GB/s"
+        print(f"{key:44s} {calls:8d} {seconds * 1e3:9.2f} {100 * seconds / total:5.1f}%  {rate}")
+    print(f"{'(glue: Python and tensor ops between calls)':44s} {'':8s} {(total - covered) * 1e3:9.2f} "
+          f"{100 * (total - covered) / total:5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
