@@ -29,7 +29,9 @@ import torch
 from benchmarks import checkpoints
 from benchmarks.common import make_input_ids
 
-KERNEL_FACES = ("moe_block", "gdn_short", "attention_cached", "rmsnorm")
+# the kernels' Python faces besides `panels.linear`: module under clover.kernels → the function timed
+KERNEL_FACES = {"moe_block": "moe_block", "gdn_short": "gdn_short", "attention_cached": "attention_cached",
+                "rmsnorm": "add_rmsnorm"}
 
 
 class Timers:
@@ -68,8 +70,7 @@ def instrument(timers: Timers) -> None:
     panels = importlib.import_module("clover.kernels.panels")
     timers.wrap(panels, "linear", lambda x, w, b=None: f"linear {x.numel() // w.in_features}×{w.in_features}→{w.out_features}",
                 _linear_work)
-    for face, name in (("moe_block", "moe_block"), ("gdn_short", "gdn_short"),
-                       ("attention_cached", "attention_cached"), ("rmsnorm", "add_rmsnorm")):
+    for face, name in KERNEL_FACES.items():
         timers.wrap(importlib.import_module(f"clover.kernels.{face}"), name, lambda *a, name=name, **k: name)
     attention = importlib.import_module("clover.layers.attention")
     timers.wrap(attention, "_sdpa", lambda q, k, v, m: f"PyTorch attention {q.shape[2]}×{k.shape[2]}")
