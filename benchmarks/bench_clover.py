@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import checkpoints
+from benchmarks.turns import Turns
 from benchmarks.common import (
     GB,
     EngineAPI,
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-denormals", action="store_true",
                     help="do not flush denormals to zero (clover.load flushes them by default; see clover.runtime)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--turns", default=None, help="measure in turns with another process (benchmarks.turns)")
     args = ap.parse_args(argv)
 
     import clover
@@ -116,9 +118,11 @@ def main(argv=None) -> int:
     path = Path(args.checkpoint) if args.checkpoint else checkpoints.ensure_checkpoint(args.variant)
     config = checkpoints.load_config(path)
     wbytes = checkpoints.checkpoint_weight_bytes(path)
-    t0 = time.perf_counter()
-    model = clover.load(path, dtype=torch.bfloat16, pack=not args.no_pack, flush_denormal=not args.keep_denormals)
-    load_s = time.perf_counter() - t0
+    turns = Turns(args.turns, "clover")
+    with turns.turn():
+        t0 = time.perf_counter()
+        model = clover.load(path, dtype=torch.bfloat16, pack=not args.no_pack, flush_denormal=not args.keep_denormals)
+        load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes()
     log(f"loaded {path} ({wbytes / GB:.2f} GB) in {load_s:.1f}s, RSS {rss_loaded / GB:.2f} GB, {threads} threads")
     engine = CloverEngine(model)
@@ -128,23 +132,28 @@ def main(argv=None) -> int:
         if "prefill" in ops:
             for T in [int(x) for x in args.prefill_lens.split(",")]:
                 log(f"prefill T={T}")
-                results += bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats)
+                with turns.turn():
+                    results += bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats)
         if "decode" in ops:
             log(f"decode {args.decode_steps} steps after {args.prompt_len}")
-            results.append(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
-                                        repeats=args.repeats))
+            with turns.turn():
+                results.append(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
+                                            repeats=args.repeats))
         if "block" in ops:
             for p in [float(x) for x in args.expert_top_p.split(",")]:
                 engine.block_top_p = p
                 log(f"block {args.block_size} over {args.prompt_len}, block_expert_top_p={p}")
-                r = bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
-                                repeats=block_repeats(args.repeats), label=f"top_p={p}")
+                with turns.turn():
+                    r = bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
+                                    repeats=block_repeats(args.repeats), label=f"top_p={p}")
                 results.append(r)
             engine.block_top_p = 1.0
         if "commit" in ops:
             log(f"commit {args.block_size} over {args.prompt_len}")
-            results.append(bench_commit(engine, config, args.prompt_len, args.block_size, args.warmup,
-                                        block_repeats(args.repeats)))
+            with turns.turn():
+                results.append(bench_commit(engine, config, args.prompt_len, args.block_size, args.warmup,
+                                            block_repeats(args.repeats)))
+    turns.leave()
     peak = peak_rss_bytes()
     del engine, model
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import checkpoints
+from benchmarks.turns import Turns
 from benchmarks.common import (
     GB,
     EngineAPI,
@@ -189,6 +190,7 @@ def main(argv=None) -> int:
                     help="do not flush denormals to zero (flushed by default, as clover.load does, so the "
                          "comparison is between engines, not CPU float modes)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line on stdout")
+    ap.add_argument("--turns", default=None, help="measure in turns with another process (benchmarks.turns)")
     args = ap.parse_args(argv)
     torch.set_flush_denormal(not args.keep_denormals)   # first, before any parallel op starts torch's threads
 
@@ -205,9 +207,11 @@ def main(argv=None) -> int:
     k = config["num_experts_per_tok"]
     log(f"checkpoint {path} ({wbytes / GB:.2f} GB of weights), {threads} threads")
 
-    t0 = time.perf_counter()
-    model, info = load_model(path, "grouped_mm")
-    load_s = time.perf_counter() - t0
+    turns = Turns(args.turns, "transformers")
+    with turns.turn():
+        t0 = time.perf_counter()
+        model, info = load_model(path, "grouped_mm")
+        load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes()
     index = json.loads((path / "model.safetensors.index.json").read_text())
     n_extra = sum(1 for name in index["weight_map"] if name.endswith(checkpoints.CLOVER_EXTRA_SUFFIXES))
@@ -244,23 +248,27 @@ def main(argv=None) -> int:
                     continue
                 engine.prefill_impl = impl
                 log(f"prefill T={T} [{impl}]")
-                busy = idle()
-                add(bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats, label=impl), busy)
+                with turns.turn():
+                    busy = idle()
+                    add(bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats, label=impl), busy)
         engine.prefill_impl = "grouped_mm"  # the cached prefix for decode / block runs
         for impl in _impls(args.decode_impls) if "decode" in ops else []:
             engine.impl = impl
             log(f"decode {args.decode_steps} steps after {args.prompt_len} [{impl}]")
-            busy = idle()
-            add(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
-                             repeats=args.repeats, label=impl), busy)
+            with turns.turn():
+                busy = idle()
+                add(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
+                                 repeats=args.repeats, label=impl), busy)
         for impl in _impls(args.block_impls) if "block" in ops else []:
             if not batched_ok(args.block_size * k, impl, f"block {args.block_size}"):
                 continue
             engine.impl = impl
             log(f"block {args.block_size} over {args.prompt_len} [{impl}]")
-            busy = idle()
-            add(bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
-                            repeats=block_repeats(args.repeats), label=impl), busy)
+            with turns.turn():
+                busy = idle()
+                add(bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
+                                repeats=block_repeats(args.repeats), label=impl), busy)
+    turns.leave()
 
     peak = peak_rss_bytes()
     del engine, model

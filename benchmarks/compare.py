@@ -9,7 +9,10 @@ shared), measures the memory bandwidth once, and prints one table: each operatio
 engines, the ratio, and the fraction of the bandwidth limit for the weight bytes the operation reads.
 On a shared machine the same code measures 10–25% apart from one run to the next over minutes;
 `--rounds N` repeats the pair (bandwidth measured again each round, engine order alternating) and
-reports medians, with each speedup the median of the per-round ones. Ends with one JSON line.
+reports medians, with each speedup the median of the per-round ones. `--lockstep` (the default where
+memory holds both loaded models) starts both processes together and lets them measure in turns
+(`benchmarks.turns`): each operation's two measurements are then a minute or two apart instead of
+10–20, which is what the drift spoils. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -19,18 +22,77 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
+from benchmarks import turns
 from benchmarks.common import emit_json, parse_last_json, print_table
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+# peak RSS over the weights measured for each engine (1.15x and 1.10x on the full variant), with margin
+LOCKSTEP_RSS_X_WEIGHTS = 2.4
+LOCKSTEP_SPARE_BYTES = 1 << 30
+
+
+def _start(module: str, args: list[str], out):
+    cmd = [sys.executable, "-m", module, *args, "--json"]
+    print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.Popen(cmd, stdout=out, text=True, cwd=ROOT)
+
+
+def _result(module: str, code: int, out) -> dict:
+    out.seek(0)
+    text = out.read()
+    sys.stderr.write(text.rsplit("\n", 2)[0] + "\n")
+    if code:
+        raise SystemExit(f"{module} failed with exit code {code}")
+    return parse_last_json(text)
 
 
 def run(module: str, args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", module, *args, "--json"]
-    print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    sys.stderr.write(proc.stdout.rsplit("\n", 2)[0] + "\n")
-    if proc.returncode:
-        raise SystemExit(f"{module} failed with exit code {proc.returncode}")
-    return parse_last_json(proc.stdout)
+    with tempfile.TemporaryFile("w+") as out:
+        return _result(module, _start(module, args, out).wait(), out)
+
+
+def run_in_turns(jobs: dict[str, tuple[str, list[str]]]) -> dict:
+    """Start every job at once, each measuring only in its turn (benchmarks.turns). Outputs go to files,
+    not pipes: a child blocked on a full pipe while holding the turn would stop both."""
+    with tempfile.TemporaryDirectory() as directory:
+        turns.setup(directory, list(jobs))
+        outs = {name: tempfile.TemporaryFile("w+") for name in jobs}
+        procs = {name: _start(module, [*args, "--turns", directory], outs[name])
+                 for name, (module, args) in jobs.items()}
+        codes: dict = {}
+        try:
+            while len(codes) < len(procs):
+                for name, proc in procs.items():
+                    if name not in codes and proc.poll() is not None:
+                        codes[name] = proc.returncode
+                        turns.leave(directory, name)      # a crashed child must not keep the other waiting
+                time.sleep(0.5)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+        try:
+            return {name: _result(jobs[name][0], codes[name], outs[name]) for name in jobs}
+        finally:
+            for out in outs.values():
+                out.close()
+
+
+def lockstep_fits(variant: str) -> tuple[bool, str]:
+    """Whether both engines' processes fit in memory at once (MemAvailable against the weights)."""
+    from benchmarks import checkpoints
+
+    try:
+        weights = checkpoints.checkpoint_weight_bytes(checkpoints.ensure_checkpoint(variant))
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError) as e:
+        return False, f"cannot tell whether both processes fit in memory ({e})"
+    need = LOCKSTEP_RSS_X_WEIGHTS * weights + LOCKSTEP_SPARE_BYTES
+    return available >= need, f"{available / 2**30:.1f} GiB available, both processes need ~{need / 2**30:.1f}"
 
 
 def _key(r: dict) -> tuple:
@@ -58,10 +120,16 @@ def main(argv=None) -> int:
                     help="repeat the pair of runs, alternating which engine goes first; report medians")
     ap.add_argument("--keep-denormals", action="store_true",
                     help="both engines keep IEEE denormals (default: both flush them to zero)")
+    ap.add_argument("--lockstep", choices=("auto", "on", "off"), default="auto",
+                    help="both processes loaded at once, measuring in turns (auto: where memory allows)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     threads = args.threads or os.cpu_count()
+    lockstep = args.lockstep == "on"
+    if args.lockstep == "auto" and not args.skip_transformers:
+        lockstep, why = lockstep_fits(args.variant)
+        print(f"lockstep {'on' if lockstep else 'off'}: {why}", file=sys.stderr, flush=True)
     rounds = []
     for i in range(args.rounds):
         # Measured in its own process: a child inherits its parent's peak-RSS mark, so the 2 GiB of copy
@@ -75,20 +143,24 @@ def main(argv=None) -> int:
                   "--prefill-lens", args.prefill_lens, "--bandwidth-gbps", f"{gbps}"]
         if args.keep_denormals:
             common.append("--keep-denormals")
-        jobs = {"clover": lambda: run("benchmarks.bench_clover", common)}
+        jobs = {"clover": ("benchmarks.bench_clover", common)}
         if not args.skip_transformers:
-            jobs["transformers"] = lambda: run("benchmarks.bench_transformers", common + [
+            jobs["transformers"] = ("benchmarks.bench_transformers", common + [
                 "--decode-impls", "batched_mm,grouped_mm", "--block-impls", "grouped_mm,batched_mm"])
         # alternate the order so a slow phase of the machine does not always land on the same engine
+        # (in lockstep: which engine takes the first turn of each operation)
         order = list(jobs) if i % 2 == 0 else list(jobs)[::-1]
-        out = {name: jobs[name]() for name in order}
+        if lockstep and len(jobs) > 1:
+            out = run_in_turns({name: jobs[name] for name in order})
+        else:
+            out = {name: run(*jobs[name]) for name in order}
         rounds.append({"bandwidth_gbps": gbps, "rows": _rows(out["clover"], out.get("transformers")),
                        "clover": out["clover"], "transformers": out.get("transformers")})
 
     rows = _merge(rounds)
     gbps = statistics.median(r["bandwidth_gbps"] for r in rounds)
     title = (f"Clover vs transformers — variant {args.variant}, {threads} threads, bf16, bandwidth {gbps:.1f} GB/s"
-             + (f", median of {len(rounds)} rounds" if len(rounds) > 1 else ""))
+             + (f", median of {len(rounds)} rounds" if len(rounds) > 1 else "") + (", in turns" if lockstep else ""))
     print_table(rows, title=title)
     if len(rounds) > 1:
         for i, r in enumerate(rounds, 1):
@@ -107,7 +179,7 @@ def main(argv=None) -> int:
     if all(x is not None for x in ratios):
         summary["block_step_0.7_over_decode_step"] = statistics.median(ratios)
     print("  ".join(f"{k}={v:.2f}" for k, v in summary.items()))
-    emit_json({"variant": args.variant, "rows": rows, "summary": summary, "rounds": rounds})
+    emit_json({"variant": args.variant, "lockstep": lockstep, "rows": rows, "summary": summary, "rounds": rounds})
     return 0
 
 

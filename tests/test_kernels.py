@@ -53,10 +53,12 @@ def test_linear_leading_dims_and_bias():
 
 def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
     """One fp32 sum in k order per output: a row alone, inside any batch, on 1 or 2 threads — the same bits.
-    (The server batches unrelated requests; their outputs must not depend on each other.)"""
+    (The server batches unrelated requests; their outputs must not depend on each other.) K = 600: a
+    batch of several row blocks sums k in slices (256, 256, 88) carried between kernel calls, a row
+    alone in one pass, and both must agree bit for bit."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(300, 256, generator=g).bfloat16()
-    x = torch.randn(37, 256, generator=g).bfloat16()
+    w = torch.randn(300, 600, generator=g).bfloat16()
+    x = torch.randn(37, 600, generator=g).bfloat16()
     pw = PanelWeight(w)
     whole = linear(x, pw)
     threads = torch.get_num_threads()
@@ -73,7 +75,7 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
 
 def test_grouped_linear_matches_per_group_products():
     g = torch.Generator().manual_seed(2)
-    E, N, K = 6, 72, 40
+    E, N, K = 6, 72, 300                              # K > 256: the 14-row group sums k in slices
     stack = torch.randn(E, N, K, generator=g).bfloat16()
     pw = PanelWeight(stack)
     counts = [3, 0, 1, 14, 2]                           # an empty group too
