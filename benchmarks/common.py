@@ -484,9 +484,10 @@ def bench_prefill(api: EngineAPI, config, lengths: Sequence[int] = (512, 4096), 
     results = []
     for T in lengths:
         ids = make_input_ids(config, T)
+        begun = time.time()
         t = timeit(lambda: api.prefill(ids), warmup=warmup, repeats=repeats)
         r = {"op": "prefill", "engine": api.name, "label": label, "tokens": T, "seconds": t,
-             "tokens_per_s": scale_stats(t, T, invert=True)}
+             "tokens_per_s": scale_stats(t, T, invert=True), "wall": [begun, time.time()]}
         r.update(_roofline(prefill_bytes(config, T, dtype_bytes), t["median"], bandwidth_gbps))
         results.append(r)
     return results
@@ -496,6 +497,7 @@ def bench_decode(api: EngineAPI, config, prompt_len: int = 512, steps: int = 32,
                  bandwidth_gbps: float | None = None, dtype_bytes: float = 2, label: str = "") -> dict:
     """AR decode: prefill ``prompt_len`` once (untimed), then per run ``steps`` greedy ``decode_step`` calls on a
     clone of that state.  Reports tokens/s per run and per-step latency over all steps of all timed runs."""
+    begun = time.time()
     ids = make_input_ids(config, prompt_len)
     state0 = api.prefill(ids)
     first = make_input_ids(config, 1, seed=1)
@@ -516,7 +518,8 @@ def bench_decode(api: EngineAPI, config, prompt_len: int = 512, steps: int = 32,
     t = timeit(run, warmup=0, repeats=repeats, setup=lambda: api.clone(state0))
     per_tok = decode_token_bytes(config, dtype_bytes)
     r = {"op": "decode", "engine": api.name, "label": label, "prompt": prompt_len, "steps": steps, "seconds": t,
-         "tokens_per_s": scale_stats(t, steps, invert=True), "step_ms": scale_stats(summarize(step_times), 1e3)}
+         "tokens_per_s": scale_stats(t, steps, invert=True), "step_ms": scale_stats(summarize(step_times), 1e3),
+         "wall": [begun, time.time()]}
     r.update(_roofline(per_tok, r["step_ms"]["median"] / 1e3, bandwidth_gbps))
     if bandwidth_gbps:
         r["roofline_tokens_per_s"] = bandwidth_gbps * GB / per_tok
@@ -533,6 +536,7 @@ def bench_block(api: EngineAPI, config, prefix_len: int = 512, block_size: int =
                 repeats: int = 5, bandwidth_gbps: float | None = None, dtype_bytes: float = 2,
                 label: str = "") -> dict:
     """One ``block_size``-token forward over a cached ``prefix_len`` prefix (state cloned per run, untimed)."""
+    begun = time.time()
     state0 = api.prefill(make_input_ids(config, prefix_len))
     block = make_input_ids(config, block_size, seed=2)
     t = timeit(lambda s: api.block_forward(s, block), warmup=warmup, repeats=repeats, setup=lambda: api.clone(state0))
@@ -545,7 +549,7 @@ def bench_block(api: EngineAPI, config, prefix_len: int = 512, block_size: int =
         distinct_for_bytes, source = list(distinct), "measured"
     r = {"op": "block", "engine": api.name, "label": label, "prefix": prefix_len, "block": block_size,
          "seconds": t, "ms": scale_stats(t, 1e3), "distinct_experts": distinct_for_bytes,
-         "distinct_experts_source": source}
+         "distinct_experts_source": source, "wall": [begun, time.time()]}
     r.update(_roofline(block_step_bytes(config, distinct_for_bytes, dtype_bytes, block_size), t["median"],
                        bandwidth_gbps))
     return r

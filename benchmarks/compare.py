@@ -208,6 +208,8 @@ def _rows(ours: dict, theirs: dict | None) -> list[dict]:
             row["transformers"] = tv
             row["impl"] = t.get("label", "")
             row["speedup"] = (v / tv) if unit == "tok/s" else (tv / v)
+            if r.get("wall") and t.get("wall"):        # how far apart the pair was measured (drift spoils more)
+                row["apart (s)"] = abs(sum(r["wall"]) - sum(t["wall"])) / 2
         rows.append(row)
     return rows
 
