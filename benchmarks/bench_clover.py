@@ -131,26 +131,26 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         if "prefill" in ops:
             for T in [int(x) for x in args.prefill_lens.split(",")]:
-                log(f"prefill T={T}")
                 with turns.turn():
+                    log(f"prefill T={T}")
                     results += bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats)
         if "decode" in ops:
-            log(f"decode {args.decode_steps} steps after {args.prompt_len}")
             with turns.turn():
+                log(f"decode {args.decode_steps} steps after {args.prompt_len}")
                 results.append(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
                                             repeats=args.repeats))
         if "block" in ops:
             for p in [float(x) for x in args.expert_top_p.split(",")]:
                 engine.block_top_p = p
-                log(f"block {args.block_size} over {args.prompt_len}, block_expert_top_p={p}")
                 with turns.turn():
+                    log(f"block {args.block_size} over {args.prompt_len}, block_expert_top_p={p}")
                     r = bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
                                     repeats=block_repeats(args.repeats), label=f"top_p={p}")
                 results.append(r)
             engine.block_top_p = 1.0
         if "commit" in ops:
-            log(f"commit {args.block_size} over {args.prompt_len}")
             with turns.turn():
+                log(f"commit {args.block_size} over {args.prompt_len}")
                 results.append(bench_commit(engine, config, args.prompt_len, args.block_size, args.warmup,
                                             block_repeats(args.repeats)))
     turns.leave()

@@ -247,15 +247,15 @@ def main(argv=None) -> int:
                 if not batched_ok(T * k, impl, f"prefill T={T}"):
                     continue
                 engine.prefill_impl = impl
-                log(f"prefill T={T} [{impl}]")
                 with turns.turn():
+                    log(f"prefill T={T} [{impl}]")
                     busy = idle()
                     add(bench_prefill(engine, config, [T], warmup=args.warmup, repeats=args.repeats, label=impl), busy)
         engine.prefill_impl = "grouped_mm"  # the cached prefix for decode / block runs
         for impl in _impls(args.decode_impls) if "decode" in ops else []:
             engine.impl = impl
-            log(f"decode {args.decode_steps} steps after {args.prompt_len} [{impl}]")
             with turns.turn():
+                log(f"decode {args.decode_steps} steps after {args.prompt_len} [{impl}]")
                 busy = idle()
                 add(bench_decode(engine, config, args.prompt_len, args.decode_steps, warmup=args.warmup,
                                  repeats=args.repeats, label=impl), busy)
@@ -263,8 +263,8 @@ def main(argv=None) -> int:
             if not batched_ok(args.block_size * k, impl, f"block {args.block_size}"):
                 continue
             engine.impl = impl
-            log(f"block {args.block_size} over {args.prompt_len} [{impl}]")
             with turns.turn():
+                log(f"block {args.block_size} over {args.prompt_len} [{impl}]")
                 busy = idle()
                 add(bench_block(engine, config, args.prompt_len, args.block_size, warmup=args.warmup,
                                 repeats=block_repeats(args.repeats), label=impl), busy)
