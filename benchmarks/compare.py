@@ -11,8 +11,9 @@ On a shared machine the same code measures 10–25% apart from one run to the ne
 `--rounds N` repeats the pair (bandwidth measured again each round, engine order alternating) and
 reports medians, with each speedup the median of the per-round ones. `--lockstep` (the default where
 memory holds both loaded models) starts both processes together and lets them measure in turns
-(`benchmarks.turns`): each operation's two measurements are then a minute or two apart instead of
-10–20, which is what the drift spoils. Ends with one JSON line.
+(`benchmarks.turns`): each operation's two measurements are then seconds apart (the table's
+`apart (s)`) instead of one to two and a half minutes, and neither engine loads or exits while the
+other measures. Ends with one JSON line.
 """
 
 from __future__ import annotations

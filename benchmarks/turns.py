@@ -1,10 +1,13 @@
 """Two benchmark processes, both loaded, measuring in turns (`compare --lockstep`).
 
 This machine's speed drifts by 10–40% over minutes. Run one engine's whole benchmark after the other's
-and each ratio pairs measurements taken 10–20 minutes apart. With both processes resident, each
+and each ratio pairs measurements one to two and a half minutes apart (full bench model), the second
+engine loading right after the first has freed its model. With both processes resident, each
 measurement (a model load, a prefill length, a decode run, a block setting) is a turn: only one
 process measures at a time, the other waits blocked on a file lock (no CPU), and turns alternate
-while both are still measuring, so the same operation of the two engines runs within a minute or two.
+while both are still measuring, so the same operation of the two engines runs seconds apart (7–53 s
+on the full bench model) and no process loads or exits while the other measures. (It narrows the
+pairing; the machine's noise within seconds remains: README, Performance.)
 
 Protocol, all state in one directory: `lock` (flock held for the whole turn) and `state.json` (who
 measured last; who takes part, by name, and their pids once started). A process may start a turn when
