@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             [sys.executable, "-c",
              f"from benchmarks.common import measure_bandwidth; print(measure_bandwidth(threads={threads}))"],
             stdout=subprocess.PIPE, text=True, check=True,
-            cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()[-1])
+            cwd=ROOT).stdout.split()[-1])
         common = ["--variant", args.variant, "--repeats", str(args.repeats), "--threads", str(threads),
                   "--prefill-lens", args.prefill_lens, "--bandwidth-gbps", f"{gbps}"]
         if args.keep_denormals:

@@ -101,18 +101,14 @@ class Turns:
             yield
             return
         while True:
-            with open(self.directory / "lock", "a+") as fd:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                try:
-                    state = _read(self.directory)
-                    others = [n for n, pid in state["members"].items() if n != self.name and _alive(pid)]
-                    if state["last"] != self.name or not others:
-                        state["last"] = self.name
-                        _write(self.directory, state)
-                        yield
-                        return
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+            with _locked(self.directory):
+                state = _read(self.directory)
+                others = [n for n, pid in state["members"].items() if n != self.name and _alive(pid)]
+                if state["last"] != self.name or not others:
+                    state["last"] = self.name
+                    _write(self.directory, state)
+                    yield
+                    return
             time.sleep(self.poll_s)
 
     def leave(self) -> None:
