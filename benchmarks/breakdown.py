@@ -73,7 +73,7 @@ def instrument(timers: Timers) -> None:
     for face, name in KERNEL_FACES.items():
         timers.wrap(importlib.import_module(f"clover.kernels.{face}"), name, lambda *a, name=name, **k: name)
     attention = importlib.import_module("clover.layers.attention")
-    timers.wrap(attention, "_sdpa", lambda q, k, v, m: f"PyTorch attention {q.shape[2]}×{k.shape[2]}")
+    timers.wrap(attention, "_sdpa", lambda q, k, v, m, causal=False: f"PyTorch attention {q.shape[2]}×{k.shape[2]}")
 
 
 def disable_kernels() -> None:

