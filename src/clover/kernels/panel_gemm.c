@@ -66,7 +66,8 @@ typedef struct { int row, rows; long offset; } Block;
  * Builds alternating: standalone (benchmarks/kernel_ceiling) whole products on 2 threads +3–12%
  * (192 × 2048 × 12352, 32 × 2048 × 65536 and × 248320, 1024 × 4096 × 2048; even on 1 thread); in the
  * engine (benchmarks.ab, full model, 16 rounds) prefill +1–2%, block step and decode 3% faster;
- * kernel_ab's single calls with the L3 flushed even (±0.6%, 24 rounds).
+ * kernel_ab's single calls with the L3 flushed even to 2% slower (two runs of 24 rounds: +0.2 / +0.3 /
+ * +0.6% and +0.3 / +1.9 / +2.3% for the 1- and 32-row vocabulary projection and a block step's MoE).
  *
  * The following panel is pulled towards L2 while this one computes, spread over all of the panel's
  * row blocks: block i of n prefetches lines i, i+n, i+2n, ... starting at `pf` (0: none), one every n
