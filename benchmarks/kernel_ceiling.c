@@ -25,6 +25,8 @@ static double now(void) {
 #define LOOP_K 256
 #define LOOP_SECONDS 0.4
 
+static volatile float sink;   /* results written here cannot be optimised away */
+
 /* FMAs alone: 24 independent fp32 accumulators in registers, 16 lanes, per iteration, what the
  * FMA ports can issue. Returns GFLOP/s over all threads. */
 static double bf16_value(uint16_t bits) {
@@ -78,7 +80,7 @@ static double fma_peak(int threads) {
         }
         __m512 sum = acc[0];
         for (int i = 1; i < 24; i++) sum = _mm512_add_ps(sum, acc[i]);
-        if (_mm512_reduce_add_ps(sum) == 1.0f) flops += 0;     /* keep the chains */
+        sink = _mm512_reduce_add_ps(sum);                      /* the chains' result is used */
     }
     return flops / (now() - t) / 1e9;
 }
@@ -108,7 +110,7 @@ int main(int argc, char **argv) {
             float *a = aligned_alloc(64, MAX_ROWS * LOOP_K * 4);
             uint16_t *w = aligned_alloc(64, LOOP_K * PANEL * 2);
             char c[MAX_ROWS * PANEL * 4];
-            kernel_fn volatile kernel = KERNELS[MAX_ROWS];   /* called through the table, as run_blocks does */
+            kernel_fn volatile kernel = KERNELS[MAX_ROWS];   /* an opaque call: its stores stay */
             for (int i = 0; i < MAX_ROWS * LOOP_K; i++) a[i] = 0.001f * (float)(i % 7);
             for (int i = 0; i < LOOP_K * PANEL; i++) w[i] = 0x3f80 + (uint16_t)(i % 5);
             double start = now();
@@ -116,7 +118,6 @@ int main(int argc, char **argv) {
                 for (int i = 0; i < 1000; i++) kernel(a, w, LOOP_K, c, PANEL * 4, PANEL, 1, 0, 1, 0, 0);
                 loop_flops += 1000 * 2.0 * MAX_ROWS * PANEL * LOOP_K;
             }
-            if (c[0] == 1) loop_flops += 0;              /* keep the stores */
             free(a);
             free(w);
         }
