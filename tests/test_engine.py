@@ -118,13 +118,20 @@ def test_queue_is_bounded(model):
 
 
 def test_cache_budget_limits_the_batch(model):
-    per = cache_bytes(model.config, model.dtype, 4, 16, 4)
-    assert per > 0
+    """A state pool sized to hold two of these requests (one K/V page each, by hand: 4 + (16/4 + 1)·4 =
+    24 positions ≤ 32) runs at most two at once; a request longer than the whole pool is refused."""
+    from clover.cache import StatePool
+
+    assert cache_bytes(model.config, model.dtype, 4, 16, 4) > 0
+    slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    page = StatePool.bytes_per_page(model.config, model.dtype)
+    slots = 1 + 2 * 8 + 8                      # the pool's slots for max_batch 8 (see StatePool.for_budget)
     seen = []
-    with Engine(model, EngineOptions(max_batch=8, max_queue=8, max_cache_bytes=2 * per + 1)) as engine:
+    with Engine(model, EngineOptions(max_batch=8, max_queue=8, max_cache_bytes=slots * slot + 2 * page + 1)) as engine:
+        assert engine.pool.num_pages == 2
         handles = [engine.submit([40 + i, 41, 42, 43], max_new_tokens=16, block_size=4) for i in range(6)]
         while not all(h.finished for h in handles):
-            seen.append(engine.batch_size)
+            seen.append(engine.active)
             time.sleep(0.002)
         with pytest.raises(RequestTooLarge, match="cache"):
             engine.submit(list(range(6, 200)), max_new_tokens=16)

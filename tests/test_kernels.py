@@ -177,11 +177,8 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
     states agree to rounding (the kernel runs the delta rule token by token, the PyTorch path in
     chunks); a block step leaves the states alone; replaced state tensors are never mutated. Heads of
     128 (the real model's) take the kernel's whole-head one-token path, other sizes its slab path."""
-    import copy
-
-    from clover.cache import GDNState
     from clover.layers.gated_deltanet import GatedDeltaNet
-    from tiny_models import make_model
+    from tiny_models import layer_call, make_model
 
     model = make_model(variant, seed=3, dtype=torch.bfloat16, **overrides)
     mixer = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
@@ -195,37 +192,45 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
     H = model.config.hidden_size
     B = 3
 
-    def fresh_states():
-        states = []
-        for r in range(B):
-            s = GDNState(mixer.conv_dim, mixer.kernel, mixer.num_v_heads, mixer.dk, mixer.dv,
-                         dtype=torch.bfloat16, state_dtype=torch.float32, device="cpu")
-            with torch.inference_mode():                    # a real history per row (PyTorch path, > 64 tokens)
-                mixer(torch.randn(1, 70 + r, H, generator=g).bfloat16(), [s])
-            states.append(s)
-        return states
+    pool = model.state_pool()
+    layer = mixer.layer_index
 
-    ref_states = fresh_states()
-    kern_states = [copy.deepcopy(s) for s in ref_states]
+    def fresh_states():
+        """Two sets of B sequences with equal histories (PyTorch path, > 64 tokens): reference and kernel."""
+        ref, kern = [], []
+        for r in range(B):
+            x = torch.randn(1, 70 + r, H, generator=g).bfloat16()
+            for group in (ref, kern):
+                s = pool.new_sequence()
+                with torch.inference_mode():
+                    layer_call(mixer, x, [s], 0)
+                group.append(s)
+        return ref, kern
+
+    ref_states, kern_states = fresh_states()
     with torch.inference_mode():
         for T, block_len in [(1, 0), (8, 8), (1, 0), (1, 1), (5, 0), (9, 6), (32, 32), (40, 0), (150, 0), (1, 0),
                               (4, 4)]:
             x = torch.randn(B, T, H, generator=g).bfloat16()
             mixer.short_kernel = False
-            want = mixer(x, ref_states, block_len=block_len)
-            old = [(s.conv, s.recurrent, s.conv.clone(), s.recurrent.clone()) for s in kern_states]
+            want = layer_call(mixer, x, ref_states, block_len)
+            old = [(s.slot, *(t.clone() for t in s.gdn_state(layer))) for s in kern_states]
             mixer.short_kernel = True
-            got = mixer(x, kern_states, block_len=block_len)
+            got = layer_call(mixer, x, kern_states, block_len)
             mixer.short_kernel = False
-            for (conv, rec, conv_copy, rec_copy), s in zip(old, kern_states):
+            for (slot, conv_copy, rec_copy), s in zip(old, kern_states):
+                conv, rec = pool.conv[layer][slot], pool.recurrent[layer][slot]
                 assert torch.equal(conv, conv_copy) and torch.equal(rec, rec_copy)     # never mutated
                 if T == block_len:
-                    assert s.conv is conv and s.recurrent is rec                     # a block commits nothing
+                    assert s.slot == slot                                            # a block commits nothing
+                else:
+                    assert s.slot != slot                                            # a new slot holds the state
             assert got.shape == want.shape and got.dtype == want.dtype
             assert (got.float() - want.float()).abs().max() <= 8e-3 * want.float().abs().max(), (T, block_len)
             for a, b in zip(ref_states, kern_states):
-                assert torch.equal(a.conv, b.conv)
-                assert (a.recurrent - b.recurrent).abs().max() <= 1e-5 * a.recurrent.abs().max(), (T, block_len)
+                (ca, ra), (cb, rb) = a.gdn_state(layer), b.gdn_state(layer)
+                assert torch.equal(ca, cb)
+                assert (ra - rb).abs().max() <= 1e-5 * ra.abs().max(), (T, block_len)
 
 
 @pytest.mark.parametrize("variant", ["base", "attn_first"])
@@ -319,10 +324,8 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
     cache growing past its capacity. The K/V written to the cache are bit-equal (same norm and rotary
     roundings) and the lengths agree; the gated output agrees to bf16 rounding (the attention itself
     runs in fp32 in the kernel; PyTorch's kernel rounds probabilities to bf16 below 32 queries)."""
-    import copy
-
     from clover.layers.packed import pack_for_cpu
-    from tiny_models import make_model
+    from tiny_models import layer_call, make_model
 
     model = make_model(variant, seed=5, dtype=torch.bfloat16)
     assert pack_for_cpu(model, kernels=True) > 0
@@ -331,28 +334,39 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(2)
     with torch.inference_mode():
-        caches = [model.make_cache(capacity=16) for _ in range(2)]
-        for c, n in zip(caches, (11, 4)):
-            model.step(torch.randint(5, 90, (1, n), generator=g), [c])
-        ref = [copy.deepcopy(c.layers[index]) for c in caches]
-        kern = [copy.deepcopy(c.layers[index]) for c in caches]
+        ref, kern = [], []
+        for n in (11, 4):                                   # two sequences at different positions, twice
+            ids = torch.randint(5, 90, (1, n), generator=g)
+            for group in (ref, kern):
+                c = model.make_cache()
+                model.step(ids, [c])
+                group.append(c)
         for T, block_len in ATTENTION_CALLS:
             starts = [s.length for s in ref]
             x = torch.randn(2, T, H, generator=g).bfloat16()
             positions = torch.tensor(starts)[:, None] + torch.arange(T)
             cos, sin = model.model.rotary(positions, torch.bfloat16)
             attn.short_kernel = False
-            want = attn(x, cos, sin, ref, starts, block_len)
+            want = layer_call(attn, x, ref, block_len, cos, sin)
             attn.short_kernel = True
-            got = attn(x, cos, sin, kern, starts, block_len)
+            got = layer_call(attn, x, kern, block_len, cos, sin)
             for a, b, start in zip(ref, kern, starts):
                 assert a.length == b.length == start + T - block_len
-                assert torch.equal(a.k[:, : start + T], b.k[:, : start + T])
-                assert torch.equal(a.v[:, : start + T], b.v[:, : start + T])
+                for u, w in zip(a.kv(index, start + T), b.kv(index, start + T)):   # the block's scratch rows too
+                    assert torch.equal(u, w)
             assert (got.float() - want.float()).abs().max() <= 1.5e-2 * want.float().abs().max(), (T, block_len)
-        assert kern[0].k.shape[1] > 16                         # the cache grew past its first capacity
-        with pytest.raises(ValueError, match="tokens"):
-            from clover.kernels.attention_cached import attention_cached
+        assert len(kern[0].pages) > 1                          # the sequence grew over several pages
+        from clover.kernels.attention_cached import attention_cached
 
+        pool = kern[0].pool
+        table = pool.page_table([kern[0].pages])[0]
+        with pytest.raises(ValueError, match="tokens"):
             qg = torch.zeros(65, 2 * attn.num_heads * attn.head_dim, dtype=torch.bfloat16)
-            attention_cached(attn, qg, qg, qg, cos[0], sin[0], kern[0], 0)
+            attention_cached(attn, qg, qg, qg, cos[0], sin[0], pool.k[index], pool.v[index], table, 0)
+        with pytest.raises(ValueError, match="page table"):          # positions past the sequence's pages
+            T = 2
+            qg = torch.zeros(T, 2 * attn.num_heads * attn.head_dim, dtype=torch.bfloat16)
+            kv = torch.zeros(T, attn.num_kv_heads * attn.head_dim, dtype=torch.bfloat16)
+            start = table.numel() * pool.page_size
+            cos, sin = model.model.rotary(start + torch.arange(T)[None], torch.bfloat16)
+            attention_cached(attn, qg, kv, kv, cos[0], sin[0], pool.k[index], pool.v[index], table, start)

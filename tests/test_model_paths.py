@@ -15,12 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover.cache import GDNState
 from clover.layers.packed import onednn_available
 from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
                                      recurrent_gated_delta_rule)
 from clover.layers.moe import reference_experts
-from tiny_models import VARIANTS, make_model
+from tiny_models import layer_call, VARIANTS, make_model
 
 torch.set_num_threads(1)   # tiny tensors: thread hand-offs cost more than they save on shared CPUs
 
@@ -217,11 +216,11 @@ def model64(variant="base", seed=0):
 def _cache_tensors(cache):
     """A deep copy of everything a cache holds that is data (K/V up to length, GDN states)."""
     out = [cache.length]
-    for s in cache.layers:
-        if isinstance(s, GDNState):
-            out.append((s.conv.clone(), s.recurrent.clone()))
+    for i, kind in enumerate(cache.pool.config.layer_types):
+        if kind == "linear_attention":
+            out.append(tuple(t.clone() for t in cache.gdn_state(i)))
         else:
-            out.append((s.length, s.k[:, : s.length].clone(), s.v[:, : s.length].clone()))
+            out.append(cache.kv(i))
     return out
 
 
@@ -437,16 +436,18 @@ def test_block_mode_with_clover_params_off_is_causal_gdn():
             # with cached states: a block step over a prefix state equals a causal step from it
             states_c, states_b = [], []
             for b in range(2):
-                st = model.make_cache().layers[0]
-                st.conv = torch.randn(st.conv.shape, generator=g, dtype=F64)
-                st.recurrent = torch.randn(st.recurrent.shape, generator=g, dtype=F64) * 0.3
-                twin = model.make_cache().layers[0]
-                twin.conv, twin.recurrent = st.conv.clone(), st.recurrent.clone()
+                st = model.make_cache()
+                conv, rec = st.gdn_state(0)
+                conv = torch.randn(conv.shape, generator=g, dtype=F64)
+                rec = torch.randn(rec.shape, generator=g, dtype=F64) * 0.3
+                st.set_gdn_state(0, conv, rec)
+                twin = model.make_cache()
+                twin.set_gdn_state(0, conv, rec)
                 states_c.append(st)
                 states_b.append(twin)
             xb = x[:, :7]
-            out_b = gdn(xb, states_b, 7)
-            out_c = gdn(xb, states_c, 0)
+            out_b = layer_call(gdn, xb, states_b, 7)
+            out_c = layer_call(gdn, xb, states_c, 0)
             assert _maxdiff(out_b, out_c) <= 1e-12
         finally:
             gdn.conv1d_right.weight.copy_(saved[0])

@@ -88,3 +88,14 @@ def to_transformers(model: CloverForCausalLM, tmp_path):
     save_checkpoint(model, cfg, tmp_path, include_clover_params=False)
     ref = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path, dtype=model.dtype, attn_implementation="eager")
     return ref.eval()
+
+
+def layer_call(module, x, seqs, block_len, *before):
+    """Run one mixer (GDN: `module(x, batch, block_len)`; attention: `module(x, cos, sin, batch,
+    block_len)` with `before` = (cos, sin)) over sequences of a state pool, as a model forward does:
+    pages and write slots from the pool, the sequences moved on afterwards."""
+    pool = seqs[0].pool
+    batch = pool.prepare(seqs, x.shape[1], block_len)
+    out = module(x, *before, batch, block_len)
+    pool.finish(batch, seqs)
+    return out

@@ -1,53 +1,41 @@
-"""Per-sequence decoding state: K/V for attention layers, conv tail and recurrent state for GDN layers.
+"""The model's state pool: every sequence's K/V and GDN state lives in tensors allocated once.
 
-A `SequenceCache` holds everything the model needs to continue one sequence causally. It supports
-  - `snapshot()` / `restore()`: copy the GDN states and remember the length (K/V roll back by length);
-  - `truncate(n)`: drop K/V after `n` (GDN layers need a replay record, see below);
-  - speculation: `begin_speculation()` snapshots the GDN states and makes the next causal forwards
-    record each GDN layer's per-token inputs (pre-conv `u`, and `q, k, v, g, β`). `rollback(n)` then
-    brings the cache to length `n` by replaying only the delta rule over the accepted tokens from the
-    snapshot — no model layer is re-run and no per-position recurrent state is stored.
+Layout (one set of tensors per layer, on that layer's device):
+  - attention layers: K and V in pages of `page_size` (32) token rows, `[pages, page_size, kv_heads,
+    head_dim]`. A sequence owns a list of page ids (its page table); position p lives in page
+    `table[p // page_size]`, row `p % page_size`. Pages are shared read-only between a sequence and
+    the prefix cache (refcounts; a shared page is copied before anyone writes into it).
+  - GDN layers: state slots, conv tail `[slots, C, K−1]` and recurrent state `[slots, Hv, dk, dv]`
+    (float32, float64 for float64 models). A slot is never written after its forward fills it: a
+    causal forward reads the sequence's slot and writes the new state into a fresh one, then drops the
+    old one. So a snapshot, a speculation's rollback point or a prefix-cache entry is just one more
+    reference to a slot — no copy. Slot 0 is the zero state every new sequence starts from.
 
-Block-mode forwards never change a cache: they may write scratch K/V past `length`, which is not data.
+Layers never see `SequenceState`s: a forward gets a `ForwardBatch` (per row: where its pages are, how
+many tokens it has cached, which slot it reads and which it writes). `SequenceState` is the per-request
+handle the generation loop holds; its methods (snapshot / restore / truncate / speculation with replay
+rollback) are operations on the pool. Block-mode forwards never change a sequence: the block's K/V are
+scratch rows past its length, and a block reads its slot without writing one.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from .layers.delta_rule import gated_delta_rule
+from .layers.norms import compute_dtype
+
+PAGE_SIZE = 32
+_BYTES = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
-class AttentionState:
-    """K/V of one attention layer, `[kv_heads, capacity, head_dim]`, valid up to `length`."""
-
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
-        self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def reserve(self, needed: int) -> None:
-        """Grow the buffers (doubling) so that `needed` positions fit; amortised O(1) per token."""
-        cap = self.k.shape[1]
-        if needed <= cap:
-            return
-        new_cap = max(needed, 2 * cap)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], new_cap, old.shape[2])
-            new[:, : self.length] = old[:, : self.length]
-            setattr(self, name, new)
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store k/v `[kv_heads, T, D]` at positions `start …`; does not move `length`."""
-        self.reserve(start + k.shape[1])
-        self.k[:, start : start + k.shape[1]] = k
-        self.v[:, start : start + v.shape[1]] = v
-
-    def nbytes(self) -> int:
-        return 2 * self.k[:, : self.length].numel() * self.k.element_size()
+class PoolFull(RuntimeError):
+    """The state pool has no free page or slot left, even after evicting cached prefixes."""
 
 
 @dataclass
@@ -58,51 +46,452 @@ class GDNRecord:
     qkvgb: list = field(default_factory=list)   # (q [H,T,dk], k [H,T,dk], v [H,T,dv], g [H,T], beta [H,T])
 
 
-class GDNState:
-    """Conv tail `[C, K−1]` (the last K−1 pre-conv inputs) and recurrent state `[H_v, dk, dv]`."""
+@dataclass
+class ForwardBatch:
+    """What one cached forward does, per row — all the layers need to read and write the pool.
 
-    def __init__(self, channels: int, kernel: int, heads: int, dk: int, dv: int, dtype, state_dtype, device):
-        self.conv = torch.zeros(channels, kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(heads, dk, dv, dtype=state_dtype, device=device)
-        self.record: GDNRecord | None = None
-        self.saved: tuple[torch.Tensor, torch.Tensor] | None = None
+    `starts[b]`: tokens row b has cached; its T new tokens go to positions starts[b] … (K/V written for
+    all of them, the block's as scratch). `commits[b]`: how many of them become state (T − block_len,
+    or the row's own length in a right-padded prefill). `pages[b]`: its page table, covering
+    starts[b] + T. `read_slots` / `write_slots`: the GDN slot each row starts from / its state after the
+    commit goes to (None when nothing is committed). `records`: per row, per GDN layer, a `GDNRecord`
+    that receives the committed tokens' inputs (open speculations), or None."""
+
+    pool: "StatePool"
+    starts: list[int]
+    commits: list[int]
+    block_len: int
+    pages: list[list[int]]
+    read_slots: list[int]
+    write_slots: list[int] | None
+    records: list | None
+    padded: bool = False
+
+    def span(self, row: int, start: int, stop: int):
+        """Where positions start … stop−1 of `row` are in a `[pages · page_size, …]` view of a layer's
+        K/V: a slice when its pages there are consecutive, else an index tensor (made once per forward)."""
+        memo = self.__dict__.setdefault("_spans", {})
+        key = (row, start, stop)
+        if key not in memo:
+            memo[key] = self.pool.span(self.pages[row], start, stop)
+        return memo[key]
+
+    def page_table(self) -> torch.Tensor:
+        """The rows' page tables as one int32 [B, max pages] tensor (made once per forward)."""
+        table = self.__dict__.get("_table")
+        if table is None:
+            table = self._table = self.pool.page_table(self.pages)
+        return table
+
+
+class _Holdings:
+    """What one sequence holds in the pool (kept apart from the handle so a finalizer can free it)."""
+
+    __slots__ = ("pages", "slot", "saved_slot", "reserved_pages", "reserved_slots", "snapshot_slots")
+
+    def __init__(self):
+        self.pages: list[int] = []
+        self.slot = 0
+        self.saved_slot: int | None = None
+        self.reserved_pages = 0
+        self.reserved_slots = 0
+        self.snapshot_slots: list[int] = []       # one reference per snapshot taken
+
+
+class StatePool:
+    """Pages of K/V and slots of GDN state for every sequence of one model, allocated once."""
+
+    def __init__(self, config, dtype: torch.dtype, *, pages: int, slots: int, page_size: int = PAGE_SIZE,
+                 devices=None):
+        if page_size < 1 or pages < 1 or slots < 2:
+            raise ValueError(f"a state pool needs page_size >= 1, pages >= 1 and slots >= 2, got "
+                             f"{page_size}, {pages}, {slots}")
+        self.config, self.dtype, self.page_size = config, dtype, page_size
+        self.num_pages, self.num_slots = pages, slots
+        self.state_dtype = compute_dtype(dtype)
+        dev = (lambda i: devices[i]) if devices is not None else (lambda i: torch.device("cpu"))
+        self.k, self.v, self.conv, self.recurrent = {}, {}, {}, {}
+        with torch.inference_mode(False):         # plain tensors: forwards write them in and out of inference mode
+            self._allocate(slots, pages, dev)
+        self.has_gdn = bool(self.conv)
+        self._lock = threading.RLock()
+        self._page_refs = [0] * pages
+        self._free_pages = list(range(pages - 1, -1, -1))
+        self._slot_refs = [0] * slots
+        self._slot_refs[0] = 1                      # the zero state: pinned, never written
+        self._free_slots = list(range(slots - 1, 0, -1))
+        self.reserved_pages = 0                     # promised to sequences, not yet taken
+        self.reserved_slots = 0
+        from .prefix_cache import PrefixCache
+
+        self.prefix = PrefixCache(self)
+
+    def _allocate(self, slots: int, pages: int, dev) -> None:
+        c = self.config
+        for i, kind in enumerate(c.layer_types):
+            if kind == "linear_attention":
+                self.conv[i] = torch.empty(slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, dtype=self.dtype,
+                                           device=dev(i))
+                self.recurrent[i] = torch.empty(slots, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                c.linear_value_head_dim, dtype=self.state_dtype, device=dev(i))
+                self.conv[i][0].zero_()
+                self.recurrent[i][0].zero_()
+            else:
+                shape = (pages, self.page_size, c.num_key_value_heads, c.head_dim)
+                self.k[i] = torch.empty(shape, dtype=self.dtype, device=dev(i))
+                self.v[i] = torch.empty(shape, dtype=self.dtype, device=dev(i))
+
+    # ---- sizing ----------------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_page(config, dtype, page_size: int = PAGE_SIZE) -> int:
+        e = _BYTES[dtype]
+        attn = sum(1 for k in config.layer_types if k != "linear_attention")
+        return attn * 2 * page_size * config.num_key_value_heads * config.head_dim * e
+
+    @staticmethod
+    def bytes_per_slot(config, dtype) -> int:
+        e, se = _BYTES[dtype], _BYTES[compute_dtype(dtype)]
+        gdn = sum(1 for k in config.layer_types if k == "linear_attention")
+        per = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * e
+        per += config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * se
+        return gdn * per
+
+    @classmethod
+    def for_budget(cls, config, dtype, memory_bytes: int, *, max_sequences: int = 16, prefix_slots: int | None = None,
+                   page_size: int = PAGE_SIZE, devices=None) -> "StatePool":
+        """A pool that fits `memory_bytes`: two GDN slots per sequence (a forward writes a new one before
+        dropping the old) plus `prefix_slots` (default max_sequences) for cached prefixes; pages of K/V
+        from what is left (at most enough for every sequence at the full context)."""
+        prefix_slots = max_sequences if prefix_slots is None else prefix_slots
+        slots = 1 + 2 * max_sequences + prefix_slots
+        slot_bytes, page_bytes = cls.bytes_per_slot(config, dtype), cls.bytes_per_page(config, dtype, page_size)
+        left = memory_bytes - slots * slot_bytes
+        ceiling = max_sequences * math.ceil(config.max_position_embeddings / page_size) + 1
+        pages = ceiling if page_bytes == 0 else min(ceiling, left // page_bytes)
+        if left <= 0 or pages < 2:
+            raise ValueError(
+                f"a state-pool budget of {memory_bytes} bytes is too small: {slots} GDN state slots take "
+                f"{slots * slot_bytes} bytes and a page of {page_size} tokens' K/V takes {page_bytes}; "
+                f"raise the cache memory or lower max_sequences")
+        return cls(config, dtype, pages=int(pages), slots=slots, page_size=page_size, devices=devices)
 
     def nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.conv, self.recurrent) for t in d.values())
+
+    # ---- pages -----------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def available_pages(self) -> int:
+        """Pages a new reservation may count on: free ones, plus those only the prefix cache holds."""
+        return len(self._free_pages) + self.prefix.evictable_pages() - self.reserved_pages
+
+    def available_slots(self) -> int:
+        return len(self._free_slots) + self.prefix.evictable_slots() - self.reserved_slots
+
+    def _take_page(self) -> int:
+        while not self._free_pages:
+            if not self.prefix.evict_one():
+                raise PoolFull(f"the state pool's {self.num_pages} K/V pages ({self.num_pages * self.page_size} "
+                               "tokens) are all in use")
+        page = self._free_pages.pop()
+        self._page_refs[page] = 1
+        return page
+
+    def _drop_page(self, page: int) -> None:
+        self._page_refs[page] -= 1
+        if self._page_refs[page] == 0:
+            self._free_pages.append(page)
+
+    def _ref_page(self, page: int) -> None:
+        self._page_refs[page] += 1
+
+    def page_refs(self, page: int) -> int:
+        return self._page_refs[page]
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def _take_slot(self) -> int:
+        while not self._free_slots:
+            if not self.prefix.evict_one(slots=True):
+                raise PoolFull(f"the state pool's {self.num_slots} GDN state slots are all in use")
+        slot = self._free_slots.pop()
+        self._slot_refs[slot] = 1
+        return slot
+
+    def _drop_slot(self, slot: int | None) -> None:
+        if slot is None:
+            return
+        self._slot_refs[slot] -= 1
+        if self._slot_refs[slot] == 0:
+            self._free_slots.append(slot)
+
+    def _ref_slot(self, slot: int) -> None:
+        self._slot_refs[slot] += 1
+
+    def slot_refs(self, slot: int) -> int:
+        return self._slot_refs[slot]
+
+    # ---- sequences -------------------------------------------------------------------------------
+    def new_sequence(self, reserve_tokens: int = 0) -> "SequenceState":
+        """A new, empty sequence. `reserve_tokens`: pages (and two GDN slots) set aside so that it can
+        always grow to that length (what admission control promises); PoolFull if they are not there."""
+        with self._lock:
+            pages = self.pages_for(reserve_tokens) if reserve_tokens else 0
+            slots = 2 if reserve_tokens and self.has_gdn else 0
+            if pages > self.available_pages() or slots > self.available_slots():
+                raise PoolFull(f"the state pool cannot reserve {pages} pages and {slots} slots "
+                               f"({self.available_pages()} pages, {self.available_slots()} slots available)")
+            self.reserved_pages += pages
+            self.reserved_slots += slots
+            held = _Holdings()
+            held.reserved_pages, held.reserved_slots = pages, slots
+            self._ref_slot(0)
+            return SequenceState(self, held)
+
+    def can_reserve(self, tokens: int) -> bool:
+        with self._lock:
+            return (self.pages_for(tokens) <= self.available_pages()
+                    and (not self.has_gdn or 2 <= self.available_slots()))
+
+    def _release(self, held: _Holdings) -> None:
+        with self._lock:
+            for page in held.pages:
+                self._drop_page(page)
+            held.pages = []
+            self._drop_slot(held.slot)
+            self._drop_slot(held.saved_slot)
+            for slot in held.snapshot_slots:
+                self._drop_slot(slot)
+            held.slot, held.saved_slot, held.snapshot_slots = None, None, []
+            self.reserved_pages -= held.reserved_pages
+            self.reserved_slots -= held.reserved_slots
+            held.reserved_pages = held.reserved_slots = 0
+
+    def _grow(self, held: _Holdings, tokens: int) -> None:
+        """Give a sequence pages up to `tokens` positions, its reservation first."""
+        need = self.pages_for(tokens) - len(held.pages)
+        for _ in range(need):
+            if held.reserved_pages:
+                held.reserved_pages -= 1
+                self.reserved_pages -= 1
+            elif len(self._free_pages) + self.prefix.evictable_pages() - self.reserved_pages < 1:
+                raise PoolFull(f"the state pool is out of K/V pages ({self.num_pages} of {self.page_size} tokens, "
+                               f"{self.reserved_pages} reserved by running requests)")
+            held.pages.append(self._take_page())
+
+    def _make_writable(self, held: _Holdings, start: int, stop: int) -> None:
+        """Copy any shared page among positions start … stop−1 (copy-on-write: a cached prefix's last
+        page may be partly filled, and the sequence that reuses it writes its own rows after it)."""
+        P = self.page_size
+        for i in range(start // P, min(self.pages_for(stop), len(held.pages))):
+            page = held.pages[i]
+            if self._page_refs[page] > 1:
+                fresh = self._take_page()
+                for d in (self.k, self.v):
+                    for t in d.values():
+                        t[fresh].copy_(t[page])
+                self._drop_page(page)
+                held.pages[i] = fresh
+
+    def _take_write_slot(self, held: _Holdings) -> int:
+        if held.reserved_slots:
+            held.reserved_slots -= 1
+            self.reserved_slots -= 1
+        return self._take_slot()
+
+    def flat_positions(self, pages: list[int], start: int, stop: int) -> torch.Tensor:
+        """Rows of a `[pages · page_size, …]` view holding positions start … stop−1 of a page table."""
+        P = self.page_size
+        pos = torch.arange(start, stop)
+        table = torch.tensor(pages[: self.pages_for(stop)], dtype=torch.long)
+        return table[pos // P] * P + pos % P
+
+    def span(self, pages: list[int], start: int, stop: int):
+        """Positions start … stop−1 of a page table in a `[pages · page_size, …]` view: a slice when
+        the pages are consecutive, else an index tensor."""
+        P = self.page_size
+        run = pages[start // P: (stop - 1) // P + 1]
+        if run == list(range(run[0], run[0] + len(run))):
+            first = run[0] * P + start % P
+            return slice(first, first + stop - start)
+        return self.flat_positions(pages, start, stop)
+
+    def page_table(self, pages_per_row: list[list[int]], device=None) -> torch.Tensor:
+        """Per-row page tables as one int32 [B, max pages] tensor (the native attention kernel's input)."""
+        width = max(1, max(len(p) for p in pages_per_row))
+        table = torch.zeros(len(pages_per_row), width, dtype=torch.int32)
+        for b, pages in enumerate(pages_per_row):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table if device is None else table.to(device)
+
+    # ---- one forward -----------------------------------------------------------------------------
+    def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None) -> ForwardBatch:
+        """Pages for T new tokens per row, fresh GDN slots where tokens are committed: the batch a forward
+        runs on. Call `finish(batch, seqs)` after the forward (or `abort` if it failed)."""
+        with self._lock:
+            starts = [s.length for s in seqs]
+            commits = [T - block_len] * len(seqs) if valid_lens is None else list(valid_lens)
+            for s, start in zip(seqs, starts):
+                if s.pool is not self:
+                    raise ValueError("every sequence of one forward must come from the same state pool")
+                self._grow(s._held, start + T)
+                self._make_writable(s._held, start, start + T)
+            write = None
+            if self.has_gdn and any(commits):
+                write = []
+                try:
+                    for s, n in zip(seqs, commits):
+                        write.append(self._take_write_slot(s._held) if n else None)
+                except PoolFull:
+                    for slot in write:
+                        self._drop_slot(slot)
+                    raise
+            records = None
+            if any(s._records is not None for s in seqs):
+                records = [s._records for s in seqs]
+            return ForwardBatch(self, starts, commits, block_len, [list(s._held.pages) for s in seqs],
+                                [s._held.slot for s in seqs], write, records, padded=valid_lens is not None)
+
+    def finish(self, batch: ForwardBatch, seqs: list["SequenceState"]) -> None:
+        with self._lock:
+            for b, s in enumerate(seqs):
+                s.length += batch.commits[b]
+                if batch.write_slots is not None and batch.write_slots[b] is not None:
+                    old = s._held.slot
+                    s._held.slot = batch.write_slots[b]
+                    self._drop_slot(old)
+
+    def abort(self, batch: ForwardBatch) -> None:
+        with self._lock:
+            for slot in batch.write_slots or ():
+                self._drop_slot(slot)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"pages": self.num_pages, "free_pages": len(self._free_pages), "reserved_pages": self.reserved_pages,
+                    "slots": self.num_slots, "free_slots": len(self._free_slots),
+                    "reserved_slots": self.reserved_slots, "page_size": self.page_size, "bytes": self.nbytes(),
+                    **self.prefix.stats()}
 
 
 @dataclass
 class CacheSnapshot:
     length: int
-    gdn: list  # per layer: (conv, recurrent) clones, or None for attention layers
+    slot: int
 
 
-class SequenceCache:
-    """The causal state of one sequence across all layers."""
+class SequenceState:
+    """One sequence's place in the pool: its length, page table and GDN slot (see the module docstring).
 
-    def __init__(self, layers: list):
-        self.layers = layers
+    snapshot() / restore(): a GDN slot reference and a length (K/V roll back by length);
+    truncate(n): drop positions ≥ n (GDN layers need an open speculation covering them);
+    speculation: `begin_speculation()` keeps the current slot and makes the next causal forwards record
+    each GDN layer's per-token inputs (pre-conv `u`, and `q, k, v, g, β`). `rollback(n)` then brings the
+    sequence to length `n` by replaying only the delta rule over the accepted tokens from the kept slot —
+    no model layer is re-run and no per-position recurrent state is stored."""
+
+    def __init__(self, pool: StatePool, held: _Holdings):
+        self.pool = pool
+        self._held = held
         self.length = 0
         self.spec_start: int | None = None
+        self._records: dict | None = None          # GDN layer index → GDNRecord, during speculation
+        self._finalizer = weakref.finalize(self, pool._release, held)
 
-    # ---- plain snapshot / restore / truncate ---------------------------------------------------
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    @property
+    def pages(self) -> list[int]:
+        return list(self._held.pages)
+
+    @property
+    def slot(self) -> int:
+        return self._held.slot
+
+    def release(self) -> None:
+        """Give everything back to the pool now (also done when the handle is garbage-collected)."""
+        self._finalizer()
+
+    def nbytes(self) -> int:
+        pool = self.pool
+        return (len(self._held.pages) * StatePool.bytes_per_page(pool.config, pool.dtype, pool.page_size)
+                + StatePool.bytes_per_slot(pool.config, pool.dtype))
+
+    @property
+    def has_gdn(self) -> bool:
+        return self.pool.has_gdn
+
+    def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GDN layer `layer`'s conv tail [C, K−1] and recurrent state [Hv, dk, dv] (views into the pool:
+        read them, do not write them)."""
+        return self.pool.conv[layer][self._held.slot], self.pool.recurrent[layer][self._held.slot]
+
+    def kv(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention layer `layer`'s K and V of positions 0 … upto−1 (default: the length), [n, Hkv, D] copies."""
+        n = self.length if upto is None else upto
+        rows = self.pool.flat_positions(self._held.pages, 0, n)
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        return k.view(-1, *k.shape[2:])[rows], v.view(-1, *v.shape[2:])[rows]
+
+    def set_gdn_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Give GDN layer `layer` this state (tests, imports): into a fresh slot shared by no one."""
+        pool = self.pool
+        with pool._lock:
+            if pool.slot_refs(self._held.slot) > 1 or self._held.slot == 0:
+                fresh = pool._take_slot()
+                for i in pool.conv:
+                    pool.conv[i][fresh].copy_(pool.conv[i][self._held.slot])
+                    pool.recurrent[i][fresh].copy_(pool.recurrent[i][self._held.slot])
+                pool._drop_slot(self._held.slot)
+                self._held.slot = fresh
+            pool.conv[layer][self._held.slot].copy_(conv)
+            pool.recurrent[layer][self._held.slot].copy_(recurrent)
+
+    def fork(self) -> "SequenceState":
+        """An independent copy at the same length: the pages and the GDN slot are shared (a page is
+        copied when either side writes into it; slots are never written), so forking costs no copy."""
+        pool = self.pool
+        if self.spec_start is not None:
+            raise ValueError("cannot fork a sequence during a speculation")
+        with pool._lock:
+            twin = pool.new_sequence()
+            for p in self._held.pages:
+                pool._ref_page(p)
+            twin._held.pages = list(self._held.pages)
+            pool._ref_slot(self._held.slot)
+            pool._drop_slot(twin._held.slot)
+            twin._held.slot = self._held.slot
+            twin.length = self.length
+            return twin
+
+    def __deepcopy__(self, memo) -> "SequenceState":
+        return self.fork()
+
+    # ---- plain snapshot / restore / truncate -----------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
-        gdn = [
-            (s.conv.clone(), s.recurrent.clone()) if isinstance(s, GDNState) else None for s in self.layers
-        ]
-        return CacheSnapshot(self.length, gdn)
+        with self.pool._lock:
+            self.pool._ref_slot(self._held.slot)
+            self._held.snapshot_slots.append(self._held.slot)
+            return CacheSnapshot(self.length, self._held.slot)
 
     def restore(self, snap: CacheSnapshot) -> None:
         if snap.length > self.length:
             raise ValueError(f"cannot restore a snapshot at {snap.length} into a cache of length {self.length}")
-        for state, saved in zip(self.layers, snap.gdn):
-            if isinstance(state, GDNState):
-                state.conv, state.recurrent = saved[0].clone(), saved[1].clone()
-                state.record = None
-            else:
-                state.length = snap.length
-        self.length = snap.length
-        self.spec_start = None
+        if snap.slot not in self._held.snapshot_slots:
+            raise ValueError("this snapshot was not taken from this sequence")
+        with self.pool._lock:
+            self.pool._ref_slot(snap.slot)
+            self.pool._drop_slot(self._held.slot)
+            self._held.slot = snap.slot
+            self._close_speculation()
+            self.length = snap.length
 
     def truncate(self, n: int) -> None:
         """Drop everything after position `n`. GDN layers need a speculation record covering it."""
@@ -118,58 +507,63 @@ class SequenceCache:
         if self.spec_start is not None:
             self.rollback(n)
             return
-        for state in self.layers:
-            state.length = n
         self.length = n
 
-    @property
-    def has_gdn(self) -> bool:
-        return any(isinstance(s, GDNState) for s in self.layers)
-
-    # ---- speculation ---------------------------------------------------------------------------
+    # ---- speculation -----------------------------------------------------------------------------
     def begin_speculation(self) -> None:
         """Mark the current length as a rollback point and start recording GDN inputs."""
-        self.spec_start = self.length
-        for state in self.layers:
-            if isinstance(state, GDNState):
-                state.saved = (state.conv, state.recurrent)   # forwards replace, never mutate, these
-                state.record = GDNRecord()
+        with self.pool._lock:
+            self._close_speculation()
+            self.spec_start = self.length
+            self.pool._ref_slot(self._held.slot)
+            self._held.saved_slot = self._held.slot
+            self._records = {i: GDNRecord() for i in self.pool.conv} if self.has_gdn else None
 
     def end_speculation(self) -> None:
         """Accept everything written since `begin_speculation()`."""
+        with self.pool._lock:
+            self._close_speculation()
+
+    def _close_speculation(self) -> None:
         self.spec_start = None
-        for state in self.layers:
-            if isinstance(state, GDNState):
-                state.saved, state.record = None, None
+        self._records = None
+        self.pool._drop_slot(self._held.saved_slot)
+        self._held.saved_slot = None
 
     def rollback(self, n: int) -> None:
         """Keep positions `< n` (n ≥ the speculation start), replaying the delta rule for GDN layers."""
         start = self.spec_start
         if start is None or not start <= n <= self.length:
             raise ValueError(f"rollback to {n} needs an open speculation starting at or before it (start {start})")
+        pool, held = self.pool, self._held
         keep = n - start
-        for state in self.layers:
-            if isinstance(state, GDNState):
-                _replay_gdn(state, keep)
-            else:
-                state.length = n
-        self.length = n
-        self.end_speculation()
+        with pool._lock:
+            if self.has_gdn and n != self.length:
+                if keep == 0:
+                    pool._ref_slot(held.saved_slot)
+                    pool._drop_slot(held.slot)
+                    held.slot = held.saved_slot
+                else:
+                    target = held.slot
+                    if pool.slot_refs(target) > 1 or target in (held.saved_slot, 0):
+                        target = pool._take_slot()
+                    for i, record in self._records.items():
+                        conv, rec = _replay_gdn(pool.conv[i][held.saved_slot], pool.recurrent[i][held.saved_slot],
+                                                record, keep)
+                        pool.conv[i][target].copy_(conv)
+                        pool.recurrent[i][target].copy_(rec)
+                    if target != held.slot:
+                        pool._drop_slot(held.slot)
+                        held.slot = target
+            self.length = n
+            self._close_speculation()
 
-    def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.layers)
 
-
-def _replay_gdn(state: GDNState, keep: int) -> None:
-    """Set a GDN layer's state to the speculation start plus the first `keep` recorded tokens."""
-    conv0, rec0 = state.saved
-    record = state.record
-    if keep == 0:
-        state.conv, state.recurrent = conv0, rec0
-        return
+def _replay_gdn(conv0: torch.Tensor, rec0: torch.Tensor, record: GDNRecord, keep: int):
+    """The state after the speculation start plus the first `keep` recorded tokens."""
     u = torch.cat(record.u, dim=0)[:keep]                                   # [keep, C]
     tail = torch.cat([conv0, u.t().to(conv0.dtype)], dim=1)
-    state.conv = tail[:, tail.shape[1] - conv0.shape[1]:].clone()
+    conv = tail[:, tail.shape[1] - conv0.shape[1]:]
     q, k, v, g, beta = (torch.cat([r[i] for r in record.qkvgb], dim=1)[:, :keep] for i in range(5))
     _, final = gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], rec0[None])
-    state.recurrent = final[0]
+    return conv, final[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import AttentionState, GDNState, SequenceCache
+from .cache import SequenceState, StatePool
 from .config import CloverConfig
 from .layers.attention import Attention
 from .layers.gated_deltanet import GatedDeltaNet
@@ -28,8 +28,10 @@ class DecoderLayer(nn.Module):
         self.kind = config.layer_types[index]
         if self.kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn.layer_index = index
         else:
             self.self_attn = Attention(config)
+            self.self_attn.layer_index = index
         self.mlp = SparseMoE(config)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -39,12 +41,12 @@ class DecoderLayer(nn.Module):
     # (same roundings as the modules)
     native_glue = False
 
-    def forward(self, h, cos, sin, states, starts, block_len, block_top_p, valid_lens=None):
+    def forward(self, h, cos, sin, batch, block_len, block_top_p):
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
-            mixed = self.linear_attn(x, states, block_len, valid_lens)
+            mixed = self.linear_attn(x, batch, block_len)
         else:
-            mixed = self.self_attn(x, cos, sin, states, starts, block_len, valid_lens)
+            mixed = self.self_attn(x, cos, sin, batch, block_len)
         if self.native_glue and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
             from .kernels.moe_block import moe_block
             from .kernels.rmsnorm import add_rmsnorm
@@ -84,27 +86,41 @@ class CloverForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    # ---- caches --------------------------------------------------------------------------------
-    def make_cache(self, capacity: int = 256) -> SequenceCache:
-        c, dt, dev = self.config, self.dtype, self.device
-        states = []
-        for kind in c.layer_types:
-            if kind == "linear_attention":
-                states.append(
-                    GDNState(c.linear_conv_dim, c.linear_conv_kernel_dim, c.linear_num_value_heads,
-                             c.linear_key_head_dim, c.linear_value_head_dim, dt, compute_dtype(dt), dev)
-                )
-            else:
-                states.append(AttentionState(c.num_key_value_heads, c.head_dim, dt, dev, capacity))
-        return SequenceCache(states)
+    # ---- state ---------------------------------------------------------------------------------
+    # The state pool's default size for library use (generate(), make_cache()); the engine sizes it from
+    # its own options (`configure_state_pool`). Its tensors are allocated at once but untouched memory
+    # stays virtual, so this is a ceiling on what caches may take, not memory spent at load.
+    default_pool_bytes = 2 << 30
+    default_pool_sequences = 16
+
+    def state_pool(self) -> StatePool:
+        """The model's one state pool (K/V pages, GDN slots, prefix cache), made on first use."""
+        pool = self.__dict__.get("_state_pool")
+        if pool is None:
+            pool = self.configure_state_pool()
+        return pool
+
+    def configure_state_pool(self, memory_bytes: int | None = None, max_sequences: int | None = None,
+                             prefix_slots: int | None = None) -> StatePool:
+        """(Re)build the state pool for `memory_bytes` of caches and `max_sequences` running at once.
+        Sequences of the old pool keep working on it; new ones use the new pool."""
+        devices = [layer.input_layernorm.weight.device for layer in self.model.layers]
+        pool = StatePool.for_budget(self.config, self.dtype, memory_bytes or self.default_pool_bytes,
+                                    max_sequences=max_sequences or self.default_pool_sequences,
+                                    prefix_slots=prefix_slots, devices=devices)
+        self.__dict__["_state_pool"] = pool
+        return pool
+
+    def make_cache(self, capacity: int = 0) -> SequenceState:
+        """A new empty sequence in the model's state pool (`capacity`: tokens to reserve, 0 = none)."""
+        return self.state_pool().new_sequence(reserve_tokens=capacity)
 
     # ---- forwards ------------------------------------------------------------------------------
-    def _run(self, ids, positions, caches, starts, block_len, block_top_p, logits_at, stats, valid_lens=None):
+    def _run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):
         h = self.model.embed_tokens(ids)
         cos, sin = self.model.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            states = None if caches is None else [c.layers[i] for c in caches]
-            h, distinct = layer(h, cos, sin, states, starts, block_len, block_top_p, valid_lens)
+        for layer in self.model.layers:
+            h, distinct = layer(h, cos, sin, batch, block_len, block_top_p)
             if stats is not None and distinct is not None:
                 stats.append(distinct)
         if logits_at == "none":
@@ -112,8 +128,8 @@ class CloverForCausalLM(nn.Module):
         if torch.is_tensor(logits_at):
             return self._masked_logits(h, logits_at)
         if logits_at == "last":
-            if valid_lens is not None:       # right-padded rows: each row's own last token
-                h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(valid_lens, device=h.device) - 1][:, None]
+            if batch is not None and batch.padded:     # right-padded rows: each row's own last token
+                h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(batch.commits, device=h.device) - 1][:, None]
             else:
                 h = h[:, -1:]
         elif logits_at == "block":
@@ -126,8 +142,7 @@ class CloverForCausalLM(nn.Module):
         next token; block rows the token at their own position). `block_top_p`: float or [B]."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        return self._run(input_ids, positions, None, [0] * B, block_len, self._top_p(block_top_p, B),
-                         "all", stats)
+        return self._run(input_ids, positions, None, block_len, self._top_p(block_top_p, B), "all", stats)
 
     def block_logits(self, prefix_ids: torch.Tensor, block_ids: torch.Tensor, block_top_p=None) -> torch.Tensor:
         """Block-mode logits [B, L, V] of `block_ids` [B, L] after the causal prefix `prefix_ids` [B, P]."""
@@ -158,11 +173,22 @@ class CloverForCausalLM(nn.Module):
                 raise ValueError(
                     f"position {s + T} exceeds max_position_embeddings {self.config.max_position_embeddings}"
                 )
-        positions = torch.tensor(starts, device=ids.device)[:, None] + torch.arange(T, device=ids.device)
-        logits = self._run(ids, positions, caches, starts, block_len,
-                           self._top_p(block_top_p, B) if block_len else None, logits_at, stats)
-        for c in caches:
-            c.length += T - block_len
+        return self._forward_cached(ids, caches, block_len, self._top_p(block_top_p, B) if block_len else None,
+                                    logits_at, stats)
+
+    def _forward_cached(self, ids, caches, block_len, block_top_p, logits_at, stats, valid_lens=None):
+        """One forward over the rows' pool state: pages and slots from `StatePool.prepare`, the rows'
+        lengths and slots moved on only if the forward succeeds (a failed forward changes no sequence)."""
+        T = ids.shape[1]
+        pool = caches[0].pool
+        batch = pool.prepare(caches, T, block_len, valid_lens)
+        positions = torch.tensor(batch.starts, device=ids.device)[:, None] + torch.arange(T, device=ids.device)
+        try:
+            logits = self._run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
+        except BaseException:
+            pool.abort(batch)
+            raise
+        pool.finish(batch, caches)
         return logits
 
     prefill_chunk = 1024   # long causal passes run in chunks: exact, and activations stay bounded
@@ -195,8 +221,8 @@ class CloverForCausalLM(nn.Module):
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
         """Encode prompts of different lengths in one right-padded causal forward.
 
-        Padding never enters a cache: attention lengths stop at each prompt's end, and padded GDN
-        positions get β = 0 and g = 0 (state unchanged). Returns each row's last-token logits [B, 1, V]."""
+        Padding never enters a cache: each row's length stops at its prompt's end (the padding's K/V are
+        scratch rows past it), and padded GDN positions get β = 0 and g = 0 (state unchanged). Returns each row's last-token logits [B, 1, V]."""
         lens = [len(p) for p in prompts]
         T = max(lens)
         if min(lens) == T:                   # no padding needed (also the long, chunked case)
@@ -207,16 +233,15 @@ class CloverForCausalLM(nn.Module):
         ids = torch.zeros(len(prompts), T, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-        starts = [c.length for c in caches]
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
-        logits = self._run(ids, positions, caches, starts, 0, None, logits_at, None, valid_lens=lens)
-        for c, n in zip(caches, lens):
-            c.length += n
-        return logits
+        for c in caches:
+            if c.length + T > self.config.max_position_embeddings:
+                raise ValueError(f"position {c.length + T} exceeds max_position_embeddings "
+                                 f"{self.config.max_position_embeddings}")
+        return self._forward_cached(ids, caches, 0, None, logits_at, None, valid_lens=lens)
 
-    def prefill(self, ids: torch.Tensor, cache: SequenceCache | None = None, logits_at: str = "last"):
+    def prefill(self, ids: torch.Tensor, cache: SequenceState | None = None, logits_at: str = "last"):
         """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""
-        cache = cache or self.make_cache(capacity=max(256, ids.shape[-1] + 64))
+        cache = cache or self.make_cache()
         logits = self.step(ids.view(1, -1), [cache], logits_at=logits_at)
         return logits, cache
 

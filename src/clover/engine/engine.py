@@ -5,10 +5,13 @@ One background thread owns the `Decoder` and the model; it alternates "take in w
 → one batched causal forward), then hands each request its new tokens. Requests join and leave
 between steps. Other threads only `submit()` (validate, queue) and `cancel()`.
 
-Admission: a request enters the running batch when fewer than `max_batch` run and its cache (see
-`budget.py`) fits in what the running requests leave of `max_cache_bytes`; otherwise it waits, FIFO,
-in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). An exception inside a step
-fails the requests that were running (error event), and the loop goes on with a fresh decoder.
+Admission: a request enters the running batch when fewer than `max_batch` run; otherwise it waits,
+FIFO, in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). Inside the batch the
+`Decoder` starts it once the model's state pool (sized from `max_cache_bytes` when the engine starts)
+can reserve its whole length — the pool's real capacity, not an estimate; a request longer than the
+whole pool is refused at `submit` (`RequestTooLarge`). The decoder isolates failures per request
+(error event for that request alone); an exception escaping a whole step fails the requests that
+were running, and the loop goes on with a fresh decoder.
 The engine works in token ids: tokenization and text belong to the server.
 """
 
@@ -21,10 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..generation.api import validate as validate_request
-from ..generation.decoder import Decoder
+from ..generation.decoder import Decoder, reserved_tokens
 from ..generation.sequence import Sequence
 from ..generation.settings import GenerationSettings, GenerationSettingsError
-from .budget import cache_bytes
 from .handle import EngineEvent, RequestHandle
 from .metrics import EngineMetrics
 
@@ -47,7 +49,9 @@ class RequestTooLarge(GenerationSettingsError):
 class EngineOptions:
     max_batch: int = 16                    # requests decoded together
     max_queue: int = 64                    # requests waiting for a slot; one more raises QueueFull
-    max_cache_bytes: int | None = None     # cache budget of the running batch; None: no limit
+    max_cache_bytes: int | None = None     # the state pool's size (K/V pages + GDN slots); None: the model's default
+    step_tokens: int | None = None         # tokens per decoder step (prefill chunks fill what decoding leaves)
+    prefix_cache: bool = True              # reuse cached prompt prefixes across requests
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue"):
@@ -66,7 +70,8 @@ class Engine:
         self.config = model.config
         self.options = options or EngineOptions()
         self.metrics = EngineMetrics()
-        self._decoder = Decoder(model, max_batch=self.options.max_batch)
+        self.pool = model.configure_state_pool(self.options.max_cache_bytes, self.options.max_batch)
+        self._decoder = self._new_decoder()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         # Guarded by _lock:
@@ -74,13 +79,17 @@ class Engine:
         self._admitted: list[RequestHandle] = []          # admitted, not yet in the decoder
         self._cancels: list[RequestHandle] = []           # admitted or running, cancel asked
         self._slots = 0                                   # admitted + running
-        self._reserved = 0                                # their cache bytes
+        self._reserved = 0                                # their cache tokens (pool positions)
         self._state = "new"                               # new → running → draining → closed
         # Engine thread only:
         self._running: dict[int, RequestHandle] = {}
         self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
         if start:
             self.start()
+
+    def _new_decoder(self) -> Decoder:
+        o = self.options
+        return Decoder(self.model, max_batch=o.max_batch, step_tokens=o.step_tokens, prefix_cache=o.prefix_cache)
 
     # ---- properties --------------------------------------------------------------------------
     @property
@@ -100,6 +109,11 @@ class Engine:
         return self._slots
 
     @property
+    def active(self) -> int:
+        """Requests holding room in the state pool (admitted ones may still wait for it)."""
+        return len(self._decoder.running)
+
+    @property
     def accepting(self) -> bool:
         return self._state == "running" and self._thread.is_alive()
 
@@ -109,17 +123,18 @@ class Engine:
         return GenerationSettings.resolve(self.model.generation_defaults, self.config, **overrides)
 
     def validate(self, prompt_ids, settings: GenerationSettings) -> int:
-        """SPEC §9 checks, token ids, and the cache budget; returns the request's cache bytes."""
+        """SPEC §9 checks, token ids, and the pool's size; returns the tokens of cache the request reserves."""
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
         validate_request(self.model, len(prompt_ids), settings)
-        need = cache_bytes(self.config, self.model.dtype, len(prompt_ids), settings.max_new_tokens, settings.block_size)
-        budget = self.options.max_cache_bytes
-        if budget is not None and need > budget:
+        need = reserved_tokens(settings, len(prompt_ids), self.config)
+        pool = self.pool
+        if pool.pages_for(need) > pool.num_pages:
             raise RequestTooLarge(
-                f"this request needs {need} bytes of cache (prompt {len(prompt_ids)} + {settings.max_new_tokens} "
-                f"new tokens), more than the engine's whole cache budget of {budget} bytes"
+                f"this request needs {need} tokens of cache (prompt {len(prompt_ids)} + {settings.max_new_tokens} "
+                f"new tokens in blocks of {settings.block_size}), more than the engine's whole state pool of "
+                f"{pool.num_pages * pool.page_size} tokens ({pool.nbytes()} bytes): raise the cache memory"
             )
         return need
 
@@ -208,19 +223,22 @@ class Engine:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _admit_locked(self) -> None:
-        """Move queued requests into the batch, FIFO, while slots and cache budget allow."""
-        budget = self.options.max_cache_bytes
+        """Move queued requests into the batch, FIFO, while slots allow (the decoder waits for pool room)."""
         while self._waiting and self._slots < self.options.max_batch:
             head = self._waiting[0]
-            if budget is not None and self._slots and self._reserved + head.cache_bytes > budget:
-                break
             self._waiting.popleft()
             self._admitted.append(head)
             self._slots += 1
-            self._reserved += head.cache_bytes
+            self._reserved += head.cache_tokens
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.batch_size.set(self._slots)
-        self.metrics.cache_bytes.set(self._reserved)
+        self.metrics.cache_bytes.set(self._reserved * self._page_bytes())
+
+    def _page_bytes(self) -> int:
+        """Bytes per reserved token of cache (the gauge reports the running requests' reservations)."""
+        from ..cache import StatePool
+
+        return StatePool.bytes_per_page(self.config, self.model.dtype, self.pool.page_size) // self.pool.page_size
 
     def _loop(self) -> None:
         while True:
@@ -252,7 +270,13 @@ class Engine:
                 self._finish(handle, "cancelled")
                 continue
             self._running[handle.id] = handle
-            self._decoder.add(handle.sequence)
+            try:
+                self._decoder.add(handle.sequence)
+            except ValueError as exc:
+                del self._running[handle.id]
+                handle.sequence.finish("error")
+                self._release(handle)
+                self._finish(handle, "error", str(exc), "request_too_large")
         for handle in cancels:
             if self._running.pop(handle.id, None) is not None:
                 self._decoder.cancel(handle.sequence)
@@ -269,7 +293,7 @@ class Engine:
             self.metrics.step_errors.inc()
             failed = list(self._running.values())
             self._running.clear()
-            self._decoder = Decoder(self.model, max_batch=self.options.max_batch)
+            self._decoder = self._new_decoder()
             for handle in failed:
                 handle.sequence.finish("error")
                 self._release(handle)
@@ -278,6 +302,7 @@ class Engine:
             return
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.pool_updated(self._decoder.pool.stats())
         for event in events:
             handle = self._running.get(event.sequence.id)
             if handle is None:
@@ -289,14 +314,20 @@ class Engine:
             if event.finished:
                 del self._running[handle.id]
                 self._release(handle)
-                self._finish(handle, event.sequence.finish_reason or "eos", tokens=event.tokens)
+                seq = event.sequence
+                if seq.finish_reason == "error":
+                    self.metrics.step_errors.inc()
+                    self._finish(handle, "error", f"internal error during decoding: {seq.error}", "internal",
+                                 tokens=event.tokens)
+                else:
+                    self._finish(handle, seq.finish_reason or "eos", tokens=event.tokens)
             elif event.tokens:
                 handle._push(EngineEvent(tuple(event.tokens)))
 
     def _release(self, handle: RequestHandle) -> None:
         with self._lock:
             self._slots -= 1
-            self._reserved -= handle.cache_bytes
+            self._reserved -= handle.cache_tokens
             self._admit_locked()
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, code: str | None = None,

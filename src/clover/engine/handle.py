@@ -30,13 +30,13 @@ class EngineEvent:
 class RequestHandle:
     """A request inside the engine. Read `tokens`, `finish_reason`, `stats` once `finished`."""
 
-    def __init__(self, engine, sequence, cache_bytes: int):
+    def __init__(self, engine, sequence, cache_tokens: int):
         self._engine = engine
         self.sequence = sequence
         self.id = sequence.id
         self.prompt_len = len(sequence.prompt)
         self.settings = sequence.settings
-        self.cache_bytes = cache_bytes
+        self.cache_tokens = cache_tokens        # positions of the state pool it reserves
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None

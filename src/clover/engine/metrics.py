@@ -186,6 +186,13 @@ class EngineMetrics:
         self.queue_depth = r.gauge(f"{p}_queue_depth", "Requests waiting for a slot in the running batch.")
         self.batch_size = r.gauge(f"{p}_batch_size", "Requests in the running batch.")
         self.cache_bytes = r.gauge(f"{p}_cache_reserved_bytes", "Cache bytes reserved by running requests.")
+        self.pool_free_pages = r.gauge(f"{p}_state_pool_free_pages", "K/V pages of the state pool not in use.")
+        self.pool_pages = r.gauge(f"{p}_state_pool_pages", "K/V pages of the state pool (32 tokens each).")
+        self.prefix_lookups = r.gauge(f"{p}_prefix_cache_lookups_total", "Prompts looked up in the prefix cache.")
+        self.prefix_hits = r.gauge(f"{p}_prefix_cache_hits_total", "Prompts that started from a cached prefix.")
+        self.prefix_reused_tokens = r.gauge(f"{p}_prefix_cache_reused_tokens_total",
+                                            "Prompt tokens taken from the prefix cache instead of prefilled.")
+        self.prefix_entries = r.gauge(f"{p}_prefix_cache_entries", "Prefixes held by the prefix cache.")
         self.step_batch = r.histogram(f"{p}_step_batch_size", "Running requests per decoder step.", BATCH_BUCKETS)
         self.step_seconds = r.histogram(f"{p}_step_seconds", "Duration of one decoder step.")
         self.queue_seconds = r.histogram(f"{p}_queue_wait_seconds", "Time from submission to admission.")
@@ -211,6 +218,15 @@ class EngineMetrics:
             self._finished[1] += forwards
             if self._finished[1]:
                 self.tokens_per_forward.set(self._finished[0] / self._finished[1])
+
+    def pool_updated(self, stats: dict) -> None:
+        """Copy the state pool's figures (StatePool.stats()) into the gauges."""
+        self.pool_pages.set(stats["pages"])
+        self.pool_free_pages.set(stats["free_pages"])
+        self.prefix_lookups.set(stats["prefix_lookups"])
+        self.prefix_hits.set(stats["prefix_hits"])
+        self.prefix_reused_tokens.set(stats["prefix_reused_tokens"])
+        self.prefix_entries.set(stats["prefix_entries"])
 
     def render(self) -> str:
         return self.registry.render()

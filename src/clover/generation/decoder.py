@@ -1,20 +1,40 @@
 """The batched decoding loop: every running sequence advances by one phase per `step()`.
 
-`step()` reads: prefill newcomers → one block forward for all sequences that are denoising (grouped by
-block length, each row over its own cached prefix, with its own expert selection) → one causal forward
-for all sequences that commit, verify or decode autoregressively (grouped by token count) → events.
-Sequences may join (`add`) and leave (finish, `cancel`) between steps; a finished sequence costs nothing.
+`step()` reads: admit waiting sequences the state pool can hold → prefill chunks within the step's
+token budget → one block forward for all sequences that are denoising (grouped by block length, each
+row over its own cached prefix, with its own expert selection) → one causal forward for all sequences
+that commit, verify or decode autoregressively (grouped by token count) → events.
+
+Scheduling: each step has a budget of `step_tokens` tokens. The running sequences' block, commit,
+verify and decode tokens come first; prompts are prefilled in chunks from what is left (at least one
+page), shortest remaining prompt first while the oldest prefill keeps a quarter of it. So a long
+prompt is spread over many steps, and a short request that arrives meanwhile is prefilled at once and
+gets its first block after a few steps, not after the whole long prefill.
+
+Admission: a sequence enters when the pool can reserve pages for its whole length (prompt, every block
+and the next block's scratch) and two GDN slots, so a running sequence never runs out; otherwise it
+waits (FIFO). Its prompt is first looked up in the prefix cache: a cached prefix is shared instead of
+prefilled, and the prefill inserts the state at the last page boundary before the prompt's end.
+
+Failures stay with their request: a forward that raises changes no sequence (cache.py), so its rows
+are retried one by one and only the rows that fail alone end with finish_reason "error"; an exception
+while deciding one sequence's tokens ends that sequence alone.
 Both `generate()` and the serving engine drive this class.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from .sequence import Sequence
+
+log = logging.getLogger("clover.decoder")
+
+DEFAULT_STEP_TOKENS = 1024
 
 
 @dataclass
@@ -26,30 +46,64 @@ class StepEvent:
     finished: bool
 
 
+class RequestTooLarge(ValueError):
+    """A request needs more of the state pool than the whole pool has."""
+
+
+def reserved_tokens(seq_or_settings, prompt_len: int, config) -> int:
+    """Positions a request may ever occupy in the pool: its prompt, every block of its answer, and the
+    next block's scratch rows of the commit forward (a commit carries [block | next block's masks])."""
+    from ..engine.budget import cache_capacity
+
+    s = getattr(seq_or_settings, "settings", seq_or_settings)
+    return cache_capacity(config, prompt_len, s.max_new_tokens, s.block_size)
+
+
 class Decoder:
-    def __init__(self, model, max_batch: int | None = None):
+    def __init__(self, model, max_batch: int | None = None, step_tokens: int | None = None,
+                 prefix_cache: bool = True):
         self.model = model
+        self.pool = model.state_pool()
         self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []
         self.max_batch = max_batch
+        self.step_tokens = step_tokens or DEFAULT_STEP_TOKENS
+        self.prefix_cache = prefix_cache
 
     def add(self, seq: Sequence) -> None:
-        self.running.append(seq)
+        """Queue a sequence for admission (one that already holds a cache, in whatever phase it is in,
+        joins the running ones as it is)."""
+        if seq.cache is not None:
+            seq.prefilled = len(seq.prompt)
+            self.running.append(seq)
+            return
+        need = reserved_tokens(seq, len(seq.prompt), self.model.config)
+        if self.pool.pages_for(need) > self.pool.num_pages:
+            raise RequestTooLarge(
+                f"this request needs {need} tokens of cache (prompt {len(seq.prompt)} + its blocks), more than "
+                f"the state pool's {self.pool.num_pages * self.pool.page_size}")
+        self.waiting.append(seq)
 
     def cancel(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-            seq.finish("cancelled")
+        for group in (self.running, self.waiting):
+            if seq in group:
+                group.remove(seq)
+                seq.finish("cancelled")
 
     @property
     def idle(self) -> bool:
-        return not self.running
+        return not self.running and not self.waiting
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         produced: dict[int, list[int]] = defaultdict(list)
-        self._prefill([s for s in self.running if s.phase == "prefill"])
-        self._block_forwards([s for s in self.running if s.phase == "denoise"])
-        self._causal_forwards([s for s in self.running if s.phase in ("commit", "verify", "ar")], produced)
+        self._admit()
+        busy = self._decode_tokens()
+        prefill_budget = max(self.step_tokens - busy, self.pool.page_size)
+        self._guard(self._prefill, [s for s in self.running if s.phase == "prefill"], prefill_budget)
+        self._guard(self._block_forwards, [s for s in self.running if s.phase == "denoise"])
+        self._guard(self._causal_forwards, [s for s in self.running if s.phase in ("commit", "verify", "ar")],
+                    produced)
         events = []
         for seq in list(self.running):
             if seq.id in produced or seq.done:
@@ -58,30 +112,133 @@ class Decoder:
                 self.running.remove(seq)
         return events
 
-    # ---- phases --------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Encode newcomers' prompts, several per forward (right-padded, similar lengths together)."""
+    # ---- admission and the step budget ---------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
+            seq = self.waiting[0]
+            need = reserved_tokens(seq, len(seq.prompt), self.model.config)
+            if not self.pool.can_reserve(need):
+                if not self.running:       # nothing will free memory: evict cached prefixes, else fail
+                    if self.pool.prefix.evict_one():
+                        continue
+                    self.waiting.pop(0)
+                    self._fail(seq, RuntimeError("the state pool cannot hold this request"))
+                    continue
+                break
+            self.waiting.pop(0)
+            seq.cache = self.pool.new_sequence(reserve_tokens=need)
+            entry = self.pool.prefix.lookup(seq.prompt) if self.prefix_cache else None
+            if entry is not None:
+                seq.prefilled = self.pool.prefix.attach(entry, seq.cache)
+                seq.stats.reused_tokens = seq.prefilled
+            self.running.append(seq)
+
+    def _decode_tokens(self) -> int:
+        """Tokens the running (non-prefill) sequences put through this step's forwards."""
+        n = 0
+        for s in self.running:
+            if s.phase == "denoise" or s.phase == "verify":
+                n += len(s.block)
+            elif s.phase == "commit":
+                n += 2 * len(s.block)
+            elif s.phase == "ar":
+                n += 1
+        return n
+
+    def _guard(self, phase, seqs, *args) -> None:
+        """Run a phase; an error outside the forwards (which `_rows` isolates) fails the phase's rows."""
         if not seqs:
             return
-        seqs = sorted(seqs, key=lambda s: len(s.prompt))
+        try:
+            phase(seqs, *args)
+        except Exception as exc:                      # a bookkeeping bug: fail these rows, keep the rest
+            log.exception("decoder phase %s failed", phase.__name__)
+            for seq in seqs:
+                if not seq.done:
+                    self._fail(seq, exc)
+
+    def _rows(self, chunk: list[Sequence], forward):
+        """`forward(rows)` → one output per row. If the batched forward raises, each row runs alone
+        (a failed forward changed no sequence) and only the rows that fail alone fail. Yields
+        (seq, output) for the rows that ran."""
+        try:
+            outputs = forward(chunk)
+            pairs = list(zip(chunk, outputs))
+        except Exception as exc:
+            if len(chunk) == 1:
+                self._fail(chunk[0], exc)
+                return
+            log.warning("a batched forward of %d rows failed (%s: %s); running them one by one", len(chunk),
+                        type(exc).__name__, exc)
+            pairs = []
+            for seq in chunk:
+                try:
+                    pairs.append((seq, forward([seq])[0]))
+                except Exception as row_exc:
+                    self._fail(seq, row_exc)
+        for seq, out in pairs:
+            yield seq, out
+
+    def _decide(self, seq: Sequence, decision, *args) -> None:
+        """One sequence's decision after a forward (sampling, unmasking, acceptance); its failure is its own."""
+        try:
+            decision(*args)
+        except Exception as exc:
+            self._fail(seq, exc)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        log.warning("request %s failed: %s: %s", seq.id, type(exc).__name__, exc)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        seq.finish("error")
+
+    # ---- phases --------------------------------------------------------------------------------
+    def _prefill(self, seqs: list[Sequence], budget: int) -> None:
+        """The next prompt chunk of each prefilling sequence, oldest first, within `budget` tokens;
+        several per forward (right-padded, similar lengths together)."""
+        P = self.pool.page_size
+        chunks = []                                   # (seq, start, end)
+        # Shortest remaining prompt first, so that short prompts are not held up behind a long one;
+        # the oldest prefill keeps a quarter of the budget, so a stream of short ones cannot starve it.
+        oldest = seqs[0]
+        keep = min(len(oldest.prompt) - oldest.prefilled, budget // 4)
+        order = sorted(seqs, key=lambda q: len(q.prompt) - q.prefilled)
+        for seq in order:
+            share = budget - (keep if seq is not oldest else 0)
+            if share <= 0:
+                continue
+            start, n = seq.prefilled, len(seq.prompt)
+            end = min(n, start + min(share, self.model.prefill_chunk))
+            if end < n:
+                end = max(start + 1, end // P * P)    # chunks end on page boundaries
+            boundary = (n - 1) // P * P               # the prefix-cache point: the last boundary before the end
+            if self.prefix_cache and start < boundary < end:
+                end = boundary
+            chunks.append((seq, start, end))
+            budget -= end - start
+            if seq is oldest:
+                keep = 0
+        chunks.sort(key=lambda c: c[2] - c[1])
         groups, group = [], []
-        for seq in seqs:
+        for chunk in chunks:
+            lens = [e - s for _, s, e in group + [chunk]]
             # a new group when padding would waste more than a quarter of the forward
-            if group and (len(seq.prompt) * len(group + [seq]) > 1.25 * sum(len(s.prompt) for s in group + [seq])
-                          or len(group) == (self.max_batch or len(seqs))):
+            if group and (max(lens) * len(lens) > 1.25 * sum(lens) or len(group) == (self.max_batch or len(chunks))):
                 groups.append(group)
                 group = []
-            group.append(seq)
+            group.append(chunk)
         groups.append(group)
+        spans = {seq.id: (s, e) for seq, s, e in chunks}
         for group in groups:
-            for seq in group:
-                s = seq.settings
-                blocks = -(-s.max_new_tokens // s.block_size)
-                capacity = min(len(seq.prompt) + blocks * s.block_size + 1, self.model.config.max_position_embeddings)
-                seq.cache = self.model.make_cache(capacity=capacity)
-            logits = self.model.prefill_batch([s.prompt for s in group], [s.cache for s in group])
-            for seq, row in zip(group, logits):
-                self._after_prefill(seq, row[0])
+            def forward(rows):
+                return self.model.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
+                                                [seq.cache for seq in rows])
+            for seq, logits in self._rows([seq for seq, _, _ in group], forward):
+                e = spans[seq.id][1]
+                seq.prefilled = e
+                if self.prefix_cache and e == (len(seq.prompt) - 1) // P * P:
+                    self.pool.prefix.insert(seq.prompt[:e], seq.cache)
+                if e == len(seq.prompt):
+                    self._decide(seq, self._after_prefill, seq, logits[0])
 
     def _after_prefill(self, seq: Sequence, logits) -> None:
         s = seq.settings
@@ -100,15 +257,17 @@ class Decoder:
             groups[len(seq.block)].append(seq)
         for group in groups.values():
             for chunk in self._chunks(group):
-                ids = torch.tensor([s.block for s in chunk], dtype=torch.long, device=self.model.device)
-                stats: list = []
-                wanted = ids == torch.tensor([[s.mask_id] for s in chunk], device=ids.device)
-                logits = self.model.step(ids, [s.cache for s in chunk], block=True, block_top_p=self._top_p(chunk),
-                                         logits_at=wanted, stats=stats)
-                rows = torch.split(logits, wanted.sum(1).tolist())
-                for b, seq in enumerate(chunk):
-                    self._record_block_forward(seq, stats, b)
-                    seq.denoise(rows[b])
+                def forward(rows):
+                    ids = torch.tensor([s.block for s in rows], dtype=torch.long, device=self.model.device)
+                    stats: list = []
+                    wanted = ids == torch.tensor([[s.mask_id] for s in rows], device=ids.device)
+                    logits = self.model.step(ids, [s.cache for s in rows], block=True, block_top_p=self._top_p(rows),
+                                             logits_at=wanted, stats=stats)
+                    per_row = torch.split(logits, wanted.sum(1).tolist())
+                    return [(per_row[b], [layer[b] for layer in stats]) for b in range(len(rows))]
+                for seq, (logits, distinct) in self._rows(chunk, forward):
+                    self._record_block_forward(seq, distinct)
+                    self._decide(seq, seq.denoise, logits)
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
@@ -119,11 +278,12 @@ class Decoder:
         return [default if p is None else p for p in top_p]
 
     @staticmethod
-    def _record_block_forward(seq: Sequence, stats: list, row: int) -> None:
+    def _record_block_forward(seq: Sequence, distinct: list) -> None:
+        """`distinct`: per MoE layer, the distinct experts this row's block used."""
         seq.stats.forwards += 1
         seq.stats.block_forwards += 1
-        if stats:
-            distinct = [int(layer[row]) for layer in stats]
+        if distinct:
+            distinct = [int(n) for n in distinct]
             if not seq.stats.distinct_experts:
                 seq.stats.distinct_experts = [[] for _ in distinct]
             for layer, n in enumerate(distinct):
@@ -157,30 +317,34 @@ class Decoder:
                 if phase == "commit":
                     self._fused_commit(chunk, produced)
                     continue
-                caches = [s.cache for s in chunk]
-                token_rows = [[s.pending] if phase == "ar" else s.block for s in chunk]
-                ids = torch.tensor(token_rows, dtype=torch.long, device=self.model.device)
-                if phase == "verify":
-                    for c in caches:
-                        c.begin_speculation()
-                logits = self.model.step(ids, caches, logits_at="last" if phase == "ar" else "all")
-                for b, seq in enumerate(chunk):
+
+                def forward(rows, phase=phase):
+                    token_rows = [[s.pending] if phase == "ar" else s.block for s in rows]
+                    ids = torch.tensor(token_rows, dtype=torch.long, device=self.model.device)
+                    if phase == "verify":
+                        for s in rows:
+                            s.cache.begin_speculation()
+                    return self.model.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
+                for seq, logits in self._rows(chunk, forward):
                     seq.stats.forwards += 1
                     seq.stats.causal_forwards += 1
-                    getattr(self, f"_after_{phase}")(seq, logits[b], produced)
+                    self._decide(seq, getattr(self, f"_after_{phase}"), seq, logits, produced)
 
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
         """Commit each row's resolved block and denoise its next block of masks in the same forward."""
         L = chunk[0].settings.block_size
-        ids = torch.tensor([s.block + [s.mask_id] * L for s in chunk], dtype=torch.long, device=self.model.device)
-        stats: list = []
-        logits = self.model.step(ids, [s.cache for s in chunk], block_len=L, block_top_p=self._top_p(chunk),
-                                 logits_at="block", stats=stats)
-        for b, seq in enumerate(chunk):
+
+        def forward(rows):
+            ids = torch.tensor([s.block + [s.mask_id] * L for s in rows], dtype=torch.long, device=self.model.device)
+            stats: list = []
+            logits = self.model.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
+                                     logits_at="block", stats=stats)
+            return [(logits[b], [layer[b] for layer in stats]) for b in range(len(rows))]
+        for seq, (logits, distinct) in self._rows(chunk, forward):
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()
-            self._record_block_forward(seq, stats, b)
-            seq.denoise(logits[b])
+            self._record_block_forward(seq, distinct)
+            self._decide(seq, seq.denoise, logits)
 
     def _after_ar(self, seq: Sequence, logits, produced) -> None:
         token = seq.pending

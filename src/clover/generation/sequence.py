@@ -24,6 +24,7 @@ class GenerationStats:
     """What one request cost. `forwards` excludes the prefill; tokens per forward = tokens / forwards."""
 
     prompt_tokens: int = 0
+    reused_tokens: int = 0          # prompt tokens taken from the prefix cache instead of prefilled
     generated_tokens: int = 0
     forwards: int = 0
     block_forwards: int = 0
@@ -46,7 +47,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {
-            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
+            "generated_tokens": self.generated_tokens,
             "forwards": self.forwards, "block_forwards": self.block_forwards,
             "causal_forwards": self.causal_forwards, "tokens_per_forward": round(self.tokens_per_forward, 4),
             "rounds": self.rounds, "mean_accepted_length": round(self.mean_accepted_length, 4),
@@ -65,6 +67,8 @@ class Sequence:
         self.think_id, self.think_end_id = config.think_token_id, config.think_end_token_id
         self.response: list[int] = []
         self.cache = None
+        self.prefilled = 0                       # prompt tokens in the cache (reused or prefilled)
+        self.error: str | None = None            # why the request failed, when finish_reason is "error"
         self.phase = "prefill"
         self.block: list[int] = []
         self.draft_steps_done = 0
@@ -128,7 +132,9 @@ class Sequence:
 
     def finish(self, reason: str) -> None:
         self.phase, self.finish_reason = "done", reason
-        self.cache = None    # frees K/V and GDN state at once
+        if self.cache is not None:
+            self.cache.release()     # gives its pages and GDN slots back to the pool at once
+        self.cache = None
 
     def new_block(self) -> None:
         """Start a block of masks (LowConfidence), or a draft seeded with the known next token (§8)."""

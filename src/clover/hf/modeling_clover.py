@@ -21,7 +21,6 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..cache import AttentionState, GDNState
 from ..runtime import flush_denormals
 from ..generation.api import generate_batch, resolve_settings
 from ..generation.settings import GenerationSettings, GenerationSettingsError
@@ -41,21 +40,9 @@ _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "to
 
 
 class _Runtime(CloverModel):
-    """The package model, sharing its modules with the wrapper. Caches follow each layer's device, so a
-    `device_map` that splits layers over devices keeps every layer's state next to its weights."""
-
-    def make_cache(self, capacity: int = 256):
-        cache = super().make_cache(capacity)
-        home = self.device
-        for layer, state in zip(self.model.layers, cache.layers):
-            device = next(layer.parameters()).device
-            if device == home or device.type == "meta":
-                continue
-            if isinstance(state, GDNState):
-                state.conv, state.recurrent = state.conv.to(device), state.recurrent.to(device)
-            elif isinstance(state, AttentionState):
-                state.k, state.v = state.k.to(device), state.v.to(device)
-        return cache
+    """The package model, sharing its modules with the wrapper. Its state pool puts each layer's K/V
+    pages and GDN slots on that layer's device, so a `device_map` that splits layers over devices keeps
+    every layer's state next to its weights."""
 
 
 class CloverPreTrainedModel(PreTrainedModel):

@@ -56,7 +56,8 @@ static inline __m512 widen16(const uint16_t *src) {
  * with G constant (see the caller) so the accumulator arrays live in registers. */
 static inline __attribute__((always_inline)) void attend_group(
         const int G, int D, int R, long S, const uint16_t *qg, const float *q_scale, float eps, const uint16_t *cos,
-        const uint16_t *sin, const uint16_t *K, const uint16_t *V, float *p, long stride, float scale, uint16_t *out) {
+        const uint16_t *sin, const uint16_t *K, const uint16_t *V, const int32_t *pages, int page, long ld, float *p,
+        long stride, float scale, uint16_t *out) {
     int nd = (D + 15) / 16, full = D % 16 == 0;
     float q[MAX_GROUP][512], mx[MAX_GROUP], inv[MAX_GROUP];
     for (int g = 0; g < G; g++) {
@@ -64,16 +65,17 @@ static inline __attribute__((always_inline)) void attend_group(
         mx[g] = -INFINITY;
     }
     for (long s = 0; s < S; s++) {                       /* scores q·k_s / √D, each key row widened once */
+        const uint16_t *Ks = K + ((long)pages[s / page] * page + s % page) * ld;
         __m512 acc[MAX_GROUP];
         for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
         for (int j = 0; j < nd; j++) {
             __m512 kj;
             if (full) {
-                kj = widen16(K + s * D + 16 * j);
+                kj = widen16(Ks + 16 * j);
                 for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * j), kj, acc[g]);
             } else {
                 __mmask16 m = lanes(D - 16 * j);
-                kj = load_bf16_16(K + s * D + 16 * j, m);
+                kj = load_bf16_16(Ks + 16 * j, m);
                 for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[g] + 16 * j), kj, acc[g]);
             }
         }
@@ -100,8 +102,9 @@ static inline __attribute__((always_inline)) void attend_group(
         int whole = D - d0 >= PV_CHUNK;
         for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
         for (long s = 0; s < S; s++) {
-            __m512 vl = whole ? widen16(V + s * D + d0) : load_bf16_16(V + s * D + d0, mlo);
-            __m512 vh = whole ? widen16(V + s * D + d0 + 16) : load_bf16_16(V + s * D + d0 + 16, mhi);
+            const uint16_t *Vs = V + ((long)pages[s / page] * page + s % page) * ld + d0;
+            __m512 vl = whole ? widen16(Vs) : load_bf16_16(Vs, mlo);
+            __m512 vh = whole ? widen16(Vs + 16) : load_bf16_16(Vs + 16, mhi);
             for (int g = 0; g < G; g++) {
                 __m512 ps = _mm512_set1_ps(p[g * stride + s]);
                 lo[g] = _mm512_fmadd_ps(ps, vl, lo[g]);
@@ -126,17 +129,20 @@ static inline __attribute__((always_inline)) void attend_group(
 /* T tokens at positions start … start+T−1 of one sequence: the first P causal (token t sees keys
  * 0 … start+t), the rest a block (each sees keys 0 … start+T−1). qg [T, Hq·2D] (query | gate per
  * head; token stride ldq), k and v [T, Hkv·D] (token stride ldkv): the projections (bf16).
- * Kc / Vc: the layer's cache [Hkv, cap, D] bf16; the tokens' K/V go to positions start … .
+ * Kc / Vc: the layer's K/V pages [pages, page, Hkv, D] bf16, the sequence's position s in page
+ * pages[s / page], row s % page; the tokens' K/V go to positions start … (their pages must exist).
  * cos / sin [T, R] bf16. out [T, Hq·D] (token stride ldo) bf16: attention output × sigmoid(gate).
  * Work goes by (K/V head, token): the query heads that share a K/V head read and widen each key and
  * value row once between them. Returns 0, -1 out of memory, -2 unsupported sizes. */
 int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
                             const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
                             const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
-                            uint16_t *Vc, long cap, long start, uint16_t *out, long ldo, int threads) {
+                            uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
+                            int threads) {
     if (D > 512 || R > D || R % 2 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T < 1 || P < 0 || P > T
-        || start < 0 || start + T > cap)
+        || start < 0 || page < 1)
         return -2;
+    long ld = (long)Hkv * D;
     int failed = 0, G = Hq / Hkv;
     float scale = 1.0f / sqrtf((float)D);
     long S_max = start + T, stride = (S_max + 15) / 16 * 16;
@@ -147,7 +153,8 @@ int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const u
             int t = item / Hkv, h = item % Hkv;
             float kr[512];
             norm_rope(k + t * ldkv + (long)h * D, D, R, k_scale, eps, cos + (long)t * R, sin + (long)t * R, kr);
-            uint16_t *kd = Kc + ((long)h * cap + start + t) * D, *vd = Vc + ((long)h * cap + start + t) * D;
+            long pos = start + t, row = ((long)pages[pos / page] * page + pos % page) * ld + (long)h * D;
+            uint16_t *kd = Kc + row, *vd = Vc + row;
             for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldkv + (long)h * D + j];
         }
         if (G * stride > score_floats) {
@@ -162,15 +169,15 @@ int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const u
             int t = item / Hkv, kvh = item % Hkv;
             long S = t < P ? start + t + 1 : S_max;
             const uint16_t *qgt = qg + t * ldq + (long)kvh * G * 2 * D;
-            const uint16_t *K = Kc + (long)kvh * cap * D, *V = Vc + (long)kvh * cap * D;
+            const uint16_t *K = Kc + (long)kvh * D, *V = Vc + (long)kvh * D;
             const uint16_t *ct = cos + (long)t * R, *st = sin + (long)t * R;
             uint16_t *ot = out + t * ldo + (long)kvh * G * D;
             switch (G) {                    /* a constant group size keeps the accumulators in registers */
-            case 1: attend_group(1, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
-            case 2: attend_group(2, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
-            case 4: attend_group(4, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
-            case 8: attend_group(8, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot); break;
-            default: attend_group(G, D, R, S, qgt, q_scale, eps, ct, st, K, V, p, stride, scale, ot);
+            case 1: attend_group(1, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+            case 2: attend_group(2, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+            case 4: attend_group(4, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+            case 8: attend_group(8, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+            default: attend_group(G, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot);
             }
         }
     }

@@ -1,9 +1,9 @@
 """Python face of `attention_cached.c`: a few tokens through gated attention over their K/V cache.
 
-`attention_cached(attn, qg, k, v, cos, sin, state, start, block_len)` takes an `Attention` module's
-projections of one sequence's T tokens (bf16 [T, ·]), the first T − block_len causal and the rest a
-block, writes their K/V into `state` at `start …` and returns the gated attention output [T, Hq·D]
-that goes into `o_proj`. Decode tokens, block steps, commits and speculation checks go through it.
+`attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, start, block_len)` takes an
+`Attention` module's projections of one sequence's T tokens (bf16 [T, ·]), the first T − block_len
+causal and the rest a block, writes their K/V into the sequence's pages of the state pool at
+`start …` and returns the gated attention output [T, Hq·D] that goes into `o_proj`. Decode tokens, block steps, commits and speculation checks go through it.
 The PyTorch path in `Attention.forward` is the reference (tests/test_kernels.py).
 """
 
@@ -17,10 +17,12 @@ from .rmsnorm import _scale
 MAX_TOKENS = 64   # longer inputs (prefill chunks) stay with PyTorch's flash attention, which blocks over queries
 
 
-def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int = 0,
+def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, start: int, block_len: int = 0,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's T tokens (see the module docstring) → the gated attention output [T, Hq·D],
-    written into `out` when given (bf16, contiguous rows: a batch's row of a preallocated output)."""
+    written into `out` when given (bf16, contiguous rows: a batch's row of a preallocated output).
+    `k_pages` / `v_pages`: the layer's K/V pages [pages, page_size, Hkv, D] in the state pool;
+    `page_table`: the sequence's page ids (int32, covering positions 0 … start+T−1)."""
     Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     T, R = qg.shape[0], cos.shape[-1]
     if not 1 <= T <= MAX_TOKENS or not 0 <= block_len <= T:
@@ -33,7 +35,14 @@ def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int
         k, v = k.contiguous(), v.contiguous()
     if cos.shape != (T, R) or cos.dtype != torch.bfloat16 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("attention_cached takes contiguous bf16 rotary tables [T, R]")
-    state.reserve(start + T)
+    page = k_pages.shape[1]
+    if (k_pages.shape[2:] != (Hkv, D) or k_pages.dtype != torch.bfloat16 or not k_pages.is_contiguous()
+            or v_pages.shape != k_pages.shape or not v_pages.is_contiguous()):
+        raise ValueError("attention_cached takes contiguous bf16 K/V pages [pages, page_size, Hkv, D]")
+    if (page_table.dtype != torch.int32 or not page_table.is_contiguous()
+            or page_table.numel() * page < start + T):
+        raise ValueError(f"attention_cached: the page table ({page_table.numel()} pages of {page}) does not "
+                         f"cover positions up to {start + T}")
     if out is None:
         out = torch.empty(T, Hq * D, dtype=torch.bfloat16)
     elif out.shape != (T, Hq * D) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
@@ -41,7 +50,7 @@ def attention_cached(attn, qg, k, v, cos, sin, state, start: int, block_len: int
     status = library().clover_attention_cached(
         Hq, Hkv, D, R, T, T - block_len, qg.data_ptr(), qg.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
         _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos.data_ptr(),
-        sin.data_ptr(), state.k.data_ptr(), state.v.data_ptr(), state.k.shape[1], start, out.data_ptr(),
+        sin.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), page_table.data_ptr(), page, start, out.data_ptr(),
         out.stride(0), torch.get_num_threads())
     if status == -1:
         raise MemoryError("attention_cached: out of memory")

@@ -1,9 +1,10 @@
 """Python face of `gdn_short.c`: up to 64 tokens through a Gated DeltaNet mixer in one call.
 
-`gdn_short(mixer, u, z, b, a, states, block_len)` takes the mixer's input-projection outputs (bf16,
-[B, T, ·], the last `block_len` tokens a block) and the rows' `GDNState`s. When causal tokens come
-first it replaces each state's conv tail and recurrent state by new tensors (as the PyTorch path does;
-snapshots keep the old ones). Returns the gated-norm output [B, T, Hv·dv] that goes into `out_proj`.
+`gdn_short(mixer, u, z, b, a, conv, recurrent, read_slots, write_slots, block_len)` takes the mixer's
+input-projection outputs (bf16, [B, T, ·], the last `block_len` tokens a block) and the layer's state
+slots in the pool (cache.py). When causal tokens come first each row's state after them goes to its
+write slot (the read slot is left as it was: snapshots and cached prefixes keep it). Returns the
+gated-norm output [B, T, Hv·dv] that goes into `out_proj`.
 The PyTorch path in `GatedDeltaNet.forward` is the reference (tests/test_kernels.py).
 """
 
@@ -31,13 +32,19 @@ def _constants(mixer):
     return consts
 
 
-def _pointers(tensors):
-    """The tensors' addresses as a C int64 array (a ctypes array: ~0.7 µs, where a torch.tensor of them
-    took ~5.5; a decode step builds twelve of these). The caller keeps it alive over the call."""
-    return (ctypes.c_int64 * len(tensors))(*[t.data_ptr() for t in tensors])
+def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
+    """The addresses of `pool[slot]` for each slot, as a C int64 array (a ctypes array: ~0.7 µs, where a
+    torch.tensor of them took ~5.5; a decode step builds twelve of these). The caller keeps it alive
+    over the call."""
+    base, step = pool.data_ptr(), pool.stride(0) * pool.element_size()
+    return (ctypes.c_int64 * len(slots))(*[base + s * step for s in slots])
 
 
-def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
+def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, read_slots, write_slots,
+              block_len: int = 0) -> torch.Tensor:
+    """`conv` [slots, C, K−1] bf16 and `recurrent` [slots, Hv, dk, dv] fp32: the layer's state slots in
+    the pool; row r reads slot read_slots[r] and, when causal tokens come first, writes its new state to
+    write_slots[r] (which may equal the read slot: the kernel reads each piece whole before writing it)."""
     B, T = u.shape[:2]
     if not 1 <= T <= MAX_TOKENS:
         raise ValueError(f"gdn_short takes 1..{MAX_TOKENS} tokens, got {T}")
@@ -48,17 +55,16 @@ def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
         raise ValueError("gdn_short expects b and a from one stacked projection")
     P = T - block_len
     conv_w, right_w, A_log, dt_bias, mix, norm_w = _constants(mixer)
-    tails = [s.conv for s in states]
-    recurrent = [s.recurrent for s in states]
-    for t, r in zip(tails, recurrent):
-        if not (t.is_contiguous() and t.dtype == torch.bfloat16 and r.is_contiguous() and r.dtype == torch.float32):
-            raise ValueError("gdn_short needs contiguous bf16 conv tails and fp32 recurrent states")
-    new_tails = [torch.empty_like(t) for t in tails] if P else tails
-    new_states = [torch.empty_like(r) for r in recurrent] if P else recurrent
+    if not (conv.is_contiguous() and conv.dtype == torch.bfloat16 and recurrent.is_contiguous()
+            and recurrent.dtype == torch.float32):
+        raise ValueError("gdn_short needs contiguous bf16 conv slots and fp32 recurrent slots")
+    if P and (write_slots is None or any(w is None for w in write_slots)):
+        raise ValueError("gdn_short: causal tokens need a write slot for every row")
+    written = write_slots if P else read_slots
     out = torch.empty(B, T, mixer.value_dim, dtype=torch.bfloat16)
     # the pointer arrays must outlive the call: name them
-    tail_ptrs, new_tail_ptrs = _pointers(tails), _pointers(new_tails)
-    state_ptrs, new_state_ptrs = _pointers(recurrent), _pointers(new_states)
+    tail_ptrs, new_tail_ptrs = _slot_pointers(conv, read_slots), _slot_pointers(conv, written)
+    state_ptrs, new_state_ptrs = _slot_pointers(recurrent, read_slots), _slot_pointers(recurrent, written)
     status = library().clover_gdn_short(
         B, T, P, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
         u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
@@ -72,7 +78,4 @@ def gdn_short(mixer, u, z, b, a, states, block_len: int = 0) -> torch.Tensor:
         raise MemoryError("gdn_short: out of memory")
     if status != 0:
         raise ValueError(f"gdn_short: unsupported shape (T={T}, conv kernel {mixer.kernel})")
-    if P:
-        for s, t, r in zip(states, new_tails, new_states):
-            s.conv, s.recurrent = t, r
     return out

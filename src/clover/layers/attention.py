@@ -2,7 +2,8 @@
 
 Causal: each new query sees the cached prefix and the new tokens up to itself.
 Block: each block query sees the cached prefix and the whole block; nothing is committed (the block's
-K/V are written as scratch past the cache's length, so the prefix is never copied).
+K/V are written as scratch past the sequence's length, so the prefix is never copied). Cached K/V live
+in the model's state pool (cache.py), in pages.
 """
 
 from __future__ import annotations
@@ -41,25 +42,29 @@ class Attention(nn.Module):
             return self.fused_input(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x, cos, sin, states, starts, block_len: int, valid_lens=None):
-        """x [B, T, H]; states: per-row AttentionState or None; starts: per-row cached prefix length.
+    layer_index = 0   # this layer's place in the model (the state pool keys its K/V by it)
+
+    def forward(self, x, cos, sin, batch=None, block_len: int = 0):
+        """x [B, T, H]; batch: the `ForwardBatch` of a cached forward (cache.py), or None (from scratch).
 
         x is `[causal part | block]`: causal rows see keys up to themselves, the last `block_len` rows
-        see every key. With states the keys also include each row's cached prefix, and the causal part
-        is committed to the cache (the block's K/V are written past `length` as scratch)."""
+        see every key. With a batch the keys also include each row's cached prefix, and every token's
+        K/V is written into the row's pages (the block's as scratch past the row's length)."""
         B, T, _ = x.shape
         D = self.head_dim
         qg, k, v = self._project(x)
         # (64 = attention_cached.MAX_TOKENS; head_dim ≤ 512 and ≤ 16 query heads per K/V head: the C limits)
-        if (self.short_kernel and T <= 64 and states is not None and valid_lens is None and D <= 512
+        if (self.short_kernel and T <= 64 and batch is not None and not batch.padded and D <= 512
                 and self.num_heads // self.num_kv_heads <= 16
                 and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
             from ..kernels.attention_cached import attention_cached
 
             out = torch.empty(B, T, self.num_heads * D, dtype=x.dtype)
-            for b, state in enumerate(states):
-                attention_cached(self, qg[b], k[b], v[b], cos[b], sin[b], state, starts[b], block_len, out=out[b])
-                state.length = starts[b] + T - block_len
+            table = batch.page_table()
+            kp, vp = batch.pool.k[self.layer_index], batch.pool.v[self.layer_index]
+            for b in range(B):
+                attention_cached(self, qg[b], k[b], v[b], cos[b], sin[b], kp, vp, table[b], batch.starts[b],
+                                 block_len, out=out[b])
             return self.o_proj(out)
         qg = qg.reshape(B, T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
@@ -68,7 +73,7 @@ class Attention(nn.Module):
         v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if states is None:
+        if batch is None:
             keys, values = k, v
             if block_len:
                 mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -77,42 +82,40 @@ class Attention(nn.Module):
             else:
                 out = _sdpa(q, keys, values, None, causal=True)
         else:
-            commit = T - block_len
-            for b, state in enumerate(states):
-                state.write(k[b], v[b], starts[b])
-                # right-padded rows (batched prefill) keep only their own tokens
-                state.length = starts[b] + (commit if valid_lens is None else valid_lens[b])
-            out = self._attend_cached(q, states, starts, T, block_len)
+            out = self._attend_cached(q, k, v, batch, T, block_len)
 
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def _attend_cached(self, q, states, starts, T, block_len):
-        device = q.device
-        ends = [s + T for s in starts]
-        S = max(ends)
-        if len(states) == 1:
-            keys, values = states[0].k[None, :, :S], states[0].v[None, :, :S]
-        else:
-            keys = q.new_zeros(len(states), self.num_kv_heads, S, self.head_dim)
-            values = torch.zeros_like(keys)
-            for b, state in enumerate(states):
-                keys[b, :, : ends[b]] = state.k[:, : ends[b]]
-                values[b, :, : ends[b]] = state.v[:, : ends[b]]
-        if len(states) == 1 and (block_len == T or (block_len == 0 and T == 1)):
-            mask = None                                   # every query sees every key
-        elif len(states) == 1 and block_len == 0 and starts[0] == 0:
-            return _sdpa(q, keys, values, None, causal=True)   # a prompt's first chunk: T queries, T keys
-        else:
-            key_pos = torch.arange(S, device=device)
-            query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
-            visible = key_pos[None, None, :] <= query_pos[:, :, None]                     # causal rows
-            if block_len:
-                end = torch.tensor(ends, device=device)[:, None, None]
-                in_block = torch.arange(T, device=device)[None, :, None] >= T - block_len
-                visible = torch.where(in_block, key_pos[None, None, :] < end, visible)
-            mask = visible[:, None]                                                       # [B, 1, T, S]
-        return _sdpa(q, keys, values, mask)
+    def _attend_cached(self, q, k, v, batch, T, block_len):
+        """Each row on its own: its new K/V written into its pages, then attention over its positions
+        0 … start+T−1 read from them (a view when its pages are consecutive, else gathered; never a
+        padded batch)."""
+        pool = batch.pool
+        kf = pool.k[self.layer_index].view(-1, self.num_kv_heads, self.head_dim)     # [pages·P, Hkv, D]
+        vf = pool.v[self.layer_index].view(-1, self.num_kv_heads, self.head_dim)
+        outs = []
+        for b in range(q.shape[0]):
+            start = batch.starts[b]
+            end = start + T
+            new = pool.span(batch.pages[b], start, end)
+            kf[new] = k[b].transpose(0, 1)
+            vf[new] = v[b].transpose(0, 1)
+            rows = pool.span(batch.pages[b], 0, end)
+            keys, values = kf[rows].transpose(0, 1)[None], vf[rows].transpose(0, 1)[None]     # [1, Hkv, S, D]
+            qb = q[b:b + 1]
+            if block_len == T or (block_len == 0 and T == 1):
+                outs.append(_sdpa(qb, keys, values, None))              # every query sees every key
+            elif block_len == 0 and start == 0:
+                outs.append(_sdpa(qb, keys, values, None, causal=True))  # a prompt's first chunk
+            else:
+                key_pos = torch.arange(end, device=q.device)
+                query_pos = start + torch.arange(T, device=q.device)
+                visible = key_pos[None, :] <= query_pos[:, None]                            # causal rows
+                if block_len:
+                    visible[T - block_len:] = True
+                outs.append(_sdpa(qb, keys, values, visible[None, None]))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is

@@ -104,37 +104,48 @@ class GatedDeltaNet(nn.Module):
         return w[:, 0, None, None] * o_causal + w[:, 1, None, None] * o_block
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward(self, x, states=None, block_len: int = 0, valid_lens=None):
+    layer_index = 0   # this layer's place in the model (the state pool keys its slots by it)
+
+    def forward(self, x, batch=None, block_len: int = 0):
         """x [B, T, H] is `[causal part | block]`, the block being the last `block_len` tokens.
-        Without states both start from a zero state. With states (one GDNState per row) they continue
-        each row's cached prefix: the causal part advances the states, the block never touches them."""
+        Without a batch both start from a zero state. With one (a cached forward, cache.py) each row
+        continues from its GDN slot: the causal part's state goes to the row's write slot, the block
+        reads the state and writes nothing."""
         B, T, _ = x.shape
         dtype = x.dtype
         cdt = compute_dtype(dtype)
         u, z, b, a = self._project(x)
         # (64 = gdn_short.MAX_TOKENS; a longer input goes through in 64-token calls, causal only)
-        if (self.short_kernel and states is not None and valid_lens is None and (T <= 64 or not block_len)
+        if (self.short_kernel and batch is not None and not batch.padded and (T <= 64 or not block_len)
                 and dtype == torch.bfloat16 and not torch.is_grad_enabled()
-                and all(s.record is None for s in states)):      # speculation records need q, k, v, g, β
+                and batch.records is None):              # speculation records need q, k, v, g, β
             from ..kernels.gdn_short import MAX_TOKENS, gdn_short
 
+            pool, i = batch.pool, self.layer_index
             if T <= MAX_TOKENS:
-                return self.out_proj(gdn_short(self, u, z, b, a, states, block_len))
+                return self.out_proj(gdn_short(self, u, z, b, a, pool.conv[i], pool.recurrent[i], batch.read_slots,
+                                               batch.write_slots, block_len))
             # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form:
-            # the kernel keeps each state slab in L1 for all 64 tokens)
-            parts = [gdn_short(self, *(t[:, s:s + MAX_TOKENS] for t in (u, z, b, a)), states)
-                     for s in range(0, T, MAX_TOKENS)]
+            # the kernel keeps each state slab in L1 for all 64 tokens). The first call reads the rows'
+            # slots; the later ones update the write slots in place (the kernel reads a slab, or a conv
+            # channel block, whole before it writes it back)
+            parts, read = [], batch.read_slots
+            for s in range(0, T, MAX_TOKENS):
+                parts.append(gdn_short(self, *(t[:, s:s + MAX_TOKENS] for t in (u, z, b, a)), pool.conv[i],
+                                       pool.recurrent[i], read, batch.write_slots))
+                read = batch.write_slots
             return self.out_proj(torch.cat(parts, dim=1))
         u = u.transpose(1, 2)                                                # [B, C, T]
         z = z.reshape(B, T, self.num_v_heads, self.dv)
         K = self.kernel
 
-        if states is None:
+        if batch is None:
             tail = u.new_zeros(B, self.conv_dim, K - 1)
             state0 = torch.zeros(B, self.num_v_heads, self.dk, self.dv, dtype=cdt, device=x.device)
         else:
-            tail = torch.stack([s.conv for s in states]) if B > 1 else states[0].conv[None]
-            state0 = torch.stack([s.recurrent for s in states]) if B > 1 else states[0].recurrent[None]
+            conv_pool, rec_pool = batch.pool.conv[self.layer_index], batch.pool.recurrent[self.layer_index]
+            slots = torch.tensor(batch.read_slots, device=x.device)
+            tail, state0 = conv_pool[slots], rec_pool[slots]
         full = torch.cat([tail, u], dim=2)
         left = depthwise_conv(full, self.conv1d.weight)                      # [B, C, T]
         P = T - block_len
@@ -143,9 +154,10 @@ class GatedDeltaNet(nn.Module):
             left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
         x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
         q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
-        if valid_lens is not None:
+        if batch is not None and batch.padded:
             # right padding (batched prefill): β = 0 and g = 0 leave the state exactly as it was
-            keep = (torch.arange(T, device=x.device)[None, :] < torch.tensor(valid_lens, device=x.device)[:, None])
+            lens = torch.tensor(batch.commits, device=x.device)
+            keep = torch.arange(T, device=x.device)[None, :] < lens[:, None]
             g, beta = g * keep[:, None], beta * keep[:, None]
 
         parts = []
@@ -154,14 +166,18 @@ class GatedDeltaNet(nn.Module):
             causal = tuple(t[:, :, :P] for t in (q, k, v, g, beta))
             o_causal, state = gated_delta_rule(*causal, state)
             parts.append(o_causal)
-            if states is not None:                 # the causal part is committed to the caches
-                ends = [P] * B if valid_lens is None else valid_lens
-                for i, s in enumerate(states):
-                    new_tail = full[i:i + 1, :, ends[i]:ends[i] + K - 1]
-                    if s.record is not None:
-                        s.record.u.append(u[i, :, :P].t())
-                        s.record.qkvgb.append(tuple(t[i] for t in causal))
-                    s.conv, s.recurrent = new_tail[0].clone(), state[i]
+            if batch is not None:                  # the causal part is committed to the write slots
+                for r in range(B):
+                    end = batch.commits[r]
+                    w = batch.write_slots[r]
+                    if w is None:
+                        continue
+                    records = batch.records[r] if batch.records is not None else None
+                    if records is not None:
+                        records[self.layer_index].u.append(u[r, :, :P].t())
+                        records[self.layer_index].qkvgb.append(tuple(t[r] for t in causal))
+                    conv_pool[w] = full[r, :, end:end + K - 1]
+                    rec_pool[w] = state[r]
         if block_len:
             qb = q[:, :, P:]
             o_c, end_state = gated_delta_rule(qb, k[:, :, P:], v[:, :, P:], g[:, :, P:], beta[:, :, P:], state)

@@ -1,0 +1,144 @@
+"""Prefix reuse across requests: K/V pages and GDN state kept at page boundaries (every 32 tokens).
+
+An entry is a token prefix whose length is a multiple of the pool's page size, with references to the
+pages holding its K/V and to the GDN slot holding the state after it. Slots are immutable once written
+(see cache.py), so keeping an entry costs no copy. A new request whose prompt starts with an entry's
+tokens takes those references instead of recomputing them and prefills only the rest; it shares the
+pages read-only (a partly shared page would be copied before a write, see `StatePool._make_writable`).
+
+Where entries come from: the scheduler splits each prompt's prefill so that one chunk ends at the last
+page boundary before the prompt's final token and inserts the sequence's state there (a later request
+with the same prompt reuses all but the last few tokens; a longer one — the next turn of a chat, the
+same system prompt and tools — reuses that much). Eviction: least recently used, when a page or a slot
+is needed and none is free, and when the entries would hold more than `max_entries` slots.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixEntry:
+    tokens: tuple
+    pages: tuple
+    slot: int | None
+
+
+class PrefixCache:
+    def __init__(self, pool, max_entries: int | None = None):
+        self.pool = pool
+        self.enabled = True
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()     # least recently used first
+        self._page_holds: dict[int, int] = {}                             # page → entries holding it
+        self._slot_holds: dict[int, int] = {}
+        self.lookups = self.hits = self.reused_tokens = self.evictions = self.inserts = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- insert / lookup -------------------------------------------------------------------------
+    def insert(self, tokens, seq) -> bool:
+        """Keep `seq`'s state after `tokens` (its first len(tokens) tokens; its length must equal that
+        and be a multiple of the page size). Returns whether an entry was added."""
+        pool, n = self.pool, len(tokens)
+        if not self.enabled or n == 0 or n % pool.page_size or seq.length != n or seq.spec_start is not None:
+            return False
+        key = tuple(tokens)
+        h = hash(key)
+        with pool._lock:
+            if h in self._entries:
+                self._entries.move_to_end(h)
+                return False
+            limit = self.max_entries if self.max_entries is not None else max(1, pool.num_slots // 3)
+            while len(self._entries) >= limit:
+                self.evict_one()
+            pages = tuple(seq._held.pages[: n // pool.page_size])
+            for p in pages:
+                pool._ref_page(p)
+                self._page_holds[p] = self._page_holds.get(p, 0) + 1
+            slot = seq._held.slot if pool.has_gdn else None
+            if slot is not None:
+                pool._ref_slot(slot)
+                self._slot_holds[slot] = self._slot_holds.get(slot, 0) + 1
+            self._entries[h] = PrefixEntry(key, pages, slot)
+            self.inserts += 1
+            return True
+
+    def lookup(self, prompt) -> PrefixEntry | None:
+        """The longest entry that is a prefix of `prompt` and leaves at least one token to compute."""
+        if not self.enabled:
+            return None
+        self.lookups += 1
+        with self.pool._lock:
+            lengths = sorted({len(e.tokens) for e in self._entries.values()}, reverse=True)
+            for n in lengths:
+                if n >= len(prompt):
+                    continue
+                key = tuple(prompt[:n])
+                entry = self._entries.get(hash(key))
+                if entry is not None and entry.tokens == key:
+                    self._entries.move_to_end(hash(key))
+                    self.hits += 1
+                    self.reused_tokens += n
+                    return entry
+        return None
+
+    def attach(self, entry: PrefixEntry, seq) -> int:
+        """Start the new, empty `seq` from `entry`: its pages and slot are shared. Returns the tokens reused."""
+        pool, held = self.pool, seq._held
+        if seq.length or held.pages:
+            raise ValueError("a cached prefix can only start an empty sequence")
+        with pool._lock:
+            for p in entry.pages:
+                pool._ref_page(p)
+            held.pages = list(entry.pages)
+            # the shared pages need no reservation of their own
+            give_back = min(held.reserved_pages, len(entry.pages))
+            held.reserved_pages -= give_back
+            pool.reserved_pages -= give_back
+            if entry.slot is not None:
+                pool._ref_slot(entry.slot)
+                pool._drop_slot(held.slot)
+                held.slot = entry.slot
+            seq.length = len(entry.tokens)
+        return len(entry.tokens)
+
+    # ---- eviction --------------------------------------------------------------------------------
+    def evict_one(self, slots: bool = False) -> bool:
+        """Drop the least recently used entry; False when there is none."""
+        with self.pool._lock:
+            if not self._entries:
+                return False
+            _, entry = self._entries.popitem(last=False)
+            for p in entry.pages:
+                self._page_holds[p] -= 1
+                if not self._page_holds[p]:
+                    del self._page_holds[p]
+                self.pool._drop_page(p)
+            if entry.slot is not None:
+                self._slot_holds[entry.slot] -= 1
+                if not self._slot_holds[entry.slot]:
+                    del self._slot_holds[entry.slot]
+                self.pool._drop_slot(entry.slot)
+            self.evictions += 1
+            return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    def evictable_pages(self) -> int:
+        """Pages that only entries hold (evicting every entry would free them)."""
+        refs = self.pool._page_refs
+        return sum(1 for p, n in self._page_holds.items() if refs[p] == n)
+
+    def evictable_slots(self) -> int:
+        refs = self.pool._slot_refs
+        return sum(1 for s, n in self._slot_holds.items() if refs[s] == n)
+
+    def stats(self) -> dict:
+        return {"prefix_entries": len(self._entries), "prefix_lookups": self.lookups, "prefix_hits": self.hits,
+                "prefix_reused_tokens": self.reused_tokens, "prefix_evictions": self.evictions}
