@@ -29,9 +29,12 @@ import torch
 from benchmarks import checkpoints
 from benchmarks.common import make_input_ids
 
-# the kernels' Python faces besides `panels.linear`: module under clover.kernels → the function timed
-KERNEL_FACES = {"moe_block": "moe_block", "gdn_short": "gdn_short", "attention_cached": "attention_cached",
-                "rmsnorm": "add_rmsnorm"}
+# the kernels' modules besides `panels` (their `library` is replaced for --glue), and the backend op
+# each one implements (timed where the model calls it)
+KERNEL_FACES = ("moe_block", "gdn_short", "attention_cached", "rmsnorm")
+KERNEL_OF_OP = {"moe": "moe_block", "gdn_core": "gdn_short", "attention": "attention_cached",
+                "add_rmsnorm": "add_rmsnorm"}
+BACKEND_OPS = tuple(KERNEL_OF_OP)
 
 
 class Timers:
@@ -66,12 +69,13 @@ def _linear_work(x, weight, bias=None):
     return 2 * rows * weight.in_features * weight.out_features, 2 * weight.in_features * weight.out_features
 
 
-def instrument(timers: Timers) -> None:
+def instrument(timers: Timers, model) -> None:
     panels = importlib.import_module("clover.kernels.panels")
     timers.wrap(panels, "linear", lambda x, w, b=None: f"linear {x.numel() // w.in_features}×{w.in_features}→{w.out_features}",
                 _linear_work)
-    for face, name in KERNEL_FACES.items():
-        timers.wrap(importlib.import_module(f"clover.kernels.{face}"), name, lambda *a, name=name, **k: name)
+    # the fused ops as the model calls them (clover/backend.py): kernel, or reference where a call does not qualify
+    for op in BACKEND_OPS:
+        timers.wrap(model.backend, op, lambda *a, op=op, **k: KERNEL_OF_OP[op])
     attention = importlib.import_module("clover.layers.attention")
     timers.wrap(attention, "_sdpa", lambda q, k, v, m, causal=False: f"PyTorch attention {q.shape[2]}×{k.shape[2]}")
 
@@ -128,9 +132,6 @@ def main(argv=None) -> int:
                 model.step(prompt[:, -1:], [cache], logits_at="last")
                 if args.glue:                             # no kernel wrote anything: keep the cache's length
                     cache.length -= 1
-                    for state in cache.layers:
-                        if hasattr(state, "length"):
-                            state.length = cache.length
             else:
                 model.step(block, [cache], block=True, block_top_p=args.block_top_p)
 
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
             step()
         timers = Timers()
         if not args.glue:
-            instrument(timers)
+            instrument(timers, model)
         totals, per_label = [], collections.defaultdict(list)
         for _ in range(args.repeats):
             timers.seconds.clear()

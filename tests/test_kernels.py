@@ -177,6 +177,7 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
     states agree to rounding (the kernel runs the delta rule token by token, the PyTorch path in
     chunks); a block step leaves the states alone; replaced state tensors are never mutated. Heads of
     128 (the real model's) take the kernel's whole-head one-token path, other sizes its slab path."""
+    from clover.backend import Backend
     from clover.layers.gated_deltanet import GatedDeltaNet
     from tiny_models import layer_call, make_model
 
@@ -194,6 +195,8 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
 
     pool = model.state_pool()
     layer = mixer.layer_index
+    cpu = Backend("cpu")
+    assert cpu.implements("gdn_core")
 
     def fresh_states():
         """Two sets of B sequences with equal histories (PyTorch path, > 64 tokens): reference and kernel."""
@@ -212,12 +215,9 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
         for T, block_len in [(1, 0), (8, 8), (1, 0), (1, 1), (5, 0), (9, 6), (32, 32), (40, 0), (150, 0), (1, 0),
                               (4, 4)]:
             x = torch.randn(B, T, H, generator=g).bfloat16()
-            mixer.short_kernel = False
-            want = layer_call(mixer, x, ref_states, block_len)
+            want = layer_call(mixer, x, ref_states, block_len)                      # the reference op
             old = [(s.slot, *(t.clone() for t in s.gdn_state(layer))) for s in kern_states]
-            mixer.short_kernel = True
-            got = layer_call(mixer, x, kern_states, block_len)
-            mixer.short_kernel = False
+            got = layer_call(mixer, x, kern_states, block_len, backend=cpu)
             for (slot, conv_copy, rec_copy), s in zip(old, kern_states):
                 conv, rec = pool.conv[layer][slot], pool.recurrent[layer][slot]
                 assert torch.equal(conv, conv_copy) and torch.equal(rec, rec_copy)     # never mutated
@@ -269,7 +269,7 @@ MOE_CASES = [(1, 1, 0, None), (1, 37, 0, None), (1, 32, 32, [0.7]), (2, 12, 8, [
 def test_moe_block_kernel_matches_the_pytorch_module(variant):
     """kernels/moe_block.c (router softmax, block expert selection, restricted top-k with ties to the lower
     index, renormalised weights, grouped SwiGLU experts, shared expert and its gate, residual add, the
-    distinct-expert count) against `SparseMoE.forward` on the same packed weights: bit-equal outputs and
+    distinct-expert count; the residual add only when asked) against `SparseMoE.forward` on the same packed weights: bit-equal outputs and
     equal counts. Also a selection keeping fewer experts than top-k (zero-weight slots), an all-tie
     router, and bad input."""
     import copy
@@ -291,9 +291,10 @@ def test_moe_block_kernel_matches_the_pytorch_module(variant):
                         x = (torch.randn(B, T, H, generator=g) * (1 + trial)).bfloat16()
                         h = torch.randn(B, T, H, generator=g).bfloat16()
                         p = None if top_p is None else torch.tensor(top_p)
-                        got, distinct = moe_block(moe, x, h, block_len, p)
+                        got, distinct = moe_block(moe, x, block_len, p)
                         want, want_distinct = moe(x, block_len, p)
-                        assert torch.equal(got, h + want), (B, T, block_len, top_p, trial)
+                        assert torch.equal(got, want), (B, T, block_len, top_p, trial)
+                        assert torch.equal(moe_block(moe, x, block_len, p, h=h)[0], h + want)   # residual fused
                         if block_len:
                             assert torch.equal(distinct, want_distinct)
                         else:
@@ -303,14 +304,14 @@ def test_moe_block_kernel_matches_the_pytorch_module(variant):
         h = torch.randn(2, 4, H, generator=g).bfloat16()
         for block_len, p in ((0, None), (4, torch.tensor([0.5, 0.8]))):
             want, want_distinct = moe(x, block_len, p)
-            got, distinct = moe_block(moe, x, h, block_len, p)
-            assert torch.equal(got, h + want) and (block_len == 0 or torch.equal(distinct, want_distinct))
+            got, distinct = moe_block(moe, x, block_len, p)
+            assert torch.equal(got, want) and (block_len == 0 or torch.equal(distinct, want_distinct))
         with pytest.raises(ValueError, match="one \\[B, T, H\\] shape"):
-            moe_block(moe, x, h[:, :2])
+            moe_block(moe, x, h=h[:, :2])
         with pytest.raises(ValueError, match="block_len"):
-            moe_block(moe, x, h, block_len=5)
+            moe_block(moe, x, block_len=5)
         with pytest.raises(ValueError, match="packed by pack_for_cpu"):
-            moe_block(make_model(variant, seed=4, dtype=torch.bfloat16).model.layers[0].mlp, x, h)
+            moe_block(make_model(variant, seed=4, dtype=torch.bfloat16).model.layers[0].mlp, x)
 
 
 # (tokens, block_len) per call: decode tokens, a commit, block steps, a commit fused with the next block
@@ -324,6 +325,7 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
     cache growing past its capacity. The K/V written to the cache are bit-equal (same norm and rotary
     roundings) and the lengths agree; the gated output agrees to bf16 rounding (the attention itself
     runs in fp32 in the kernel; PyTorch's kernel rounds probabilities to bf16 below 32 queries)."""
+    from clover.backend import reference_backend
     from clover.layers.packed import pack_for_cpu
     from tiny_models import layer_call, make_model
 
@@ -346,10 +348,8 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
             x = torch.randn(2, T, H, generator=g).bfloat16()
             positions = torch.tensor(starts)[:, None] + torch.arange(T)
             cos, sin = model.model.rotary(positions, torch.bfloat16)
-            attn.short_kernel = False
-            want = layer_call(attn, x, ref, block_len, cos, sin)
-            attn.short_kernel = True
-            got = layer_call(attn, x, kern, block_len, cos, sin)
+            want = layer_call(attn, x, ref, block_len, cos, sin, backend=reference_backend())
+            got = layer_call(attn, x, kern, block_len, cos, sin, backend=model.backend)
             for a, b, start in zip(ref, kern, starts):
                 assert a.length == b.length == start + T - block_len
                 for u, w in zip(a.kv(index, start + T), b.kv(index, start + T)):   # the block's scratch rows too

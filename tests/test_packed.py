@@ -91,3 +91,33 @@ def test_saving_a_packed_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="packed for CPU inference"):
         save_checkpoint(model, model.config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable")
+def test_packed_weights_are_registered_state():
+    """Packing is a weight transform whose tensors are registered buffers: `state_dict()` lists them,
+    `load_state_dict()` of another packed model's weights makes this one compute exactly what that one
+    does (the kernels' cached fp32 constants follow the reload), and `.to()` / casts raise before
+    touching anything instead of silently doing nothing."""
+    a, b = make_model("base", seed=1, dtype=torch.bfloat16), make_model("base", seed=2, dtype=torch.bfloat16)
+    for m in (a, b):
+        assert pack_for_cpu(m, kernels=True) > 0
+    keys = a.state_dict().keys()
+    assert any(k.endswith("fused_input.weight_packed") for k in keys) and any(k.endswith("gate_up_panels") for k in keys)
+    ids = torch.randint(5, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        before = a(ids)
+        with torch.no_grad():                                           # a warm cache of kernel constants
+            c = a.make_cache()
+            a.step(ids[:1], [c])
+    with pytest.raises(RuntimeError, match="repacked for Clover's CPU kernels"):
+        a.float()
+    with pytest.raises(RuntimeError, match="cannot be moved"):
+        a.to("meta")
+    a.load_state_dict({k: v.clone() for k, v in b.state_dict().items()})
+    with torch.inference_mode():
+        assert torch.equal(a(ids), b(ids)) and not torch.equal(a(ids), before)
+        ca, cb = a.make_cache(), b.make_cache()
+        assert torch.equal(a.step(ids[:1], [ca]), b.step(ids[:1], [cb]))              # GDN / attention kernels
+        block = torch.full((1, 8), a.config.mask_token_id)
+        assert torch.equal(a.step(block, [ca], block=True), b.step(block, [cb], block=True))

@@ -90,12 +90,12 @@ def to_transformers(model: CloverForCausalLM, tmp_path):
     return ref.eval()
 
 
-def layer_call(module, x, seqs, block_len, *before):
-    """Run one mixer (GDN: `module(x, batch, block_len)`; attention: `module(x, cos, sin, batch,
-    block_len)` with `before` = (cos, sin)) over sequences of a state pool, as a model forward does:
-    pages and write slots from the pool, the sequences moved on afterwards."""
+def layer_call(module, x, seqs, block_len, *before, backend=None):
+    """Run one mixer (GDN: `module(x, batch, block_len, backend)`; attention: `module(x, cos, sin, batch,
+    block_len, backend)` with `before` = (cos, sin)) over sequences of a state pool, as a model forward
+    does: pages and write slots from the pool, the sequences moved on afterwards."""
     pool = seqs[0].pool
     batch = pool.prepare(seqs, x.shape[1], block_len)
-    out = module(x, *before, batch, block_len)
+    out = module(x, *before, batch, block_len, backend)
     pool.finish(batch, seqs)
     return out

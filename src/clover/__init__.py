@@ -1,7 +1,7 @@
 """Clover: an inference system for block-diffusion language models with a Qwen3.5-MoE backbone.
 
 The core import is light (torch, safetensors). Public API:
-    clover.load(path, dtype=None, device="cpu") -> CloverForCausalLM
+    clover.load(path, dtype=None, device="cpu", backend="auto") -> CloverForCausalLM
     model(input_ids) -> causal logits;  model.block_logits(prefix_ids, block_ids) -> block logits
     model.generate(input_ids, **settings) -> [prompt | completion]
 """
@@ -11,22 +11,36 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 __version__ = "0.1.0"
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
 
 
-def load(path=None, dtype=None, device="cpu", pack: bool = False, flush_denormal: bool = True):
+BACKENDS = ("auto", "cpu", "reference")
+
+
+def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
+         flush_denormal: bool = True):
     """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
 
-    `dtype`: None (as stored), torch.float32, torch.bfloat16 or torch.float64.
-    `pack=True`: for bf16 on CPU, repack the weights for Clover's native kernels (or oneDNN's layout
-    where they cannot be built): faster prefill, decode and block steps, results equal to rounding;
-    inference only — see `clover.layers.packed` and `clover.kernels`.
+    `backend`: "auto" (default) gives the fastest path whose results equal the reference to bf16
+    rounding: on CPU, bf16 weights (unless `dtype` asks for another precision) repacked for Clover's
+    native kernels (the "cpu" backend, clover/backend.py), or for oneDNN where the kernels cannot be
+    built; elsewhere the weights as they are. "cpu": the native kernels or an error. "reference":
+    plain PyTorch modules, weights as stored (or `dtype`) — the definition the others are tested
+    against. Packed weights are inference-only.
+    `dtype`: None (auto: bf16 for the packed CPU paths, else as stored), torch.float32, torch.bfloat16
+    or torch.float64. `pack`: the older switch (True = "auto", False = "reference").
     `flush_denormal=True`: flush denormal floats to zero in this thread and the threads it starts
     later (x86 runs denormal math ~100× slower; see `clover.runtime`)."""
     from .checkpoint import load_model
 
+    if pack is not None:
+        backend = "auto" if pack else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if flush_denormal:
         from .runtime import flush_denormals
 
@@ -35,11 +49,23 @@ def load(path=None, dtype=None, device="cpu", pack: bool = False, flush_denormal
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
-    model = load_model(path, dtype=dtype, device=device)
-    if pack:
+    on_cpu = torch.device(device).type == "cpu"
+    if backend == "cpu":
+        from .kernels import available
+
+        if not on_cpu or dtype not in (None, torch.bfloat16) or not available():
+            raise ValueError("backend='cpu' needs device='cpu', bf16 weights and Clover's native kernels "
+                             "(a C compiler and AVX-512 BF16; CLOVER_KERNELS not 0)")
+    packs = backend in ("auto", "cpu") and on_cpu and dtype in (None, torch.bfloat16)
+    if packs:
+        from .layers.packed import packing_available
+
+        packs = packing_available()
+    model = load_model(path, dtype=torch.bfloat16 if packs else dtype, device=device)
+    if packs:
         from .layers.packed import pack_for_cpu
 
-        pack_for_cpu(model)
+        pack_for_cpu(model, kernels=True if backend == "cpu" else None)
     gen = path / "generation_config.json"
     if gen.exists():
         try:

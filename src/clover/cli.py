@@ -22,7 +22,8 @@ def _add_model_arg(p):
     p.add_argument("--model", metavar="PATH", default=None,
                    help="model directory (default: the demo model shipped with clover)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="weights dtype (default: as stored)")
+                   help="weights dtype (default auto: bf16 with the native CPU kernels where they build, "
+                        "else as stored; float32 runs the PyTorch reference)")
 
 
 def _load(args, pack: bool = True):
@@ -35,7 +36,7 @@ def _load(args, pack: bool = True):
     if not (path / "config.json").exists():
         raise UserError(f"no model at {path} (expected a directory with config.json)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = clover.load(path, dtype=dtype, pack=pack)   # packing is a no-op unless bf16 on CPU
+    model = clover.load(path, dtype=dtype, backend="auto" if pack else "reference")
     if not (path / "tokenizer.json").exists():
         raise UserError(f"{path} has no tokenizer.json")
     return model, CloverTokenizer.from_dir(path), path

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .backend import Backend, reference_backend
 from .cache import SequenceState, StatePool
 from .config import CloverConfig
 from .layers.attention import Attention
@@ -36,26 +37,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    # set by packing with the native kernels (layers/packed.py): the residual add with the norm after it
-    # and the whole MoE block, routing included, go through kernels/rmsnorm.c and kernels/moe_block.c
-    # (same roundings as the modules)
-    native_glue = False
-
-    def forward(self, h, cos, sin, batch, block_len, block_top_p):
-        x = self.input_layernorm(h)
+    def forward(self, h, delta, cos, sin, batch, block_len, block_top_p, backend):
+        """One layer on the residual stream `h` plus the previous layer's MoE output `delta` (added here,
+        in this layer's first norm: the residual add stays outside every fused op). Returns (h, this
+        layer's MoE output, its block's distinct experts or None)."""
+        h, x = backend.add_rmsnorm(h, delta, self.input_layernorm)
         if self.kind == "linear_attention":
-            mixed = self.linear_attn(x, batch, block_len)
+            mixed = self.linear_attn(x, batch, block_len, backend)
         else:
-            mixed = self.self_attn(x, cos, sin, batch, block_len)
-        if self.native_glue and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            from .kernels.moe_block import moe_block
-            from .kernels.rmsnorm import add_rmsnorm
-
-            h, x = add_rmsnorm(h, mixed, self.post_attention_layernorm)
-            return moe_block(self.mlp, x, h, block_len, block_top_p)
-        h = h + mixed
-        moe_out, distinct = self.mlp(self.post_attention_layernorm(h), block_len, block_top_p)
-        return h + moe_out, distinct
+            mixed = self.self_attn(x, cos, sin, batch, block_len, backend)
+        h, x = backend.add_rmsnorm(h, mixed, self.post_attention_layernorm)
+        moe_out, distinct = backend.moe(self.mlp, x, block_len, block_top_p)
+        return h, moe_out, distinct
 
 
 class TextModel(nn.Module):
@@ -77,6 +70,16 @@ class CloverForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.generation_defaults: dict = {}   # filled from generation_config.json by the loader
         self.source_path = None
+        # the fused ops' implementations (backend.py): the reference until a transform picks another
+        self.backend = reference_backend()
+
+    def _apply(self, fn, recurse=True):
+        # checked before any submodule is touched: a packed model refuses `.to()` / casts whole
+        if getattr(self, "packed", None):
+            from .layers.packed import refuse_moving_packed
+
+            refuse_moving_packed(self, fn)
+        return super()._apply(fn, recurse)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,24 +120,30 @@ class CloverForCausalLM(nn.Module):
 
     # ---- forwards ------------------------------------------------------------------------------
     def _run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):
+        backend = self.backend
         h = self.model.embed_tokens(ids)
         cos, sin = self.model.rotary(positions, h.dtype)
+        delta = None
         for layer in self.model.layers:
-            h, distinct = layer(h, cos, sin, batch, block_len, block_top_p)
+            h, delta, distinct = layer(h, delta, cos, sin, batch, block_len, block_top_p, backend)
             if stats is not None and distinct is not None:
                 stats.append(distinct)
         if logits_at == "none":
             return None
-        if torch.is_tensor(logits_at):
-            return self._masked_logits(h, logits_at)
-        if logits_at == "last":
+        if torch.is_tensor(logits_at):                 # only the positions that will be read
+            rows = lambda t: t[:, t.shape[1] - logits_at.shape[1]:][logits_at]  # noqa: E731
+        elif logits_at == "last":
             if batch is not None and batch.padded:     # right-padded rows: each row's own last token
-                h = h[torch.arange(h.shape[0], device=h.device), torch.tensor(batch.commits, device=h.device) - 1][:, None]
+                last = torch.tensor(batch.commits, device=h.device) - 1
+                rows = lambda t: t[torch.arange(t.shape[0], device=t.device), last][:, None]  # noqa: E731
             else:
-                h = h[:, -1:]
+                rows = lambda t: t[:, -1:]  # noqa: E731
         elif logits_at == "block":
-            h = h[:, h.shape[1] - block_len:]
-        return self.lm_head(self.model.norm(h))
+            rows = lambda t: t[:, t.shape[1] - block_len:]  # noqa: E731
+        else:
+            rows = lambda t: t  # noqa: E731
+        _, x = backend.add_rmsnorm(rows(h), rows(delta), self.model.norm)
+        return self.lm_head(x)
 
     def forward(self, input_ids: torch.Tensor, block_len: int = 0, block_top_p=None, stats=None):
         """Logits from scratch, no cache kept. input_ids [B, T]; the last `block_len` tokens form a
@@ -212,11 +221,6 @@ class CloverForCausalLM(nn.Module):
         if logits_at == "none":
             return None
         return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
-
-    def _masked_logits(self, h, mask):
-        """Logits of only the positions that will be read: `mask` is a bool [B, L] over the last L
-        positions (the vocabulary projection is a block step's largest matmul). Returns [N, V], row-major."""
-        return self.lm_head(self.model.norm(h[:, h.shape[1] - mask.shape[1]:][mask]))
 
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
         """Encode prompts of different lengths in one right-padded causal forward.

@@ -20,16 +20,20 @@ MAX_TOKENS = 64
 
 
 def _constants(mixer):
-    """fp32 copies of the parameters the kernel reads, made once (a packed model is inference-only)."""
-    consts = getattr(mixer, "_kernel_constants", None)
-    if consts is None:
+    """fp32 copies of the parameters the kernel reads, made once and again whenever a parameter was
+    written since (a weight reload through `load_state_dict` bumps the tensors' versions)."""
+    sources = (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
+               mixer.norm.weight)
+    versions = tuple(t._version for t in sources)
+    cached = getattr(mixer, "_kernel_constants", None)
+    if cached is None or cached[0] != versions:
         f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
         consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
                   f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
                   f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
                   f32(mixer.norm.weight))
-        mixer._kernel_constants = consts
-    return consts
+        cached = mixer._kernel_constants = (versions, consts)
+    return cached[1]
 
 
 def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:

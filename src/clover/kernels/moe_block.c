@@ -123,7 +123,7 @@ static void *carve(char **at, size_t bytes) {
 }
 
 /* Rows x [N, H] (bf16, normalised) through the MoE block, added to the residual h [N, H]:
- *   out_h = h + (Σ_j w_j·expert_j(x) + sigmoid(g·x)·shared(x))
+ *   out_h = h + (Σ_j w_j·expert_j(x) + sigmoid(g·x)·shared(x))   (h NULL: the block's output alone)
  * The rows are B sequences of T; the last block_len rows of sequence b are a noisy block, routed among
  * the experts its selection keeps when top_p[b] < 1 (top_p NULL: no selection). distinct (nullable,
  * [B]): how many experts sequence b's block rows route to with a positive weight.
@@ -258,7 +258,7 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
             __m512 routed = round_bf16_16(acc);
             __m512 sh = round_bf16_16(_mm512_mul_ps(gate, load_bf16_16(shared + n * H + c, m)));
             __m512 moe = round_bf16_16(_mm512_add_ps(routed, sh));
-            store_bf16_16(out_h + n * H + c, m, _mm512_add_ps(load_bf16_16(h + n * H + c, m), moe));
+            store_bf16_16(out_h + n * H + c, m, h ? _mm512_add_ps(load_bf16_16(h + n * H + c, m), moe) : moe);
         }
     }
     return 0;

@@ -13,12 +13,11 @@ from .build import library
 
 
 def _scale(norm) -> torch.Tensor:
-    """The norm's fp32 `1 + w`, made once (the model is inference-only once packed)."""
-    scale = getattr(norm, "_kernel_scale", None)
-    if scale is None:
-        scale = (1.0 + norm.weight.detach().to(torch.float32)).contiguous()
-        norm._kernel_scale = scale
-    return scale
+    """The norm's fp32 `1 + w`, made once and again whenever the weight was written since (a reload)."""
+    cached = getattr(norm, "_kernel_scale", None)
+    if cached is None or cached[0] != norm.weight._version:
+        cached = norm._kernel_scale = (norm.weight._version, (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
+    return cached[1]
 
 
 def _rows(t: torch.Tensor, H: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backend import reference, reference_backend
 from .norms import ZeroCenteredRMSNorm
 from .rotary import apply_rotary
 
@@ -33,9 +34,6 @@ class Attention(nn.Module):
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
 
     input_projections = ("q_proj", "k_proj", "v_proj")
-    # set by packing with the native kernels: up to 64 cached tokens (decode, block steps, commits) run
-    # kernels/attention_cached.c
-    short_kernel = False
 
     def _project(self, x):
         if self.fused_input is not None:
@@ -44,48 +42,16 @@ class Attention(nn.Module):
 
     layer_index = 0   # this layer's place in the model (the state pool keys its K/V by it)
 
-    def forward(self, x, cos, sin, batch=None, block_len: int = 0):
+    def forward(self, x, cos, sin, batch=None, block_len: int = 0, backend=None):
         """x [B, T, H]; batch: the `ForwardBatch` of a cached forward (cache.py), or None (from scratch).
 
         x is `[causal part | block]`: causal rows see keys up to themselves, the last `block_len` rows
         see every key. With a batch the keys also include each row's cached prefix, and every token's
-        K/V is written into the row's pages (the block's as scratch past the row's length)."""
-        B, T, _ = x.shape
-        D = self.head_dim
+        K/V is written into the row's pages (the block's as scratch past the row's length).
+        `backend`: whose `attention` op runs (default: the reference)."""
         qg, k, v = self._project(x)
-        # (64 = attention_cached.MAX_TOKENS; head_dim ≤ 512 and ≤ 16 query heads per K/V head: the C limits)
-        if (self.short_kernel and T <= 64 and batch is not None and not batch.padded and D <= 512
-                and self.num_heads // self.num_kv_heads <= 16
-                and x.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
-            from ..kernels.attention_cached import attention_cached
-
-            out = torch.empty(B, T, self.num_heads * D, dtype=x.dtype)
-            table = batch.page_table()
-            kp, vp = batch.pool.k[self.layer_index], batch.pool.v[self.layer_index]
-            for b in range(B):
-                attention_cached(self, qg[b], k[b], v[b], cos[b], sin[b], kp, vp, table[b], batch.starts[b],
-                                 block_len, out=out[b])
-            return self.o_proj(out)
-        qg = qg.reshape(B, T, self.num_heads, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
-        q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
-        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
-        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-        if batch is None:
-            keys, values = k, v
-            if block_len:
-                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-                mask[T - block_len:] = True
-                out = _sdpa(q, keys, values, mask)
-            else:
-                out = _sdpa(q, keys, values, None, causal=True)
-        else:
-            out = self._attend_cached(q, k, v, batch, T, block_len)
-
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
-        return self.o_proj(out * torch.sigmoid(gate))
+        attend = (backend or reference_backend()).attention
+        return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))
 
     def _attend_cached(self, q, k, v, batch, T, block_len):
         """Each row on its own: its new K/V written into its pages, then attention over its positions
@@ -116,6 +82,31 @@ class Attention(nn.Module):
                     visible[T - block_len:] = True
                 outs.append(_sdpa(qb, keys, values, visible[None, None]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+@reference("attention")
+def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: int):
+    """Between the projections and `o_proj`: q/k norms, rotary, scaled-dot-product attention (causal
+    rows, block rows seeing the whole block), the sigmoid output gate."""
+    B, T, _ = qg.shape
+    D = self.head_dim
+    qg = qg.reshape(B, T, self.num_heads, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
+    q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
+    k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
+    v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if batch is None:
+        if block_len:
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            mask[T - block_len:] = True
+            out = _sdpa(q, k, v, mask)
+        else:
+            out = _sdpa(q, k, v, None, causal=True)
+    else:
+        out = self._attend_cached(q, k, v, batch, T, block_len)
+    out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
+    return out * torch.sigmoid(gate)
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backend import reference, reference_backend
 from .delta_rule import gated_delta_rule
 from .norms import GatedRMSNorm, compute_dtype
 
@@ -64,7 +65,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
-        self.short_kernel = False   # set by packing with the native kernels: see kernels/gdn_short.py
 
     input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
@@ -106,84 +106,71 @@ class GatedDeltaNet(nn.Module):
     # ---- forward -------------------------------------------------------------------------------
     layer_index = 0   # this layer's place in the model (the state pool keys its slots by it)
 
-    def forward(self, x, batch=None, block_len: int = 0):
+    def forward(self, x, batch=None, block_len: int = 0, backend=None):
         """x [B, T, H] is `[causal part | block]`, the block being the last `block_len` tokens.
         Without a batch both start from a zero state. With one (a cached forward, cache.py) each row
         continues from its GDN slot: the causal part's state goes to the row's write slot, the block
-        reads the state and writes nothing."""
-        B, T, _ = x.shape
-        dtype = x.dtype
-        cdt = compute_dtype(dtype)
+        reads the state and writes nothing. `backend`: whose `gdn_core` runs (default: the reference)."""
         u, z, b, a = self._project(x)
-        # (64 = gdn_short.MAX_TOKENS; a longer input goes through in 64-token calls, causal only)
-        if (self.short_kernel and batch is not None and not batch.padded and (T <= 64 or not block_len)
-                and dtype == torch.bfloat16 and not torch.is_grad_enabled()
-                and batch.records is None):              # speculation records need q, k, v, g, β
-            from ..kernels.gdn_short import MAX_TOKENS, gdn_short
+        core = (backend or reference_backend()).gdn_core
+        return self.out_proj(core(self, u, z, b, a, batch, block_len))
 
-            pool, i = batch.pool, self.layer_index
-            if T <= MAX_TOKENS:
-                return self.out_proj(gdn_short(self, u, z, b, a, pool.conv[i], pool.recurrent[i], batch.read_slots,
-                                               batch.write_slots, block_len))
-            # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form:
-            # the kernel keeps each state slab in L1 for all 64 tokens). The first call reads the rows'
-            # slots; the later ones update the write slots in place (the kernel reads a slab, or a conv
-            # channel block, whole before it writes it back)
-            parts, read = [], batch.read_slots
-            for s in range(0, T, MAX_TOKENS):
-                parts.append(gdn_short(self, *(t[:, s:s + MAX_TOKENS] for t in (u, z, b, a)), pool.conv[i],
-                                       pool.recurrent[i], read, batch.write_slots))
-                read = batch.write_slots
-            return self.out_proj(torch.cat(parts, dim=1))
-        u = u.transpose(1, 2)                                                # [B, C, T]
-        z = z.reshape(B, T, self.num_v_heads, self.dv)
-        K = self.kernel
 
-        if batch is None:
-            tail = u.new_zeros(B, self.conv_dim, K - 1)
-            state0 = torch.zeros(B, self.num_v_heads, self.dk, self.dv, dtype=cdt, device=x.device)
-        else:
-            conv_pool, rec_pool = batch.pool.conv[self.layer_index], batch.pool.recurrent[self.layer_index]
-            slots = torch.tensor(batch.read_slots, device=x.device)
-            tail, state0 = conv_pool[slots], rec_pool[slots]
-        full = torch.cat([tail, u], dim=2)
-        left = depthwise_conv(full, self.conv1d.weight)                      # [B, C, T]
-        P = T - block_len
-        if block_len:
-            right = self._right_conv(u[:, :, P:])
-            left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
-        x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
-        q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
-        if batch is not None and batch.padded:
-            # right padding (batched prefill): β = 0 and g = 0 leave the state exactly as it was
-            lens = torch.tensor(batch.commits, device=x.device)
-            keep = torch.arange(T, device=x.device)[None, :] < lens[:, None]
-            g, beta = g * keep[:, None], beta * keep[:, None]
+@reference("gdn_core")
+def gdn_core_reference(self: GatedDeltaNet, u, z, b, a, batch, block_len: int):
+    """The mixer between its input projections and `out_proj`: causal conv (+ the right conv in the
+    block), the gated delta rule over the rows' states, the block readout, the gated norm."""
+    B, T, _ = u.shape
+    dtype = u.dtype
+    cdt = compute_dtype(dtype)
+    u = u.transpose(1, 2)                                                # [B, C, T]
+    z = z.reshape(B, T, self.num_v_heads, self.dv)
+    K = self.kernel
 
-        parts = []
-        state = state0
-        if P:
-            causal = tuple(t[:, :, :P] for t in (q, k, v, g, beta))
-            o_causal, state = gated_delta_rule(*causal, state)
-            parts.append(o_causal)
-            if batch is not None:                  # the causal part is committed to the write slots
-                for r in range(B):
-                    end = batch.commits[r]
-                    w = batch.write_slots[r]
-                    if w is None:
-                        continue
-                    records = batch.records[r] if batch.records is not None else None
-                    if records is not None:
-                        records[self.layer_index].u.append(u[r, :, :P].t())
-                        records[self.layer_index].qkvgb.append(tuple(t[r] for t in causal))
-                    conv_pool[w] = full[r, :, end:end + K - 1]
-                    rec_pool[w] = state[r]
-        if block_len:
-            qb = q[:, :, P:]
-            o_c, end_state = gated_delta_rule(qb, k[:, :, P:], v[:, :, P:], g[:, :, P:], beta[:, :, P:], state)
-            parts.append(self._block_readout(o_c, qb, end_state))
-        o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    if batch is None:
+        tail = u.new_zeros(B, self.conv_dim, K - 1)
+        state0 = torch.zeros(B, self.num_v_heads, self.dk, self.dv, dtype=cdt, device=u.device)
+    else:
+        conv_pool, rec_pool = batch.pool.conv[self.layer_index], batch.pool.recurrent[self.layer_index]
+        slots = torch.tensor(batch.read_slots, device=u.device)
+        tail, state0 = conv_pool[slots], rec_pool[slots]
+    full = torch.cat([tail, u], dim=2)
+    left = depthwise_conv(full, self.conv1d.weight)                      # [B, C, T]
+    P = T - block_len
+    if block_len:
+        right = self._right_conv(u[:, :, P:])
+        left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
+    x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
+    q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
+    if batch is not None and batch.padded:
+        # right padding (batched prefill): β = 0 and g = 0 leave the state exactly as it was
+        lens = torch.tensor(batch.commits, device=u.device)
+        keep = torch.arange(T, device=u.device)[None, :] < lens[:, None]
+        g, beta = g * keep[:, None], beta * keep[:, None]
 
-        o = o.transpose(1, 2).to(dtype)                                      # [B, T, H, dv]
-        o = self.norm(o, z).reshape(B, T, self.value_dim)
-        return self.out_proj(o)
+    parts = []
+    state = state0
+    if P:
+        causal = tuple(t[:, :, :P] for t in (q, k, v, g, beta))
+        o_causal, state = gated_delta_rule(*causal, state)
+        parts.append(o_causal)
+        if batch is not None:                  # the causal part is committed to the write slots
+            for r in range(B):
+                end = batch.commits[r]
+                w = batch.write_slots[r]
+                if w is None:
+                    continue
+                records = batch.records[r] if batch.records is not None else None
+                if records is not None:
+                    records[self.layer_index].u.append(u[r, :, :P].t())
+                    records[self.layer_index].qkvgb.append(tuple(t[r] for t in causal))
+                conv_pool[w] = full[r, :, end:end + K - 1]
+                rec_pool[w] = state[r]
+    if block_len:
+        qb = q[:, :, P:]
+        o_c, end_state = gated_delta_rule(qb, k[:, :, P:], v[:, :, P:], g[:, :, P:], beta[:, :, P:], state)
+        parts.append(self._block_readout(o_c, qb, end_state))
+    o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    o = o.transpose(1, 2).to(dtype)                                      # [B, T, H, dv]
+    return self.norm(o, z).reshape(B, T, self.value_dim)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backend import reference
 from .expert_selection import route_top_k, select_block_experts_batched
 
 
@@ -67,12 +68,24 @@ class Experts(nn.Module):
                 down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
             self.panels = (gate_up, _pack(down, kernels=True))
             self.down_proj = None
+            self.register_buffer("gate_up_panels", self.panels[0].panels)     # registered state (see PackedWeights)
+            self.register_buffer("down_panels", self.panels[1].panels)
             return
         gate_up = [_pack(self.gate_up_proj[e], kernels=False) for e in range(self.num_experts)]
         self.gate_up_proj = None
         down = [_pack(self.down_proj[e], kernels=False) for e in range(self.num_experts)]
         self.down_proj = None
         self.packed = list(zip(gate_up, down))
+        for e, (g, d) in enumerate(self.packed):
+            self.register_buffer(f"gate_up_packed_{e}", g)
+            self.register_buffer(f"down_packed_{e}", d)
+
+    def _apply(self, fn, recurse=True):
+        if self.panels is not None or self.packed is not None:
+            from .packed import refuse_moving_packed
+
+            refuse_moving_packed(self, fn)
+        return super()._apply(fn, recurse)
 
     def _panel_experts(self, x, offsets, ids, scale, same_row: bool = False, rows=None):
         """Native grouped kernels: rows offsets[g]:offsets[g+1] through expert ids[g], each row's input
@@ -226,3 +239,9 @@ class SparseMoE(nn.Module):
             hits.scatter_add_(1, block_idx, (block_w > 0).long())
             distinct = (hits > 0).sum(1)
         return out, distinct
+
+
+@reference("moe")
+def moe_reference(moe: SparseMoE, x, block_len: int, block_top_p):
+    """The MoE block's output (routed + gated shared experts, no residual) and its distinct experts."""
+    return moe(x, block_len, block_top_p)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backend import reference
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms and recurrences run in float32, or float64 for reference-precision models."""
@@ -20,16 +22,17 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    native = False   # set by packing with the native kernels: bf16 inference runs kernels/rmsnorm.c
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            from ..kernels.rmsnorm import add_rmsnorm
-
-            return add_rmsnorm(x, None, self)[1]    # F.rms_norm costs ~20 µs per call on a few rows
         cdt = compute_dtype(x.dtype)
         # F.rms_norm is this formula in one call: bit-equal to x·rsqrt(mean(x²)+eps)·(1+w), fewer ops
         return F.rms_norm(x.to(cdt), (x.shape[-1],), 1.0 + self.weight.to(cdt), self.eps).to(x.dtype)
+
+
+@reference("add_rmsnorm")
+def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, norm: ZeroCenteredRMSNorm):
+    """The residual add and the norm after it: (h + delta, norm(h + delta)); without delta, (h, norm(h))."""
+    total = h if delta is None else h + delta
+    return total, norm(total)
 
 
 class GatedRMSNorm(nn.Module):

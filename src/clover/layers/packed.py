@@ -13,10 +13,10 @@ Two backends, chosen by `pack_for_cpu(model, kernels=...)`:
 and frees the originals, so memory does not grow. First it stacks the maps that read the same input
 (a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
 with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
-matrix-vector call where it made four (bit-equal outputs). With the kernels it also routes the GDN
-mixers' cached inputs, the norms and residual adds, every MoE block and the attention of short cached
-inputs through the other kernels (`_route_to_kernels`). The unpacked model stays the reference (tests compare the
-two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
+matrix-vector call where it made four (bit-equal outputs). With the kernels it also gives the model
+the "cpu" backend (clover/backend.py): the GDN mixer, cached attention, the MoE block and the residual
+add + norm then run Clover's native kernels where a call qualifies. The unpacked model stays the
+reference (tests compare the two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .norms import ZeroCenteredRMSNorm
 
 
 def onednn_available() -> bool:
@@ -53,7 +52,33 @@ def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     return linear(x, packed, bias)
 
 
-class FusedProjection(nn.Module):
+def refuse_moving_packed(module, fn) -> None:
+    """Raise if `fn` (what `nn.Module._apply` maps over tensors) would move or cast packed weights."""
+    probe = torch.zeros(1, dtype=torch.bfloat16)
+    moved = fn(probe)
+    if moved.dtype != probe.dtype or moved.device != probe.device:
+        raise RuntimeError(
+            f"{type(module).__name__}: these weights were repacked for Clover's CPU kernels (pack_for_cpu) and "
+            f"cannot be moved to {moved.device} or cast to {moved.dtype}; load the checkpoint again with the "
+            "device and dtype you want (clover.load(..., backend='reference') keeps plain weights)")
+
+
+class PackedWeights(nn.Module):
+    """A module whose weights a transform repacked for the CPU kernels. The packed tensors are its
+    registered buffers (`state_dict()` lists them, `load_state_dict()` refills them in place, so the
+    kernels read the new values); moving or casting them would break the layout the kernels read, so
+    `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
+
+    def _apply(self, fn, recurse=True):
+        refuse_moving_packed(self, fn)
+        return super()._apply(fn, recurse)
+
+    def _register_packed(self, name: str, packed) -> None:
+        """Keep the tensor behind a packed weight (panels or oneDNN's layout) as buffer `name`."""
+        self.register_buffer(name, packed.panels if hasattr(packed, "panels") else packed)
+
+
+class FusedProjection(PackedWeights):
     """Several linear maps of the same input stacked into one packed matrix. Decode multiplies one
     row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
     stacked rows reads the same bytes once and returns the pieces as views."""
@@ -63,24 +88,27 @@ class FusedProjection(nn.Module):
         self.sizes = [m.weight.shape[0] for m in linears]
         stacked = torch.cat([m.weight.detach() for m in linears])
         self.packed = _pack(stacked, kernels)
+        self._register_packed("weight_packed", self.packed)
         biases = [getattr(m, "bias", None) for m in linears]
-        self.bias = None
+        bias = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat([torch.zeros(n, dtype=stacked.dtype) if b is None else b.detach()
-                                   for b, n in zip(biases, self.sizes)])
+            bias = torch.cat([torch.zeros(n, dtype=stacked.dtype) if b is None else b.detach()
+                              for b, n in zip(biases, self.sizes)])
+        self.register_buffer("bias", bias)
 
     def forward(self, x):
         return packed_linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(PackedWeights):
     """`nn.Linear` whose weight lives in a packed layout (panels or oneDNN's blocked one)."""
 
     def __init__(self, linear: nn.Linear, kernels: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = _pack(linear.weight, kernels)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self._register_packed("weight_packed", self.packed)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x):
         return packed_linear(x, self.packed, self.bias)
@@ -121,28 +149,12 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
             setattr(parent, name, PackedLinear(child, kernels))
             count += 1
         del child       # the replaced weight is freed here, before the next matrix is packed
-    if kernels:
-        _route_to_kernels(model)
+    if kernels:                 # the fused ops run the native kernels from now on (backend.py)
+        from ..backend import Backend
+
+        model.backend = Backend("cpu")
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
-
-
-def _route_to_kernels(model) -> None:
-    """Point the modules' short inputs at the native kernels (each keeps its PyTorch path): GDN mixers
-    (decode, block steps, commits, prefill chunks: kernels/gdn_short.c), norms and the residual add
-    before each MoE block (kernels/rmsnorm.c), every MoE block with its routing and block expert
-    selection (kernels/moe_block.c), and attention over the cache for up to 64 tokens
-    (kernels/attention_cached.c)."""
-    from .attention import Attention
-    from .gated_deltanet import GatedDeltaNet
-
-    for m in model.modules():
-        if isinstance(m, (GatedDeltaNet, Attention)):
-            m.short_kernel = True
-        elif isinstance(m, ZeroCenteredRMSNorm):
-            m.native = True
-    for layer in model.model.layers:
-        layer.native_glue = True
 
 
 def _fuse_input_projections(model, kernels: bool) -> int:

@@ -20,7 +20,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="weights dtype (auto: as stored)")
+                        help="weights dtype (auto: bf16 with the native kernels on CPU where they build, else as stored)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
@@ -46,7 +46,7 @@ def build(args):
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = clover.load(path, dtype=dtype, device=args.device, pack=True)   # no-op unless bf16 on CPU
+    model = clover.load(path, dtype=dtype, device=args.device)   # the fast path: bf16 + native kernels on CPU
     tokenizer = CloverTokenizer.from_dir(args.tokenizer or path)
     budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
     engine = Engine(model, EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget))

@@ -1,0 +1,85 @@
+"""The native CPU kernels as implementations of the backend ops (clover/backend.py), each with the test
+of which calls it can take. A call that does not qualify runs the op's PyTorch reference.
+
+The limits below are the C code's (the kernels also refuse anything else with an error):
+  - all: bf16 inputs, no autograd (the kernels compute no gradients), CPU tensors;
+  - gdn_core: a cached forward (the rows' state slots in the pool) without right padding and without
+    an open speculation (speculation records need q, k, v, g, β, which the kernel never forms); up to
+    64 tokens at once, or any number of causal tokens (64 per call);
+  - attention: a cached forward without padding, up to 64 tokens (longer inputs go to PyTorch's flash
+    attention, which blocks over queries), head_dim ≤ 512, ≤ 16 query heads per K/V head;
+  - moe: a block packed into panels by `pack_for_cpu(kernels=True)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import implementation
+from .attention_cached import MAX_TOKENS as ATTENTION_MAX_TOKENS
+from .attention_cached import attention_cached
+from .gdn_short import MAX_TOKENS as GDN_MAX_TOKENS
+from .gdn_short import gdn_short
+from .moe_block import moe_block, packed_for_kernels
+from .rmsnorm import add_rmsnorm
+
+
+def _plain_bf16(*tensors) -> bool:
+    return (not torch.is_grad_enabled()
+            and all(t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors))
+
+
+def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
+    return _plain_bf16(h, delta) and (delta is None or delta.shape == h.shape)
+
+
+implementation("add_rmsnorm", "cpu", _add_rmsnorm_qualifies)(add_rmsnorm)
+
+
+def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
+    T = u.shape[1]
+    return (batch is not None and not batch.padded and batch.records is None
+            and (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a))
+
+
+@implementation("gdn_core", "cpu", _gdn_qualifies)
+def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
+    pool, i = batch.pool, mixer.layer_index
+    T = u.shape[1]
+    if T <= GDN_MAX_TOKENS:
+        return gdn_short(mixer, u, z, b, a, pool.conv[i], pool.recurrent[i], batch.read_slots, batch.write_slots,
+                         block_len)
+    # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form: the
+    # kernel keeps each state slab in L1 for all 64 tokens). The first call reads the rows' slots; the
+    # later ones update the write slots in place (the kernel reads a slab, or a conv channel block,
+    # whole before it writes it back)
+    parts, read = [], batch.read_slots
+    for s in range(0, T, GDN_MAX_TOKENS):
+        parts.append(gdn_short(mixer, *(t[:, s:s + GDN_MAX_TOKENS] for t in (u, z, b, a)), pool.conv[i],
+                               pool.recurrent[i], read, batch.write_slots))
+        read = batch.write_slots
+    return torch.cat(parts, dim=1)
+
+
+def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
+    return (qg.shape[1] <= ATTENTION_MAX_TOKENS and batch is not None and not batch.padded
+            and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
+
+
+@implementation("attention", "cpu", _attention_qualifies)
+def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
+    B, T = qg.shape[:2]
+    out = torch.empty(B, T, attn.num_heads * attn.head_dim, dtype=qg.dtype)
+    table = batch.page_table()
+    kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
+    for r in range(B):
+        attention_cached(attn, qg[r], k[r], v[r], cos[r], sin[r], kp, vp, table[r], batch.starts[r], block_len,
+                         out=out[r])
+    return out
+
+
+def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
+    return x.dim() == 3 and _plain_bf16(x) and packed_for_kernels(moe)
+
+
+implementation("moe", "cpu", _moe_qualifies)(moe_block)
