@@ -267,6 +267,7 @@ def test_call_cut_by_max_tokens(client, scripted):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]},
      "messages.1.tool_calls.0.function.arguments"),
@@ -285,6 +286,19 @@ def test_template_errors_are_400(tok):
     try:
         r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK}, timeout=30)
         assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+    finally:
+        assert server.stop()
+
+
+def test_chat_template_kwargs_reach_the_template(tok):
+    model = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0])
+    custom = CloverTokenizer(tok.tokenizer, "{{ greeting }} {{ messages[0].content }}{{ enable_thinking }}")
+    engine = ScriptedEngine(model, custom)
+    server = Server(create_app(engine, custom, MODEL))
+    try:
+        body = {"model": MODEL, "messages": ASK, "chat_template_kwargs": {"greeting": "Hej", "enable_thinking": False}}
+        assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        assert custom.decode(engine.prompts[-1]) == "Hej " + ASK[0]["content"] + "False"
     finally:
         assert server.stop()
 

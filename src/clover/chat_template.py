@@ -120,11 +120,12 @@ def render_template(template: str, messages: Sequence[Mapping], tools: Sequence[
 
     `special_tokens` (e.g. {"eos_token": "<|im_end|>"}) are visible to the template as variables, as
     transformers passes its tokenizer's special tokens; `kwargs` (chat_template_kwargs such as
-    `enable_thinking`) override them. Raises jinja2's TemplateError when the template rejects its input."""
+    `enable_thinking`) override them, and are overridden by the chat itself (messages, tools, …). Raises jinja2's TemplateError when the template rejects its input."""
     chat = [_clean_message(m) for m in messages]
-    variables = {**_plain(dict(special_tokens or {})), **_plain(kwargs)}
-    return _compile(template).render(messages=chat, tools=_plain(list(tools)) if tools is not None else None,
-                                     documents=None, add_generation_prompt=add_generation_prompt, **variables)
+    variables = {**_plain(dict(special_tokens or {})), **_plain(kwargs),
+                 "messages": chat, "tools": _plain(list(tools)) if tools is not None else None,
+                 "documents": None, "add_generation_prompt": add_generation_prompt}
+    return _compile(template).render(**variables)
 
 
 def _clean_message(message: Mapping) -> dict:

@@ -26,6 +26,8 @@ from .text import CONTENT, REASONING
 from .tool_calls import ToolCallStream, assemble
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+# Template variables the request itself fills.
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,10 @@ def _calls(calls, where: str) -> list[dict]:
 def prepare_chat(tokenizer, req, enable_thinking: bool, template_kwargs: dict) -> tuple[list[int], ToolPlan]:
     """Prompt ids for a chat request, rendered by the model's template, and the request's tool plan."""
     plan = plan_tools(req)
+    reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs cannot set {', '.join(reserved)}: the request does",
+                          "chat_template_kwargs")
     messages = chat_messages(req.messages)
     kwargs = {**template_kwargs, "enable_thinking": enable_thinking and not plan.prefill}
     try:
