@@ -64,6 +64,14 @@ def args(call):
     ("{\"x\": 1}", {"properties": {"x": {}}}, {"x": 1}),   # no type, but properties: an object
     ("[1]", None, "[1]"),                                  # unknown parameter: a string
     ("__import__('os')", {"type": "object"}, "__import__('os')"),
+    # Readings that would not be valid JSON again stay text.
+    ('{"a": NaN}', {"type": "object"}, '{"a": NaN}'),
+    ("[1e999]", {"type": "array"}, "[1e999]"),
+    ("{'a': b'x'}", {"type": "object"}, "{'a': b'x'}"),
+    ("{'a': {1, 2}}", {"type": "object"}, "{'a': {1, 2}}"),
+    ("{(1, 2): 3}", {"type": "object"}, "{(1, 2): 3}"),
+    ("[" * 100000, {"type": "array"}, "[" * 100000),
+    ("9" * 5000, {"type": "integer"}, "9" * 5000),
 ])
 def test_convert_value(raw, schema, expected):
     value = convert_value(raw, schema)

@@ -127,7 +127,10 @@ def convert_value(raw: str, schema) -> Any:
 
 def _number(text: str, integer: bool):
     if _INT.fullmatch(text):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:                   # past Python's int-from-text digit limit
+            return None
     if not _FLOAT.fullmatch(text):
         return None
     value = float(text)
@@ -139,14 +142,16 @@ def _number(text: str, integer: bool):
 
 
 def _container(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    try:
-        return ast.literal_eval(text)        # {'a': 1}, [True, None]: Python literals, safely
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return None
+    """JSON, else a Python literal ({'a': 1}, [True, None]: models write those too) — only if the
+    result is valid JSON again (no NaN, bytes, sets or tuple keys)."""
+    for read in (json.loads, ast.literal_eval):
+        try:
+            value = read(text)
+            json.dumps(value, allow_nan=False)
+            return value
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return None
 
 
 # ---- the incremental parser --------------------------------------------------------------------
