@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from clover.server.tool_calls import (ToolCallParser, ToolCallStream, assemble, convert_value, parse_tool_calls,
-                                      tool_schemas)
+from clover.server.tool_calls import ToolCallParser, ToolCallStream, assemble, parse_tool_calls, tool_schemas
+from clover.server.tool_values import convert_value
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},

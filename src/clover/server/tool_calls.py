@@ -12,7 +12,7 @@ The model writes calls in Qwen3.6's XML format (the demo template's, see `chat_t
 
 `ToolCallParser` reads that text incrementally. Text outside calls is content; each call becomes a
 tool call whose `arguments` JSON is built parameter by parameter, every value typed by the tool's JSON
-schema (`convert_value`). The non-streaming answer (`parse_tool_calls`) is the parser's own deltas
+schema (`tool_values.convert_value`). The non-streaming answer (`parse_tool_calls`) is the parser's own deltas
 assembled, so streamed and whole responses agree by construction. Rules (vLLM's qwen3 coder / xml
 parsers were read for the behaviour; this is a separate, simpler state machine):
 
@@ -42,20 +42,17 @@ streaming rule in both modes so they agree.
 
 from __future__ import annotations
 
-import ast
 import json
-import math
-import re
 import uuid
 from typing import Any, Callable, Iterable
+
+from .tool_values import convert_value
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 _NAME_END = ">"
 _WS = " \t\r\n"
-_INT = re.compile(r"-?\d+")
-_FLOAT = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def tool_schemas(tools: Iterable[dict] | None) -> dict[str, dict]:
@@ -67,91 +64,6 @@ def tool_schemas(tools: Iterable[dict] | None) -> dict[str, dict]:
             params = fn.get("parameters")
             out[fn["name"]] = params if isinstance(params, dict) else {}
     return out
-
-
-# ---- values ------------------------------------------------------------------------------------
-def _schema_types(schema) -> list[str]:
-    """The JSON types a schema admits (`type`, `anyOf`/`oneOf` members, `enum`/`const` values)."""
-    if not isinstance(schema, dict):
-        return []
-    t = schema.get("type")
-    types = [t] if isinstance(t, str) else [x for x in t if isinstance(x, str)] if isinstance(t, list) else []
-    for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or ():
-            types += _schema_types(sub)
-    for v in list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else []):
-        types.append(_json_type(v))
-    if not types and "properties" in schema:
-        types.append("object")
-    if not types and "items" in schema:
-        types.append("array")
-    return list(dict.fromkeys(types))
-
-
-def _json_type(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    return {str: "string", dict: "object", list: "array"}.get(type(v), "string")
-
-
-def convert_value(raw: str, schema) -> Any:
-    """One parameter's text → the value its schema asks for.
-
-    Strings stay as written; other types are read as JSON (or a Python literal, which models also
-    write). Where a schema admits several types, the non-string readings are tried first (the template
-    writes strings raw and everything else as JSON). Text that fits no admitted type comes back as the
-    string it is, for the client to judge: no schema, an unknown parameter, or a bad value never fail."""
-    types = _schema_types(schema)
-    text = raw.strip()
-    for t in types:
-        if t == "null" and text in ("null", "None"):
-            return None
-        if t == "boolean" and text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        if t in ("integer", "number"):
-            number = _number(text, integer=(t == "integer"))
-            if number is not None:
-                return number
-        if t in ("object", "array"):
-            value = _container(text)
-            if isinstance(value, dict if t == "object" else list):
-                return value
-    return raw
-
-
-def _number(text: str, integer: bool):
-    if _INT.fullmatch(text):
-        try:
-            return int(text)
-        except ValueError:                   # past Python's int-from-text digit limit
-            return None
-    if not _FLOAT.fullmatch(text):
-        return None
-    value = float(text)
-    if not math.isfinite(value):
-        return None
-    if integer:
-        return int(value) if value.is_integer() else None
-    return value
-
-
-def _container(text: str):
-    """JSON, else a Python literal ({'a': 1}, [True, None]: models write those too) — only if the
-    result is valid JSON again (no NaN, bytes, sets or tuple keys)."""
-    for read in (json.loads, ast.literal_eval):
-        try:
-            value = read(text)
-            json.dumps(value, allow_nan=False)
-            return value
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-    return None
 
 
 # ---- the incremental parser --------------------------------------------------------------------
