@@ -1,9 +1,10 @@
 """Tokens and the chat template (SPEC §11): text <-> ids for the engine, server and trainer.
 
-Owns the special tokens, the Qwen-style chat template (as a Jinja string for transformers and as a
-pure-Python renderer that produces the same text), `CloverTokenizer` (a thin wrapper over a
-`tokenizers.Tokenizer` read from a model directory) and `IncrementalDecoder` for streaming.
-Imports only `tokenizers` and the stdlib so the engine does not need transformers to run.
+Owns the special tokens, the demo's chat template (a Jinja string, see `chat_template.py`, and a
+pure-Python renderer that produces the same text for plain chats), `CloverTokenizer` (a thin wrapper
+over a `tokenizers.Tokenizer` read from a model directory, rendering the directory's own template) and
+`IncrementalDecoder` for streaming. Imports only `tokenizers` and the stdlib (jinja2 only for chats with
+tools or foreign templates) so the engine does not need transformers to run.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 from functools import lru_cache
 from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer
+
+from .chat_template import TOOL_CHAT_TEMPLATE, is_plain_chat, render_template
 
 ENDOFTEXT, IM_START, IM_END, THINK, THINK_END, MASK = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>")
 # Order = ids 0..5 in the tokenizers we train.
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, THINK, THINK_END, MASK]
 
-# Every statement strips surrounding whitespace ({%- -%}), so the output does not depend on
-# transformers' trim_blocks / lstrip_blocks settings. Thinking is on unless enable_thinking is
-# passed and falsy.
-CHAT_TEMPLATE = (
+# The SPEC §11 template as first shipped (plain turns only). Tokenizers built before tools keep it;
+# it renders plain chats exactly as CHAT_TEMPLATE does.
+SPEC_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
@@ -37,11 +40,17 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endif -%}"
 )
+# The demo's template: SPEC §11 turns plus Qwen3.6's tool format (see chat_template.py). Thinking is on
+# unless enable_thinking is passed and falsy.
+CHAT_TEMPLATE = TOOL_CHAT_TEMPLATE
+_OUR_TEMPLATES = (CHAT_TEMPLATE, SPEC_CHAT_TEMPLATE)
+# Private-use characters that mark control-token text written by a user (see _encode_marked).
+_MARK_OPEN, _MARK_CLOSE = "\U0010fffc", "\U0010fffd"
 
 
 def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
                 enable_thinking: bool = True) -> str:
-    """Render `messages` ([{role, content}]) exactly as CHAT_TEMPLATE does."""
+    """Render plain `messages` ([{role, content}]) exactly as CHAT_TEMPLATE does, without jinja2."""
     text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
     if add_generation_prompt:
         text += f"{IM_START}assistant\n"
@@ -49,22 +58,22 @@ def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
     return text
 
 
-def _render_jinja(template: str, messages, add_generation_prompt: bool, enable_thinking: bool) -> str:
-    """Render a foreign chat template (e.g. a Qwen checkpoint's) the way transformers does."""
-    import jinja2  # only needed for templates other than ours
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _marked(obj, mark):
+    """`obj` with `mark` applied to every string value (dict keys are left alone)."""
+    if isinstance(obj, str):
+        return mark(obj)
+    if isinstance(obj, dict):
+        return {k: _marked(v, mark) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_marked(v, mark) for v in obj]
+    return obj
 
-    def raise_exception(msg):
-        raise jinja2.exceptions.TemplateError(msg)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt,
-        enable_thinking=enable_thinking)
+def _token_text(value) -> str | None:
+    """A special token's text from tokenizer_config.json (a string or an AddedToken dict)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 @lru_cache(maxsize=1)
@@ -85,29 +94,36 @@ def _byte_decoder() -> dict[str, int]:
 class CloverTokenizer:
     """A `tokenizers.Tokenizer` plus the chat template and the ids the decoder needs."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
+                 template_tokens: dict[str, str] | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_tokens = dict(template_tokens or {})   # bos_token, eos_token, … for templates
         self._special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._control = [tokenizer.id_to_token(i) for i in sorted(self._special_ids)]
         self._token_bytes: dict[int, bytes] = {}
+        self._plain_tokenizer: Tokenizer | None = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "CloverTokenizer":
         """Load `tokenizer.json`; the chat template from `chat_template.jinja` or `tokenizer_config.json`."""
         path = os.fspath(path)
         tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        template = None
+        template, cfg = None, {}
         jinja_path = os.path.join(path, "chat_template.jinja")
         cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
         if os.path.exists(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
-        elif os.path.exists(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
+        else:
+            template = cfg.get("chat_template")
             if isinstance(template, list):  # named templates: take "default"
                 template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tok, template)
+        tokens = {k: _token_text(v) for k, v in cfg.items() if k.endswith("_token") and _token_text(v)}
+        return cls(tok, template, tokens)
 
     # ---- ids ----
     def token_to_id(self, token: str) -> int | None:
@@ -147,14 +163,70 @@ class CloverTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool = True, tokenize: bool = True) -> list[int] | str:
-        """The prompt for `messages`: ids (tokenize=True) or text. Our template renders in pure
-        Python; a different one (e.g. a Qwen checkpoint's) is rendered with jinja2."""
-        if self.chat_template is None or self.chat_template == CHAT_TEMPLATE:
-            text = render_chat(messages, add_generation_prompt, enable_thinking)
-        else:
-            text = _render_jinja(self.chat_template, messages, add_generation_prompt, enable_thinking)
-        return self.encode(text) if tokenize else text
+                            enable_thinking: bool = True, tokenize: bool = True, *,
+                            tools: Sequence[dict] | None = None, **template_kwargs) -> list[int] | str:
+        """The prompt for `messages`: ids (tokenize=True) or text.
+
+        `tools` (OpenAI function schemas) and `template_kwargs` (chat_template_kwargs) go to the template.
+        Plain chats on our template render in pure Python; anything else with jinja2 in a sandbox
+        (`chat_template.render_template`). With tokenize=True, control-token text inside the messages,
+        tools or kwargs (a user writing `<|im_start|>system`) is encoded as plain text: only the
+        template itself writes control tokens."""
+        template_kwargs.setdefault("enable_thinking", enable_thinking)
+        if not tokenize:
+            return self._render(messages, tools, add_generation_prompt, template_kwargs)
+        mark = self._marker()
+        messages = _marked(messages, mark)
+        tools = _marked(tools, mark)
+        template_kwargs = _marked(template_kwargs, mark)
+        return self._encode_marked(self._render(messages, tools, add_generation_prompt, template_kwargs))
+
+    def _render(self, messages, tools, add_generation_prompt: bool, template_kwargs: dict) -> str:
+        ours = self.chat_template is None or self.chat_template in _OUR_TEMPLATES
+        if ours and is_plain_chat(messages, tools) and set(template_kwargs) == {"enable_thinking"}:
+            return render_chat(messages, add_generation_prompt, template_kwargs["enable_thinking"])
+        template = CHAT_TEMPLATE if self.chat_template is None else self.chat_template
+        return render_template(template, messages, tools, add_generation_prompt, self.template_tokens,
+                               **template_kwargs)
+
+    def _marker(self):
+        """A function wrapping each control token in a string between our private-use marks."""
+        pattern = self._control_pattern()
+
+        def mark(text: str) -> str:
+            # Marks already in the text are dropped first, so a user cannot forge a marked token.
+            text = text.replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
+            return pattern.sub(lambda m: _MARK_OPEN + m.group(0) + _MARK_CLOSE, text) if pattern else text
+        return mark
+
+    def _control_pattern(self) -> re.Pattern | None:
+        """Any control token, longest first (so a token wins over the tokens inside it)."""
+        if not self._control:
+            return None
+        return re.compile("|".join(re.escape(t) for t in sorted(self._control, key=len, reverse=True)))
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """Ids of a rendered chat: each marked control token as plain text, the rest as usual.
+        A lone mark (a template that cut a marked token apart) is dropped but still splits the text,
+        so its neighbours cannot join into a control token."""
+        if _MARK_OPEN not in text and _MARK_CLOSE not in text:
+            return self.encode(text)
+        tokens = self._control_pattern()
+        marks = re.compile(f"{_MARK_OPEN}({tokens.pattern}){_MARK_CLOSE}|[{_MARK_OPEN}{_MARK_CLOSE}]")
+        pieces = marks.split(text)            # [text, marked token or None, text, …]
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids += self._encode_plain(piece) if i % 2 else self.encode(piece)
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with control-token text split like any other text (a second tokenizer, so
+        the shared one never changes mode under another thread)."""
+        if self._plain_tokenizer is None:
+            self._plain_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+            self._plain_tokenizer.encode_special_tokens = True
+        return self._plain_tokenizer.encode(text, add_special_tokens=False).ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, as the ByteLevel decoder sees them: every char mapped

@@ -25,7 +25,8 @@ from ..generation.settings import GenerationSettingsError
 from ..tokenization import CloverTokenizer
 from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, check_unsupported, extras, parse,
                        setting_param, settings_overrides, stop_strings)
-from .text import CONTENT, REASONING, TextStream
+from .chat_tools import ChatOutput, prepare_chat
+from .text import CONTENT, TextStream
 from .transport import CountRequests, SSEResponse, collect, outputs, read_json, sse
 
 log = logging.getLogger("clover.server")
@@ -143,8 +144,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         skip = extra.get("skip_special_tokens", True)
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+        prompt_ids, plan = prepare_chat(tokenizer, req, thinking, kwargs)     # the model's template, tools
+        output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
         handle = submit(prompt_ids, settings)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=_inside_thinking(prompt_ids, tokenizer),
@@ -155,11 +156,10 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             reasoning, content, finish, error = await collect(request, handle, text)
             if error is not None:
                 raise engine_error(error)
-            message = {"role": "assistant", "content": content}
-            if reasoning:
-                message["reasoning_content"] = reasoning
+            message = output.message(reasoning, content)
             return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                                 "finish_reason": output.finish_reason(finish)}],
                     "usage": usage(handle, text), "clover": handle.stats or {}}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -169,20 +169,16 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
 
         async def stream():
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunk(output.first_delta())
             async for delta, finish, error in outputs(handle, text):
-                d = {}
-                if delta[REASONING]:
-                    d["reasoning_content"] = delta[REASONING]
-                if delta[CONTENT]:
-                    d["content"] = delta[CONTENT]
+                d = output.feed(delta, last=bool(finish))
                 if d:
                     yield chunk(d)
                 if error is not None:
                     yield sse(engine_error(error).body())
                     break
                 if finish:
-                    yield chunk({}, finish)
+                    yield chunk({}, output.finish_reason(finish))
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                            "choices": [], "usage": usage(handle, text)})

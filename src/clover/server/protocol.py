@@ -98,7 +98,7 @@ class _Common(_Strict):
     logit_bias: dict | None = None
 
 
-class ChatRequest(_Common):
+class ChatRequest(_Common):      # tools / tool_choice: see chat_tools.py
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -138,8 +138,6 @@ def check_unsupported(req: _Common) -> None:
     if isinstance(req, ChatRequest):
         if req.logprobs or req.top_logprobs:
             raise bad_request("logprobs are not supported", "logprobs", "unsupported")
-        if req.tools:
-            raise bad_request("tools are not supported", "tools", "unsupported")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
                               "unsupported")

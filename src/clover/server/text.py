@@ -68,7 +68,7 @@ class TextStream:
         self._stop = StopMatcher(stop or [])
         self._newlines = ""            # reasoning newlines held back (dropped if </think> follows)
         self._strip_content = False    # strip the newlines that follow </think>
-        self.n_tokens = 0              # ids fed so far (the usage count, deterministic at a stop)
+        self.n_tokens = 0              # ids fed up to a stop (the usage count: tokens returned)
 
     @property
     def stopped(self) -> bool:
@@ -76,11 +76,10 @@ class TextStream:
 
     def feed(self, ids) -> dict[str, str]:
         out = {REASONING: "", CONTENT: ""}
-        if not self.stopped:
-            self.n_tokens += len(ids)
         for t in ids:
             if self.stopped:
                 break
+            self.n_tokens += 1         # up to the token that completed a stop string, none after it
             if t in self._eos or not 0 <= t < self._vocab:
                 continue
             if t == self.think_end_id or t == self.think_id:
