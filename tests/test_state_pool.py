@@ -267,3 +267,23 @@ def test_fork_shares_pages_until_a_write_and_equals_recomputation():
         nxt = torch.tensor([[11]])
         assert (model.step(nxt, [b]) - model.step(nxt, [c])).abs().max() <= 1e-10
         assert one.shape[1] == 2
+
+
+@pytest.mark.parametrize("decoding", ["low_confidence", "self_speculative"])
+def test_admission_holds_over_many_rounds_in_a_tight_pool(decoding):
+    """A sequence is promised two GDN slots at a time for its whole life (a forward writes a fresh slot
+    and drops the old one; a speculation keeps its start): more sequences than the pool can hold at once,
+    over many rounds, all finish with the tokens they get alone, and the pool ends where it began."""
+    model = fresh()
+    pool = model.configure_state_pool(1 << 24, max_sequences=2, prefix_slots=1)     # 1 + 2·2 + 1 slots
+    start = pool_counts(pool)
+    s = settings(model, max_new_tokens=40, block_size=4, threshold=0.7, eos_token_id=[], decoding=decoding)
+    prompts = [[30 + i] * (35 + i) for i in range(5)]
+    seqs = [Sequence(p, s, model.config) for p in prompts]
+    run(Decoder(model), seqs)
+    assert [q.finish_reason for q in seqs] == ["length"] * 5, [q.error for q in seqs]
+    pool.prefix.clear()
+    assert pool_counts(pool) == start
+    alone = fresh()
+    alone.configure_state_pool(1 << 24, max_sequences=2, prefix_slots=1)
+    assert [q.response for q in seqs] == [generate_batch(alone, [p], s)[0].tokens for p in prompts]

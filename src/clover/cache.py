@@ -87,7 +87,7 @@ class ForwardBatch:
 class _Holdings:
     """What one sequence holds in the pool (kept apart from the handle so a finalizer can free it)."""
 
-    __slots__ = ("pages", "slot", "saved_slot", "reserved_pages", "reserved_slots", "snapshot_slots")
+    __slots__ = ("pages", "slot", "saved_slot", "reserved_pages", "reserved_slots", "snapshot_slots", "own_slots")
 
     def __init__(self):
         self.pages: list[int] = []
@@ -96,6 +96,7 @@ class _Holdings:
         self.reserved_pages = 0
         self.reserved_slots = 0
         self.snapshot_slots: list[int] = []       # one reference per snapshot taken
+        self.own_slots: list[int] = []            # slots taken out of the reservation (refunded when dropped)
 
 
 class StatePool:
@@ -270,7 +271,7 @@ class StatePool:
             self._drop_slot(held.saved_slot)
             for slot in held.snapshot_slots:
                 self._drop_slot(slot)
-            held.slot, held.saved_slot, held.snapshot_slots = None, None, []
+            held.slot, held.saved_slot, held.snapshot_slots, held.own_slots = None, None, [], []
             self.reserved_pages -= held.reserved_pages
             self.reserved_slots -= held.reserved_slots
             held.reserved_pages = held.reserved_slots = 0
@@ -294,6 +295,9 @@ class StatePool:
         for i in range(start // P, min(self.pages_for(stop), len(held.pages))):
             page = held.pages[i]
             if self._page_refs[page] > 1:
+                if held.reserved_pages:
+                    held.reserved_pages -= 1
+                    self.reserved_pages -= 1
                 fresh = self._take_page()
                 for d in (self.k, self.v):
                     for t in d.values():
@@ -301,11 +305,26 @@ class StatePool:
                 self._drop_page(page)
                 held.pages[i] = fresh
 
-    def _take_write_slot(self, held: _Holdings) -> int:
-        if held.reserved_slots:
-            held.reserved_slots -= 1
-            self.reserved_slots -= 1
-        return self._take_slot()
+    def _seq_take_slot(self, held: _Holdings) -> int:
+        """A fresh slot for a sequence, out of its reservation while it has one left."""
+        if not held.reserved_slots:
+            return self._take_slot()
+        slot = self._take_slot()
+        held.reserved_slots -= 1
+        self.reserved_slots -= 1
+        held.own_slots.append(slot)
+        return slot
+
+    def _seq_drop_slot(self, held: _Holdings, slot: int | None) -> None:
+        """A sequence lets go of one reference to `slot`; a slot it took out of its reservation gives
+        the reservation back (a sequence is promised two slots at a time, not two in its life)."""
+        if slot is None:
+            return
+        if slot in held.own_slots:
+            held.own_slots.remove(slot)
+            held.reserved_slots += 1
+            self.reserved_slots += 1
+        self._drop_slot(slot)
 
     def flat_positions(self, pages: list[int], start: int, stop: int) -> torch.Tensor:
         """Rows of a `[pages · page_size, …]` view holding positions start … stop−1 of a page table."""
@@ -349,10 +368,10 @@ class StatePool:
                 write = []
                 try:
                     for s, n in zip(seqs, commits):
-                        write.append(self._take_write_slot(s._held) if n else None)
+                        write.append(self._seq_take_slot(s._held) if n else None)
                 except PoolFull:
-                    for slot in write:
-                        self._drop_slot(slot)
+                    for s, slot in zip(seqs, write):
+                        self._seq_drop_slot(s._held, slot)
                     raise
             records = None
             if any(s._records is not None for s in seqs):
@@ -367,12 +386,12 @@ class StatePool:
                 if batch.write_slots is not None and batch.write_slots[b] is not None:
                     old = s._held.slot
                     s._held.slot = batch.write_slots[b]
-                    self._drop_slot(old)
+                    self._seq_drop_slot(s._held, old)
 
-    def abort(self, batch: ForwardBatch) -> None:
+    def abort(self, batch: ForwardBatch, seqs: list["SequenceState"]) -> None:
         with self._lock:
-            for slot in batch.write_slots or ():
-                self._drop_slot(slot)
+            for s, slot in zip(seqs, batch.write_slots or ()):
+                self._seq_drop_slot(s._held, slot)
 
     def stats(self) -> dict:
         with self._lock:
@@ -445,11 +464,11 @@ class SequenceState:
         pool = self.pool
         with pool._lock:
             if pool.slot_refs(self._held.slot) > 1 or self._held.slot == 0:
-                fresh = pool._take_slot()
+                fresh = pool._seq_take_slot(self._held)
                 for i in pool.conv:
                     pool.conv[i][fresh].copy_(pool.conv[i][self._held.slot])
                     pool.recurrent[i][fresh].copy_(pool.recurrent[i][self._held.slot])
-                pool._drop_slot(self._held.slot)
+                pool._seq_drop_slot(self._held, self._held.slot)
                 self._held.slot = fresh
             pool.conv[layer][self._held.slot].copy_(conv)
             pool.recurrent[layer][self._held.slot].copy_(recurrent)
@@ -488,7 +507,7 @@ class SequenceState:
             raise ValueError("this snapshot was not taken from this sequence")
         with self.pool._lock:
             self.pool._ref_slot(snap.slot)
-            self.pool._drop_slot(self._held.slot)
+            self.pool._seq_drop_slot(self._held, self._held.slot)
             self._held.slot = snap.slot
             self._close_speculation()
             self.length = snap.length
@@ -527,7 +546,7 @@ class SequenceState:
     def _close_speculation(self) -> None:
         self.spec_start = None
         self._records = None
-        self.pool._drop_slot(self._held.saved_slot)
+        self.pool._seq_drop_slot(self._held, self._held.saved_slot)
         self._held.saved_slot = None
 
     def rollback(self, n: int) -> None:
@@ -541,19 +560,19 @@ class SequenceState:
             if self.has_gdn and n != self.length:
                 if keep == 0:
                     pool._ref_slot(held.saved_slot)
-                    pool._drop_slot(held.slot)
+                    pool._seq_drop_slot(held, held.slot)
                     held.slot = held.saved_slot
                 else:
                     target = held.slot
                     if pool.slot_refs(target) > 1 or target in (held.saved_slot, 0):
-                        target = pool._take_slot()
+                        target = pool._seq_take_slot(held)
                     for i, record in self._records.items():
                         conv, rec = _replay_gdn(pool.conv[i][held.saved_slot], pool.recurrent[i][held.saved_slot],
                                                 record, keep)
                         pool.conv[i][target].copy_(conv)
                         pool.recurrent[i][target].copy_(rec)
                     if target != held.slot:
-                        pool._drop_slot(held.slot)
+                        pool._seq_drop_slot(held, held.slot)
                         held.slot = target
             self.length = n
             self._close_speculation()

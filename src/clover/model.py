@@ -195,7 +195,7 @@ class CloverForCausalLM(nn.Module):
         try:
             logits = self._run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
         except BaseException:
-            pool.abort(batch)
+            pool.abort(batch, caches)
             raise
         pool.finish(batch, caches)
         return logits
