@@ -3,9 +3,9 @@ of which calls it can take. A call that does not qualify runs the op's PyTorch r
 
 The limits below are the C code's (the kernels also refuse anything else with an error):
   - all: bf16 inputs, no autograd (the kernels compute no gradients), CPU tensors;
-  - gdn_core: a cached forward (the rows' state slots in the pool) without right padding and without
-    an open speculation (speculation records need q, k, v, g, β, which the kernel never forms); up to
-    64 tokens at once, or any number of causal tokens (64 per call);
+  - gdn_core: a forward from scratch, or a cached one (the rows' state slots in the pool) without right
+    padding and without an open speculation (speculation records need q, k, v, g, β, which the kernel
+    never forms); up to 64 tokens with a block, or any number of causal tokens (64 per call);
   - attention: a cached forward without padding, up to 64 tokens (longer inputs go to PyTorch's flash
     attention, which blocks over queries), head_dim ≤ 512, ≤ 16 query heads per K/V head;
   - moe: a block packed into panels by `pack_for_cpu(kernels=True)`.
@@ -38,26 +38,32 @@ implementation("add_rmsnorm", "cpu", _add_rmsnorm_qualifies)(add_rmsnorm)
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     T = u.shape[1]
-    return (batch is not None and not batch.padded and batch.records is None
+    return ((batch is None or (not batch.padded and batch.records is None))
             and (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a))
 
 
 @implementation("gdn_core", "cpu", _gdn_qualifies)
 def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
-    pool, i = batch.pool, mixer.layer_index
     T = u.shape[1]
+    if batch is None:            # from scratch (`model(ids)`): zero states in, scratch states out
+        B = u.shape[0]
+        conv = torch.zeros(2 * B, mixer.conv_dim, mixer.kernel - 1, dtype=torch.bfloat16)
+        recurrent = torch.zeros(2 * B, mixer.num_v_heads, mixer.dk, mixer.dv, dtype=torch.float32)
+        read, write = list(range(B)), list(range(B, 2 * B))
+    else:
+        conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
+        read, write = batch.read_slots, batch.write_slots
     if T <= GDN_MAX_TOKENS:
-        return gdn_short(mixer, u, z, b, a, pool.conv[i], pool.recurrent[i], batch.read_slots, batch.write_slots,
-                         block_len)
+        return gdn_short(mixer, u, z, b, a, conv, recurrent, read, write, block_len)
     # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form: the
     # kernel keeps each state slab in L1 for all 64 tokens). The first call reads the rows' slots; the
     # later ones update the write slots in place (the kernel reads a slab, or a conv channel block,
     # whole before it writes it back)
-    parts, read = [], batch.read_slots
+    parts = []
     for s in range(0, T, GDN_MAX_TOKENS):
-        parts.append(gdn_short(mixer, *(t[:, s:s + GDN_MAX_TOKENS] for t in (u, z, b, a)), pool.conv[i],
-                               pool.recurrent[i], read, batch.write_slots))
-        read = batch.write_slots
+        parts.append(gdn_short(mixer, *(t[:, s:s + GDN_MAX_TOKENS] for t in (u, z, b, a)), conv, recurrent, read,
+                               write))
+        read = write
     return torch.cat(parts, dim=1)
 
 
