@@ -18,6 +18,9 @@ IGNORED_CONFIG_KEYS = {"_from_model_config", "transformers_version", "pad_token_
                        "bos_token_id", "use_cache", "return_dict_in_generate", "output_scores"}
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
 class GenerationSettingsError(ValueError):
     """A setting or request that SPEC §9 (or plain sense) rejects."""
 
@@ -127,6 +130,9 @@ class GenerationSettings:
             integer("top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise GenerationSettingsError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise GenerationSettingsError(f"seed must lie in [-2**63, 2**64 - 1] (what a torch generator "
+                                          f"takes), got {self.seed}")
         if self.block_expert_top_p is not None:
             number("block_expert_top_p")
             if not 0.0 < self.block_expert_top_p <= 1.0:

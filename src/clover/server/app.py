@@ -61,7 +61,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       "invalid_request_error", None, kind))
+                                       "invalid_request_error", None, kind, exc.headers))   # 405 keeps Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

@@ -140,6 +140,8 @@ def check_unsupported(req: _Common) -> None:
             raise bad_request("logprobs are not supported", "logprobs", "unsupported")
         if req.tools:
             raise bad_request("tools are not supported", "tools", "unsupported")
+        if req.tool_choice is not None:
+            raise bad_request("tool_choice needs tools, and tools are not supported", "tool_choice", "unsupported")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
                               "unsupported")

@@ -62,8 +62,57 @@ def sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
+MAX_JSON_DEPTH = 64     # OpenAI bodies nest a few levels; deeper is an attack on the parser
+
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json` (UTF-8). A browser page may send
+    `text/plain` or form bodies cross-origin without a CORS preflight; JSON it cannot."""
+    header = request.headers.get("content-type")
+    media, _, params = (header or "").partition(";")
+    charset = None
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    if media.strip().lower() != "application/json" or charset not in (None, "utf-8", "utf8"):
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json (UTF-8), got "
+                            f"{header!r}" if header else "the request has no Content-Type: send application/json",
+                       "invalid_request_error", None, "unsupported_media_type")
+
+
+def check_json_value(value) -> None:
+    """Reject what json.loads accepts but the rest of the server cannot take: nesting deeper than
+    MAX_JSON_DEPTH (recursive validators would overflow the stack) and lone UTF-16 surrogates
+    (`"\\ud800"`: not encodable as UTF-8, so the tokenizer would raise). Iterative, so any depth is safe."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item)
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _check_text(key)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"the request body contains a lone UTF-16 surrogate ({text[exc.start]!a} at character "
+                          f"{exc.start} of a string); send valid Unicode", None, "invalid_json") from None
+
+
 async def read_json(request: Request, max_bytes: int):
-    """The body parsed as JSON; 413 past `max_bytes` (declared or streamed), 400 if not JSON."""
+    """The body parsed as JSON; 415 unless declared application/json, 413 past `max_bytes`
+    (declared or streamed), 400 if not UTF-8 JSON or not acceptable (see check_json_value)."""
+    check_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"the request body ({length} bytes) exceeds the {max_bytes}-byte limit",
@@ -76,9 +125,13 @@ async def read_json(request: Request, max_bytes: int):
                            "invalid_request_error", None, "request_too_large")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        value = json.loads(b"".join(chunks).decode("utf-8"))   # json.loads(bytes) would also take UTF-16/32
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+        raise bad_request(f"the request body is not valid JSON (UTF-8): {exc}", None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
+    check_json_value(value)
+    return value
 
 
 async def outputs(handle, text: TextStream):

@@ -1,0 +1,134 @@
+"""Issue 25 hardening, end to end against a real uvicorn server on 127.0.0.1 (as test_server.py):
+bad input is a 4xx in the OpenAI error shape, never a 5xx, and one request cannot hurt another."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from clover.engine import Engine, EngineOptions
+from clover.server.app import create_app
+from test_server import (MODEL, TIMEOUT, Server, check_error, model, model_dir, one_thread,  # noqa: F401 (fixtures)
+                         post, tokenizer)
+
+JSON = {"content-type": "application/json"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def start(model, tokenizer, app_options=None, **options):
+    """A server with the default 1 MiB body limit (deep nesting needs room) and `create_app` options."""
+    engine = Engine(model, EngineOptions(**options))
+    return Server(create_app(engine, tokenizer, MODEL, **(app_options or {}))), engine
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    server, engine = start(model, tokenizer, max_batch=8, max_queue=16)
+    yield server, engine
+    assert server.stop()
+
+
+def server_errors(server) -> float:
+    """Sum of the 5xx answers the server has counted in /metrics."""
+    total = 0.0
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("clover_http_requests_total{") and 'status="5' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def alive(server) -> None:
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "still here", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# ---- bad input: 4xx, never 5xx ---------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [100, 10_000, 100_000])
+def test_deeply_nested_json_is_a_400(served, depth):
+    server, _ = served
+    before = server_errors(server)
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "metadata": ' + nested + b"}"
+    check_error(post(server, "/v1/completions", content=body, headers=JSON), 400, None, ["nests deeper"])
+    assert server_errors(server) == before
+    alive(server)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\udfff"}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "stop": ["\\ud83d"]}'),
+])
+def test_lone_surrogate_is_a_400(served, path, body):
+    server, _ = served
+    before = server_errors(server)
+    check_error(post(server, path, content=body.encode(), headers=JSON), 400, None, ["surrogate"])
+    assert server_errors(server) == before
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, 10 ** 30, -(2 ** 63) - 1])
+def test_seed_out_of_range_is_a_400(served, seed):
+    server, _ = served
+    before = server_errors(server)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0.7, "seed": seed}
+    check_error(post(server, "/v1/completions", body), 400, "seed", ["seed must lie in"])
+    assert server_errors(server) == before
+
+
+def test_largest_seed_is_accepted(served):
+    server, _ = served
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0.7, "seed": 2 ** 64 - 1}
+    assert post(server, "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("headers, content", [
+    ({"content-type": "text/plain"}, json.dumps(CHAT).encode()),
+    ({"content-type": "application/x-www-form-urlencoded"}, json.dumps(CHAT).encode()),
+    ({"content-type": "multipart/form-data; boundary=x"}, json.dumps(CHAT).encode()),
+    ({}, json.dumps(CHAT).encode()),
+    ({"content-type": "application/json; charset=utf-16"}, json.dumps(CHAT).encode("utf-16")),
+])
+def test_non_json_content_type_is_a_415_and_not_executed(served, headers, content):
+    server, engine = served
+    steps = engine.metrics.steps.value()
+    r = httpx.post(server.url + "/v1/chat/completions", content=content, headers=headers, timeout=TIMEOUT)
+    check_error(r, 415, None, ["application/json"])
+    assert engine.metrics.steps.value() == steps          # nothing ran
+
+
+def test_utf16_body_declared_as_json_is_a_400(served):
+    server, engine = served
+    steps = engine.metrics.steps.value()
+    check_error(post(server, "/v1/chat/completions", content=json.dumps(CHAT).encode("utf-16"), headers=JSON),
+                400, None, ["UTF-8"])
+    assert engine.metrics.steps.value() == steps
+
+
+def test_json_with_charset_utf8_is_accepted(served):
+    server, _ = served
+    r = post(server, "/v1/chat/completions", content=json.dumps(CHAT).encode(),
+             headers={"content-type": "application/json; charset=UTF-8"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", {"type": "function", "function": {"name": "f"}}])
+def test_tool_choice_without_tools_is_a_400(served, tool_choice):
+    server, _ = served
+    check_error(post(server, "/v1/chat/completions", dict(CHAT, tool_choice=tool_choice)), 400, "tool_choice",
+                ["tool_choice"])
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("GET", "/v1/chat/completions", {"POST"}),
+    ("PUT", "/v1/completions", {"POST"}),
+    ("POST", "/health", {"GET", "HEAD"}),
+    ("DELETE", "/v1/models", {"GET", "HEAD"}),
+])
+def test_405_names_the_allowed_methods(served, method, path, allowed):
+    server, _ = served
+    r = httpx.request(method, server.url + path, timeout=TIMEOUT)
+    check_error(r, 405)
+    assert {m.strip() for m in r.headers["allow"].split(",")} >= allowed - {"HEAD"}
+    assert method not in r.headers["allow"]
