@@ -132,3 +132,19 @@ def test_405_names_the_allowed_methods(served, method, path, allowed):
     check_error(r, 405)
     assert {m.strip() for m in r.headers["allow"].split(",")} >= allowed - {"HEAD"}
     assert method not in r.headers["allow"]
+
+
+# ---- poison sampling values: a 400 naming the field (they used to fail the whole running batch) --------
+@pytest.mark.parametrize("change, param", [
+    ({"temperature": 1e-40}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"),
+    ({"top_p": 1e-46}, "top_p"),
+    ({"temperature": 0.7, "dllm_length_penalty_strength": 1e308}, "dllm_length_penalty_strength"),
+    ({"temperature": 0.7, "dllm_repetition_penalty": 1e-300}, "dllm_repetition_penalty"),
+])
+def test_poison_sampling_values_are_a_400(served, change, param):
+    server, engine = served
+    steps = engine.metrics.steps.value()
+    check_error(post(server, "/v1/chat/completions", dict(CHAT, **change)), 400, param, [param])
+    assert engine.metrics.steps.value() == steps
+    alive(server)

@@ -17,6 +17,8 @@ from ..decoding.unmasking import candidates, positions_to_fill
 from .settings import GenerationSettings
 
 _ids = itertools.count()
+# |logit| / temperature above this may overflow float32 on the way through softmax.
+_SAFE_SCALED_LOGIT = 1e30
 
 
 @dataclass
@@ -185,10 +187,7 @@ class Sequence:
         filled = [t for t in self.block if t != self.mask_id]
         queries = [self.position + i for i in masked]
         controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
-        tokens, confidence = candidates(
-            controlled, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            generator=self.generator, exclude=self.mask_id,   # a mask "fill" would never finish the block
-        )
+        tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
         fill = positions_to_fill(confidence, s.threshold)
         self.draft_steps_done += 1
         if s.speculative and self.draft_steps_done >= s.draft_steps:
@@ -208,8 +207,27 @@ class Sequence:
         if self._controls_on:
             histories = [self._history(extra[: seen_first + k]) for k in range(n)]
             logits = self._controlled(logits, queries, histories, extra)
-        tokens, _ = candidates(
-            logits.float(), do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            generator=self.generator,
-        )
+        tokens, _ = self._candidates(logits.float())
         return tokens.tolist()
+
+    def _candidates(self, logits: torch.Tensor, exclude: int | None = None):
+        """`candidates()` on logits made safe first, so no NaN can reach `torch.multinomial` (which
+        would raise inside the shared decoder step and fail every co-batched request): NaN scores
+        become -inf, +inf the largest float32, a row with no finite score uniform; and a temperature so
+        small that logits / temperature would overflow float32 is applied in float64, shifted by each
+        row's maximum (the same distribution, finite). Finite logits at ordinary temperatures pass
+        through unchanged."""
+        s = self.settings
+        x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+        if bool(dead.any()):
+            x = torch.where(dead, torch.zeros_like(x), x)
+        temperature = s.temperature
+        if s.do_sample and temperature > 0 and x.numel():
+            largest = float(torch.where(torch.isfinite(x), x.abs(), 0).amax())
+            if largest / temperature > _SAFE_SCALED_LOGIT:
+                scaled = x.double() / temperature
+                x = (scaled - scaled.amax(dim=-1, keepdim=True)).float()   # max 0; the rest <= 0, maybe -inf
+                temperature = 1.0
+        return candidates(x, do_sample=s.do_sample, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
+                          generator=self.generator, exclude=exclude)

@@ -19,6 +19,12 @@ IGNORED_CONFIG_KEYS = {"_from_model_config", "transformers_version", "pad_token_
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Sampling runs in float32 with denormals flushed to zero (runtime.py): a positive temperature or
+# top_p below float32's smallest normal number acts as 0 there (a division by zero, an empty nucleus).
+FLOAT32_TINY = 2.0 ** -126
+# Control values past this only overflow float32 logits (inf, then NaN): a bias of 1e9 already
+# outweighs any logit, a penalty factor of 1e9 (or 1e-9) already flattens or inflates every one.
+MAX_CONTROL_MAGNITUDE = 1e9
 
 
 class GenerationSettingsError(ValueError):
@@ -120,12 +126,18 @@ class GenerationSettings:
         if not isinstance(self.do_sample, bool):
             raise GenerationSettingsError(f"do_sample must be true or false, got {self.do_sample!r}")
         number("temperature")
-        if self.temperature < 0:
-            raise GenerationSettingsError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise GenerationSettingsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < FLOAT32_TINY:
+            raise GenerationSettingsError(f"temperature must be 0 (greedy) or at least {FLOAT32_TINY:.3g} "
+                                          f"(float32's smallest normal number), got {self.temperature}")
         if self.top_p is not None:
             number("top_p")
             if not 0.0 < self.top_p <= 1.0:
                 raise GenerationSettingsError(f"top_p must lie in (0, 1], got {self.top_p}")
+            if self.top_p < FLOAT32_TINY:
+                raise GenerationSettingsError(f"top_p must be at least {FLOAT32_TINY:.3g} (float32's smallest "
+                                              f"normal number; below it the nucleus is empty), got {self.top_p}")
         if self.top_k is not None:
             integer("top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -143,6 +155,16 @@ class GenerationSettings:
             self.controls.validate()
         except ValueError as exc:
             raise GenerationSettingsError(str(exc)) from None
+        for name in ("dllm_length_penalty_strength", "dllm_think_end_strength"):
+            if abs(getattr(self, name)) > MAX_CONTROL_MAGNITUDE:
+                raise GenerationSettingsError(f"{name} must lie in [-{MAX_CONTROL_MAGNITUDE:g}, "
+                                              f"{MAX_CONTROL_MAGNITUDE:g}] (larger biases overflow float32 "
+                                              f"logits), got {getattr(self, name)}")
+        r = self.dllm_repetition_penalty
+        if not 1 / MAX_CONTROL_MAGNITUDE <= r <= MAX_CONTROL_MAGNITUDE:
+            raise GenerationSettingsError(f"dllm_repetition_penalty must lie in [{1 / MAX_CONTROL_MAGNITUDE:g}, "
+                                          f"{MAX_CONTROL_MAGNITUDE:g}] (beyond that float32 logits overflow), "
+                                          f"got {r}")
         if self.speculative and self.do_sample and self.temperature > 0:
             raise GenerationSettingsError(
                 "decoding='self_speculative' supports greedy decoding only (do_sample=False); "
