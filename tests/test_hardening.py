@@ -148,3 +148,34 @@ def test_poison_sampling_values_are_a_400(served, change, param):
     check_error(post(server, "/v1/chat/completions", dict(CHAT, **change)), 400, param, [param])
     assert engine.metrics.steps.value() == steps
     alive(server)
+
+
+# ---- bounded per-request compute: a documented maximum block size ----------------------------------
+def test_block_size_above_the_maximum_is_a_400(served):
+    server, engine = served
+    steps = engine.metrics.steps.value()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "block_size": 65536}
+    check_error(post(server, "/v1/completions", body), 400, "block_size", ["max_block_size 1024"])
+    check_error(post(server, "/v1/completions", dict(body, block_size=8, max_block_size=1 << 20)), 400,
+                "max_block_size", ["unknown field"])                # a request cannot raise the cap
+    assert engine.metrics.steps.value() == steps
+
+
+def test_the_maximum_block_size_is_configurable(model, tokenizer):
+    server, _ = start(model, tokenizer, {"max_block_size": 4})
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+        assert post(server, "/v1/completions", dict(body, block_size=4)).status_code == 200
+        check_error(post(server, "/v1/completions", dict(body, block_size=8)), 400, "block_size",
+                    ["max_block_size 4"])
+    finally:
+        assert server.stop()
+
+
+def test_default_maximum_block_size_is_1024():
+    from clover.generation.settings import GenerationSettings, GenerationSettingsError
+
+    assert GenerationSettings.resolve(block_size=1024).block_size == 1024
+    with pytest.raises(GenerationSettingsError, match="block_size must be <= max_block_size 1024"):
+        GenerationSettings.resolve(block_size=1025)
+    assert GenerationSettings.resolve({"max_block_size": 4096}, block_size=2048).block_size == 2048

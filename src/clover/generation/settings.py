@@ -53,6 +53,10 @@ class GenerationSettings:
     dllm_think_end_start: int = 4096
     dllm_think_end_window: int = 4096
     dllm_think_end_strength: float = 10.0
+    # A block's forward costs what its length costs, whatever max_new_tokens is: the cap keeps one
+    # cheap request (block_size 65536, max_tokens 1) from holding the engine for minutes. The
+    # operator's setting (generation_config.json, `clover serve --max-block-size`), never a request's.
+    max_block_size: int = 1024
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -117,6 +121,10 @@ class GenerationSettings:
 
         integer("max_new_tokens", 1)
         integer("block_size", 1)
+        integer("max_block_size", 1)
+        if self.block_size > self.max_block_size:
+            raise GenerationSettingsError(f"block_size must be <= max_block_size {self.max_block_size}, "
+                                          f"got {self.block_size}")
         integer("draft_steps", 1)
         number("threshold")
         if not 0.0 < self.threshold <= 1.0:

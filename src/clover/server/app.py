@@ -35,8 +35,10 @@ ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "clover", *,
                max_body_bytes: int = 1 << 20, shutdown_engine: bool = True,
-               shutdown_timeout: float = 30.0) -> FastAPI:
-    """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down."""
+               shutdown_timeout: float = 30.0, max_block_size: int | None = None) -> FastAPI:
+    """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down.
+    `max_block_size`: the largest block_size a request may ask for (None: the model's
+    generation_config.json, else GenerationSettings' default)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -83,6 +85,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     def make_settings(req, extra: dict, prompt_ids: list[int], prompt_param: str):
         over, asked = settings_overrides(req, extra)
+        if max_block_size is not None:
+            over["max_block_size"] = max_block_size
         max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         try:
             settings = engine.settings(**over)

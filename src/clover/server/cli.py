@@ -26,6 +26,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--max-cache-gb", type=float, default=None, help="cache budget of the running batch")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-block-size", type=int, default=None,
+                        help="largest block_size a request may ask for (default: the model's "
+                             "generation_config.json max_block_size, else 1024)")
     parser.add_argument("--graceful-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish at shutdown")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -52,7 +55,7 @@ def build(args):
     engine = Engine(model, EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget))
     name = args.served_model_name or ("clover-demo" if args.model is None else path.resolve().name)
     app = create_app(engine, tokenizer, name, max_body_bytes=args.max_body_bytes,
-                     shutdown_timeout=args.graceful_timeout)
+                     shutdown_timeout=args.graceful_timeout, max_block_size=args.max_block_size)
     return app, engine
 
 
