@@ -4,6 +4,10 @@ bad input is a 4xx in the OpenAI error shape, never a 5xx, and one request canno
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -11,7 +15,7 @@ import pytest
 from clover.engine import Engine, EngineOptions
 from clover.server.app import create_app
 from test_server import (MODEL, TIMEOUT, Server, check_error, model, model_dir, one_thread,  # noqa: F401 (fixtures)
-                         post, tokenizer)
+                         post, slow_forwards, tokenizer, wait_for)
 
 JSON = {"content-type": "application/json"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -179,3 +183,51 @@ def test_default_maximum_block_size_is_1024():
     with pytest.raises(GenerationSettingsError, match="block_size must be <= max_block_size 1024"):
         GenerationSettings.resolve(block_size=1025)
     assert GenerationSettings.resolve({"max_block_size": 4096}, block_size=2048).block_size == 2048
+
+
+# ---- a client that leaves, and large bodies ----------------------------------------------------------
+def status_count(server, route, status) -> float:
+    needle = f'clover_http_requests_total{{route="{route}",status="{status}"}} '
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(needle):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_non_streaming_client_that_hangs_up_is_a_499_not_a_500(served, slow_forwards, caplog):
+    server, engine = served
+    errors, gone = server_errors(server), status_count(server, "/v1/completions", 499)
+    cancelled = engine.metrics.requests.value(finish_reason="cancelled")
+    body = {"model": MODEL, "prompt": "Impatient", "max_tokens": 400, "block_size": 1, "ignore_eos": True}
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        wait_for(lambda: engine.metrics.requests.value(finish_reason="cancelled") == cancelled + 1)
+        wait_for(lambda: status_count(server, "/v1/completions", 499) == gone + 1)
+    assert server_errors(server) == errors
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("path, attribute", [("/v1/chat/completions", "apply_chat_template"),
+                                             ("/v1/completions", "encode")])
+def test_tokenizing_does_not_block_the_event_loop(served, tokenizer, monkeypatch, path, attribute):
+    """While one request's (slow) tokenization runs, /health still answers at once."""
+    server, _ = served
+    real, started = getattr(tokenizer, attribute), threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, attribute, slow)
+    body = CHAT if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "slow", "max_tokens": 2}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, server, path, body)
+        assert started.wait(TIMEOUT)
+        t0 = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+        waited = time.perf_counter() - t0
+        assert pending.result(TIMEOUT).status_code == 200
+    assert waited < 1.0, f"/health waited {waited:.2f}s behind a tokenization"
+

@@ -148,7 +148,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+        # Templating and tokenizing a large body takes a while: in a worker thread, not on the event loop.
+        prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                             enable_thinking=thinking)
         settings = make_settings(req, extra, prompt_ids, "messages")
         handle = submit(prompt_ids, settings)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=_inside_thinking(prompt_ids, tokenizer),
@@ -213,7 +215,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
             prompt = prompt[0]
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("the prompt is empty: at least one token is needed", "prompt")
         settings = make_settings(req, extra, prompt_ids, "prompt")

@@ -8,6 +8,7 @@ stream ends), disconnect detection for non-streaming requests, the request-count
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 from fastapi import Request
@@ -124,8 +125,19 @@ async def read_json(request: Request, max_bytes: int):
             raise APIError(413, f"the request body exceeds the {max_bytes}-byte limit",
                            "invalid_request_error", None, "request_too_large")
         chunks.append(chunk)
+    body = b"".join(chunks)
+    if len(body) > OFF_LOOP_BYTES:          # a large body parses in a worker thread: the loop keeps serving
+        return await asyncio.to_thread(parse_json, body)
+    return parse_json(body)
+
+
+OFF_LOOP_BYTES = 64 * 1024
+
+
+def parse_json(body: bytes):
+    """UTF-8 JSON → a value, checked by check_json_value; APIError 400 otherwise."""
     try:
-        value = json.loads(b"".join(chunks).decode("utf-8"))   # json.loads(bytes) would also take UTF-16/32
+        value = json.loads(body.decode("utf-8"))   # json.loads(bytes) would also take UTF-16/32
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON (UTF-8): {exc}", None, "invalid_json") from None
     except RecursionError:
@@ -186,6 +198,10 @@ async def collect(request: Request, handle, text: TextStream):
         if not work.done():
             work.cancel()
             handle.cancel()
+            # cancel() only asks: wait until the task has really stopped, else work.result() below
+            # raises InvalidStateError (a false 500 for a client that simply left).
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
     if work.cancelled():
         raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
     work.result()
