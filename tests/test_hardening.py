@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from clover.engine import Engine, EngineOptions
@@ -231,3 +232,60 @@ def test_tokenizing_does_not_block_the_event_loop(served, tokenizer, monkeypatch
         assert pending.result(TIMEOUT).status_code == 200
     assert waited < 1.0, f"/health waited {waited:.2f}s behind a tokenization"
 
+
+
+# ---- access: API key and allowed hosts -------------------------------------------------------------
+KEY = "sk-test-4f9a"
+
+
+@pytest.fixture(scope="module")
+def guarded(model, tokenizer):
+    server, engine = start(model, tokenizer, {"api_key": KEY, "allowed_hosts": ["127.0.0.1", "localhost"]})
+    yield server, engine
+    assert server.stop()
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+    ("GET", "/v1/models/tiny"), ("GET", "/metrics"), ("GET", "/docs"), ("GET", "/redoc"),
+    ("GET", "/openapi.json"), ("GET", "/v1/nothing"),
+])
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", KEY])
+def test_api_key_is_required(guarded, method, path, authorization):
+    server, engine = guarded
+    steps = engine.metrics.steps.value()
+    headers = dict(JSON, **({"authorization": authorization} if authorization else {}))
+    r = httpx.request(method, server.url + path, headers=headers, content=json.dumps(CHAT), timeout=TIMEOUT)
+    err = check_error(r, 401, None, ["API key"])
+    assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    assert engine.metrics.steps.value() == steps
+
+
+def test_the_right_key_is_accepted_and_health_stays_open(guarded):
+    server, _ = guarded
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client().models.list()                            # its api_key is "x"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    auth = {"authorization": f"Bearer {KEY}"}
+    assert httpx.get(server.url + "/metrics", headers=auth).status_code == 200
+    assert httpx.get(server.url + "/openapi.json", headers=auth).status_code == 200
+    assert 'status="401"' in httpx.get(server.url + "/metrics", headers=auth).text   # refusals are counted
+
+
+@pytest.mark.parametrize("host", ["evil.example", "attacker.test:8000", "127.0.0.1.evil.example", "[::1]"])
+def test_other_host_headers_are_refused(guarded, host):
+    server, _ = guarded
+    r = httpx.get(server.url + "/health", headers={"host": host})
+    check_error(r, 400, None, ["Host header"])
+    r = httpx.get(server.url + "/v1/models", headers={"host": host, "authorization": f"Bearer {KEY}"})
+    assert check_error(r, 400)["code"] == "invalid_host"
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost:1234", "127.0.0.1", "LOCALHOST"])
+def test_allowed_host_headers_pass(guarded, host):
+    server, _ = guarded
+    assert httpx.get(server.url + "/health", headers={"host": host}).status_code == 200

@@ -26,7 +26,7 @@ from ..tokenization import CloverTokenizer
 from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, check_unsupported, extras, parse,
                        setting_param, settings_overrides, stop_strings)
 from .text import CONTENT, REASONING, TextStream
-from .transport import CountRequests, SSEResponse, collect, outputs, read_json, sse
+from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
 
 log = logging.getLogger("clover.server")
 
@@ -35,8 +35,12 @@ ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "clover", *,
                max_body_bytes: int = 1 << 20, shutdown_engine: bool = True,
-               shutdown_timeout: float = 30.0, max_block_size: int | None = None) -> FastAPI:
+               shutdown_timeout: float = 30.0, max_block_size: int | None = None, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None, body_timeout: float | None = 30.0) -> FastAPI:
     """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down.
+    `api_key`: required as a Bearer token on every route but /health (None: no authentication).
+    `allowed_hosts`: Host header names accepted ("*.example.com" and "*" allowed; None: any).
+    `body_timeout`: seconds a request body may take to arrive (408 after; None: no limit).
     `max_block_size`: the largest block_size a request may ask for (None: the model's
     generation_config.json, else GenerationSettings' default)."""
 
@@ -75,7 +79,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
                                        None, "internal_error"))
 
-    app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)     # outermost: counts refusals
 
     # ---- helpers -------------------------------------------------------------------------------
     def check_model(name: str) -> None:
@@ -126,7 +131,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- chat ----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await read_json(request, max_body_bytes))
+        req = parse(ChatRequest, await read_json(request, max_body_bytes, body_timeout))
         check_model(req.model)
         check_unsupported(req)
         extra = extras(req)
@@ -199,7 +204,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, max_body_bytes))
+        req = parse(CompletionRequest, await read_json(request, max_body_bytes, body_timeout))
         check_model(req.model)
         check_unsupported(req)
         extra = extras(req)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from .protocol import APIError, bad_request
 from .text import CONTENT, REASONING, TextStream
@@ -43,6 +44,53 @@ class CountRequests:
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
             self.counter.inc(route=route, status=status[0])
+
+
+class Guard:
+    """ASGI middleware in front of every route: the Host header must be one of `allowed_hosts`
+    (when given: a DNS-rebinding page reaches a loopback server under its own host name), and, when
+    `api_key` is set, every path but `open_paths` (/health: for load balancers) needs
+    `Authorization: Bearer <api_key>`. Refusals are OpenAI-shaped errors (400 invalid_host, 401)."""
+
+    def __init__(self, app, api_key: str | None = None, allowed_hosts=None, open_paths=("/health",)):
+        self.app, self.open_paths = app, set(open_paths)
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = [h.lower() for h in allowed_hosts] if allowed_hosts else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        error = self._host_error(headers.get("host", b"").decode("latin-1"))
+        if error is None and self.api_key is not None and scope["path"] not in self.open_paths:
+            error = self._auth_error(headers.get("authorization"))
+        if error is None:
+            return await self.app(scope, receive, send)
+        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+    def _host_error(self, host: str) -> APIError | None:
+        if self.allowed_hosts is None or "*" in self.allowed_hosts:
+            return None
+        name = host.lower()
+        if name.startswith("["):                       # [::1]:8000
+            name = name[: name.find("]") + 1]
+        elif name.count(":") == 1:
+            name = name.split(":", 1)[0]
+        for allowed in self.allowed_hosts:
+            if name == allowed or (allowed.startswith("*.") and name.endswith(allowed[1:])):
+                return None
+        return APIError(400, f"the Host header {host!r} is not one this server answers to "
+                             f"(allowed: {', '.join(self.allowed_hosts)})", "invalid_request_error", None,
+                        "invalid_host")
+
+    def _auth_error(self, authorization: bytes | None) -> APIError | None:
+        scheme, _, token = (authorization or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return None
+        message = ("invalid API key" if authorization else
+                   "missing API key: send it as 'Authorization: Bearer <key>'")
+        return APIError(401, message, "invalid_request_error", None, "invalid_api_key",
+                        {"WWW-Authenticate": "Bearer"})
 
 
 class SSEResponse(StreamingResponse):
@@ -110,22 +158,31 @@ def _check_text(text: str) -> None:
                           f"{exc.start} of a string); send valid Unicode", None, "invalid_json") from None
 
 
-async def read_json(request: Request, max_bytes: int):
+async def read_json(request: Request, max_bytes: int, timeout: float | None = None):
     """The body parsed as JSON; 415 unless declared application/json, 413 past `max_bytes`
-    (declared or streamed), 400 if not UTF-8 JSON or not acceptable (see check_json_value)."""
+    (declared or streamed), 408 if not all there within `timeout` seconds (a slow sender holds a
+    connection), 400 if not UTF-8 JSON or not acceptable (see check_json_value)."""
     check_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"the request body ({length} bytes) exceeds the {max_bytes}-byte limit",
                        "invalid_request_error", None, "request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body exceeds the {max_bytes}-byte limit",
-                           "invalid_request_error", None, "request_too_large")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"the request body exceeds the {max_bytes}-byte limit",
+                               "invalid_request_error", None, "request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        body = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                       None, "request_timeout", {"Connection": "close"}) from None
     if len(body) > OFF_LOOP_BYTES:          # a large body parses in a worker thread: the loop keeps serving
         return await asyncio.to_thread(parse_json, body)
     return parse_json(body)
