@@ -2,6 +2,7 @@
 
 The CLI only parses arguments and dispatches; user mistakes print one clear line, not a traceback.
 Every command takes `--model PATH` and defaults to the demo model shipped in the package.
+`python -m clover` is the same command.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def cmd_generate(args) -> int:
     from clover.generation.api import generate_batch, resolve_settings
     from clover.tokenization import IncrementalDecoder
 
+    prompt = _read_prompt(args.prompt)
     model, tokenizer, _ = _load(args)
-    messages = [{"role": "user", "content": args.prompt}]
+    messages = [{"role": "user", "content": prompt}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                enable_thinking=not args.no_think)
     settings = resolve_settings(model, **_settings_from_args(args))
@@ -102,12 +104,22 @@ def cmd_generate(args) -> int:
 
         text = tokenizer.decode(result.tokens, skip_special_tokens=False)
         print(json.dumps({
-            "prompt": args.prompt, "completion": text,
+            "prompt": prompt, "completion": text,
             "answer": extract_answer(text),          # after the last `</think>`, special tokens removed
             "completion_ids": result.tokens, "finish_reason": result.finish_reason, "seconds": round(seconds, 4),
             "settings": {k: v for k, v in settings.__dict__.items()}, "stats": result.stats.as_dict(),
         }))
     return 0
+
+
+def _read_prompt(prompt: str) -> str:
+    """`-` reads the prompt from stdin (a long prompt does not fit in the argument list)."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    if not text.strip():
+        raise UserError("the prompt read from stdin is empty")
+    return text.rstrip("\n")
 
 
 def _show_think_end(tokenizer, tokens, decoder) -> str:
@@ -142,6 +154,10 @@ def cmd_chat(args) -> int:
             return 0
         if line == "/reset":
             messages = []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if line.startswith("/") and " " not in line:
+            print(f"unknown command {line}; commands: /reset, /exit", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=not args.no_think)
@@ -157,6 +173,10 @@ def cmd_chat(args) -> int:
         except ValueError as exc:
             messages.pop()
             print(f"\nerror: {exc}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:               # Ctrl-C stops this reply, not the session
+            messages.pop()
+            print("\n(reply stopped; Ctrl-D or /exit quits)", file=sys.stderr)
             continue
         sys.stdout.write(decoder.flush() + "\n")
         reply = tokenizer.decode(result.tokens, skip_special_tokens=True).split("</think>")[-1].strip()
@@ -195,6 +215,8 @@ def cmd_info(args) -> int:
 def cmd_eval_demo(args) -> int:
     from clover.training.evaluate import MODES, evaluate, format_report
 
+    if args.per_task < 1:
+        raise UserError(f"--per-task must be at least 1, got {args.per_task}")
     model, tokenizer, _ = _load(args)
     modes = args.modes.split(",") if args.modes else list(MODES)
     for m in modes:
@@ -243,14 +265,21 @@ def cmd_bench(args, rest) -> int:
 PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench}
 
 
+def _version() -> str:
+    from clover import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clover", description="Clover block-diffusion language models: generate, chat, serve, evaluate.",
         epilog="Without --model every command uses the tiny demo model shipped with clover.",
     )
+    parser.add_argument("--version", action="version", version=f"clover {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("generate", help="answer one prompt, streaming text as blocks resolve")
-    p.add_argument("prompt", help="the user message")
+    p.add_argument("prompt", help="the user message; - reads it from stdin (clover generate - < prompt.txt)")
     _add_model_arg(p)
     _add_decoding_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
