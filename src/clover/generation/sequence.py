@@ -71,6 +71,9 @@ class Sequence:
         self.block: list[int] = []
         self.draft_steps_done = 0
         self.pending: int | None = None          # next token known from a causal prediction
+        # A self-speculative draft's first token is the causal prediction, which may itself be the
+        # mask id: it is then a real token that stays put, not a position to draft over (§8).
+        self._seed_is_mask = False
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt))
         self.generator = None
@@ -137,10 +140,12 @@ class Sequence:
         if self.settings.speculative:
             length = min(self.settings.block_size, self.remaining)
             self.block = [self.pending] + [self.mask_id] * (length - 1)
+            self._seed_is_mask = self.pending == self.mask_id
             self.draft_steps_done = 0
             self.phase = "denoise" if length > 1 else "verify"
         else:
             self.block = [self.mask_id] * self.settings.block_size
+            self._seed_is_mask = False
             self.phase = "denoise"
 
     # ---- controls ------------------------------------------------------------------------------
@@ -177,14 +182,20 @@ class Sequence:
 
     # ---- decisions -----------------------------------------------------------------------------
     def masked_positions(self) -> list[int]:
-        return [i for i, t in enumerate(self.block) if t == self.mask_id]
+        """Positions still to decide (a draft's seed is decided even when it is the mask id)."""
+        start = 1 if self._seed_is_mask else 0
+        return [i for i in range(start, len(self.block)) if self.block[i] == self.mask_id]
 
     def denoise(self, masked_logits: torch.Tensor) -> None:
         """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
-        masked positions, in position order."""
+        mask-id positions, in position order (the decoder scores every mask id it sees, so a seed
+        that is the mask id has a row too: it is dropped here)."""
         s = self.settings
+        if self._seed_is_mask:
+            masked_logits = masked_logits[1:]
         masked = self.masked_positions()
-        filled = [t for t in self.block if t != self.mask_id]
+        undecided = set(masked)
+        filled = [t for i, t in enumerate(self.block) if i not in undecided]
         queries = [self.position + i for i in masked]
         controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
         tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
@@ -195,7 +206,7 @@ class Sequence:
         for i, t, f in zip(masked, tokens.tolist(), fill.tolist()):
             if f:
                 self.block[i] = t
-        if self.mask_id not in self.block:
+        if not self.masked_positions():
             self.phase = "verify" if s.speculative else "commit"
 
     def predict_next(self, logits: torch.Tensor, extra: list[int], seen_first: int) -> list[int]:
