@@ -22,7 +22,7 @@ import uvicorn
 from clover.engine import Engine, EngineOptions
 from clover.server import cli as serve_cli
 from clover.server.app import create_app
-from clover.server.limits import RepeatFilter, uvicorn_config
+from clover.server.limits import DrainingServer, RepeatFilter, uvicorn_config
 from test_server import MODEL, TIMEOUT, check_error, model, model_dir, one_thread, tokenizer  # noqa: F401
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -31,12 +31,13 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 class LimitedServer:
     """uvicorn with `clover serve`'s config (uvicorn_config) in a thread, on a port the OS picked."""
 
-    def __init__(self, app, **limits):
+    def __init__(self, app, graceful_timeout=5, draining=True, **limits):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", graceful_timeout=5, **limits))
+        config = uvicorn_config(app, log_level="warning", graceful_timeout=graceful_timeout, **limits)
+        self.server = DrainingServer(config, app.state.begin_drain) if draining else uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -61,12 +62,14 @@ def make_server(model, tokenizer):
     def make(app_options=None, **limits):
         engine = Engine(model, EngineOptions(max_batch=4, max_queue=4))
         server = LimitedServer(create_app(engine, tokenizer, MODEL, **(app_options or {})), **limits)
+        server.engine = engine
         made.append(server)
         return server
 
     yield make
     for server in made:
-        assert server.stop()
+        if server.thread.is_alive():
+            assert server.stop()
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -122,10 +125,21 @@ def test_slow_body_is_a_408(make_server):
     c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: 100\r\n\r\n{\"model\": ")                    # 90 bytes never come
     c.settimeout(5.0)
-    head = c.recv(65536)
-    assert head.startswith(b"HTTP/1.1 408"), head
-    body = json.loads(head.split(b"\r\n\r\n", 1)[1])
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < response_length(data):
+        chunk = c.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 408"), data
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["code"] == "request_timeout"
+
+
+def response_length(data: bytes) -> int:
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    found = [line.split(":", 1)[1] for line in head.split("\r\n") if line.startswith("content-length:")]
+    return int(found[0]) if found else 0
 
 
 def test_connections_past_the_limit_get_503(make_server):
@@ -141,6 +155,50 @@ def test_connections_past_the_limit_get_503(make_server):
     while httpx.get(server.url + "/health", timeout=TIMEOUT).status_code != 200:
         assert time.time() < deadline
         time.sleep(0.05)
+
+
+# ---- shutdown past the grace period ------------------------------------------------------------------
+@pytest.fixture
+def very_slow_forwards(model, monkeypatch):
+    """Every forward takes >= 20 ms: a 400-token request runs for 8 s or more."""
+    real = type(model).step
+
+    def step(self, *args, **kwargs):
+        time.sleep(0.02)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "step", step)
+
+
+def test_requests_running_past_the_grace_period_end_with_an_error_event(make_server, very_slow_forwards):
+    server = make_server({"shutdown_timeout": 2.0}, graceful_timeout=2.0)
+    body = {"model": MODEL, "prompt": "Long", "max_tokens": 400, "block_size": 1, "ignore_eos": True}
+    lines, first, results = [], threading.Event(), {}
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    first.set()
+
+    def whole():
+        results["whole"] = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
+
+    readers = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    for t in readers:
+        t.start()
+    assert first.wait(TIMEOUT)
+    time.sleep(0.3)                                  # the non-streaming one is surely running too
+    t0 = time.time()
+    assert server.stop()
+    for t in readers:
+        t.join(TIMEOUT)
+    assert time.time() - t0 < 2.0 + 3.0              # the grace period plus a little
+    assert lines[-1] == "[DONE]", lines[-3:]
+    assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
+    err = check_error(results["whole"], 503)
+    assert err["code"] == "shutting_down"
 
 
 # ---- log flood control ------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     app = FastAPI(title="Clover", lifespan=lifespan)
     app.state.engine, app.state.tokenizer, app.state.model_name = engine, tokenizer, model_name
+    # Set by begin_drain() (limits.DrainingServer calls it just before uvicorn's grace period ends):
+    # every open request then ends with a 503 shutting_down error (streams: an error event and
+    # [DONE]) instead of being cut off at the HTTP level.
+    drain = asyncio.Event()
+    app.state.begin_drain = drain.set
     metrics = engine.metrics
     created = int(time.time())
 
@@ -163,7 +168,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if not req.stream:
-            reasoning, content, finish, error = await collect(request, handle, text)
+            reasoning, content, finish, error = await collect(request, handle, text, drain)
             if error is not None:
                 raise engine_error(error)
             message = {"role": "assistant", "content": content}
@@ -181,7 +186,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
         async def stream():
             yield chunk({"role": "assistant", "content": ""})
-            async for delta, finish, error in outputs(handle, text):
+            async for delta, finish, error in outputs(handle, text, drain):
                 d = {}
                 if delta[REASONING]:
                     d["reasoning_content"] = delta[REASONING]
@@ -229,7 +234,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         if not req.stream:
-            _, content, finish, error = await collect(request, handle, text)
+            _, content, finish, error = await collect(request, handle, text, drain)
             if error is not None:
                 raise engine_error(error)
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
@@ -243,7 +248,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                         "choices": [{"index": 0, "text": text_delta, "logprobs": None, "finish_reason": finish}]})
 
         async def stream():
-            async for delta, finish, error in outputs(handle, text):
+            async for delta, finish, error in outputs(handle, text, drain):
                 if error is not None:
                     if delta[CONTENT]:
                         yield chunk(delta[CONTENT])

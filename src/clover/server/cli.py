@@ -128,9 +128,7 @@ def served_name(args) -> str:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
-    from .limits import install_repeat_filter, uvicorn_config
+    from .limits import DrainingServer, install_repeat_filter, uvicorn_config
 
     check_args(args)
     sock = bind_socket(args.host, args.port)        # before the (slow) model load: a busy port fails now
@@ -142,7 +140,7 @@ def run_serve(args) -> int:
                                 keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
         install_repeat_filter()
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            DrainingServer(config, app.state.begin_drain).run(sockets=[sock])
         finally:
             engine.shutdown(graceful=False)
     finally:

@@ -11,9 +11,11 @@ filling the disk.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -71,6 +73,28 @@ def install_repeat_filter(burst: int = 5, interval: float = 10.0) -> RepeatFilte
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(filt)
     return filt
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that calls `on_drain()` (the app's begin_drain) `margin` seconds before its
+    graceful-shutdown period ends, so open requests get a final error event and [DONE] while their
+    connections still stand, instead of uvicorn cancelling them mid-stream when the period runs out."""
+
+    def __init__(self, config, on_drain, margin: float = 1.0):
+        super().__init__(config)
+        self.on_drain, self.margin = on_drain, margin
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        timer = None
+        if grace is not None:          # no grace period: uvicorn waits for requests as long as they take
+            timer = asyncio.get_running_loop().call_later(max(0.0, grace - min(self.margin, grace / 2)),
+                                                          self.on_drain)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",

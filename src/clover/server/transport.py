@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+from types import SimpleNamespace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -203,11 +204,45 @@ def parse_json(body: bytes):
     return value
 
 
-async def outputs(handle, text: TextStream):
+# What a request that the server ends at shutdown receives, as if the engine had sent it.
+SHUTDOWN_EVENT = SimpleNamespace(tokens=(), finished=True, finish_reason="error", error_code="shutdown",
+                                 error="the server is shutting down: the request was stopped before it finished")
+
+
+async def _events_until(handle, drain: asyncio.Event | None):
+    """The handle's events; if `drain` is set first, SHUTDOWN_EVENT instead of the rest."""
+    events = handle.events().__aiter__()
+    while True:
+        if drain is None:
+            try:
+                yield await events.__anext__()
+            except StopAsyncIteration:
+                return
+            continue
+        nxt = asyncio.ensure_future(events.__anext__())
+        stop = asyncio.ensure_future(drain.wait())
+        try:
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+            yield SHUTDOWN_EVENT
+            return
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return
+
+
+async def outputs(handle, text: TextStream, drain: asyncio.Event | None = None):
     """Yield (delta, finish_reason, error_event) per engine event; the last has a finish reason or
-    an error event. A stop string ends it early (finish "stop") and cancels the request."""
+    an error event. A stop string ends it early (finish "stop") and cancels the request; `drain`
+    (set when the server's grace period is about to run out) ends it with a shutdown error event."""
     try:
-        async for event in handle.events():
+        async for event in _events_until(handle, drain):
             delta = text.feed(event.tokens)
             if text.stopped:
                 handle.cancel()
@@ -233,14 +268,14 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def collect(request: Request, handle, text: TextStream):
+async def collect(request: Request, handle, text: TextStream, drain: asyncio.Event | None = None):
     """Run a request to its end for a non-streaming answer: (reasoning, content, finish_reason,
     error_event). A client that disconnects first cancels the request (APIError 499)."""
     parts = {REASONING: [], CONTENT: []}
     result = {"finish": "stop", "error": None}
 
     async def run():
-        async for delta, finish, error in outputs(handle, text):
+        async for delta, finish, error in outputs(handle, text, drain):
             for k in parts:
                 parts[k].append(delta[k])
             if finish or error:
