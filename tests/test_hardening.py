@@ -146,6 +146,8 @@ def test_405_names_the_allowed_methods(served, method, path, allowed):
     ({"top_p": 1e-46}, "top_p"),
     ({"temperature": 0.7, "dllm_length_penalty_strength": 1e308}, "dllm_length_penalty_strength"),
     ({"temperature": 0.7, "dllm_repetition_penalty": 1e-300}, "dllm_repetition_penalty"),
+    ({"dllm_repetition_window": 1.0}, "dllm_repetition_window"),          # these two found by
+    ({"block_expert_top_p": 1e-45}, "block_expert_top_p"),                # tests/test_fuzz_server.py
 ])
 def test_poison_sampling_values_are_a_400(served, change, param):
     server, engine = served

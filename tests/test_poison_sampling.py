@@ -47,6 +47,8 @@ PROMPTS = [[10, 20, 30, 40, 50], [7, 8, 9, 11, 12, 13, 14]]
     ("dllm_length_penalty_strength", 1e308), ("dllm_length_penalty_strength", -1e300),
     ("dllm_think_end_strength", 1e20),
     ("dllm_repetition_penalty", 1e300), ("dllm_repetition_penalty", 1e-300),
+    ("dllm_repetition_window", 1.0), ("dllm_repetition_window", 2.5),     # a float window broke the slicing
+    ("block_expert_top_p", 1e-45), ("block_expert_top_p", 1e-39),         # 0 in float32: the model step raised
 ])
 def test_values_float32_cannot_take_are_rejected(field, value):
     model = sharp_model()

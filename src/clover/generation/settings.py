@@ -159,6 +159,10 @@ class GenerationSettings:
                 raise GenerationSettingsError(
                     f"block_expert_top_p must lie in (0, 1], got {self.block_expert_top_p}"
                 )
+            if self.block_expert_top_p < FLOAT32_TINY:      # 0 in the model's float32 check: the step fails
+                raise GenerationSettingsError(f"block_expert_top_p must be at least {FLOAT32_TINY:.3g} (float32's "
+                                              f"smallest normal number), got {self.block_expert_top_p}")
+        integer("dllm_repetition_window", 1)          # it slices the history: 1.0 used to crash the step
         try:
             self.controls.validate()
         except ValueError as exc:
