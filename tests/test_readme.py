@@ -63,7 +63,7 @@ def test_quick_start_installs_what_its_later_commands_need():
     declared = project["optional-dependencies"]
     assert set(extras) <= set(declared)
     wanted = {re.split(r"[<>=\[ ]", d)[0] for e in extras for d in declared[e]}
-    assert {"pytest", "fastapi", "uvicorn", "openai", "httpx", "transformers"} <= wanted
+    assert {"pytest", "fastapi", "uvicorn", "openai", "httpx", "transformers", "hypothesis"} <= wanted
     pin = re.search(r'torch==([\d.]+)', lines[torch_line]).group(1)
     ci = (ROOT / ".ci" / "run").read_text()
     assert f"torch=={pin}" in ci                               # the same torch CI tests with
