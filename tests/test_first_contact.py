@@ -71,3 +71,42 @@ def test_chat_confirms_reset_and_does_not_send_unknown_commands():
     assert out.returncode == 0, out.stderr
     assert "unknown command /bogus" in out.stderr and "(history cleared)" in out.stderr
     assert out.stdout.count("clover> ") == 1                # only the real question reached the model
+
+
+def test_ctrl_c_in_chat_stops_the_reply_not_the_session(tmp_path):
+    """SIGINT while a reply streams: the reply stops, the session goes on to the next line."""
+    import signal
+    import time
+
+    from clover.checkpoint import save_checkpoint
+    from clover.training.build_tokenizer import build_tokenizer
+    from tiny_models import make_model
+
+    model = tmp_path / "model"                 # a tiny random model that never ends its reply by itself
+    model.mkdir()
+    build_tokenizer(str(model))
+    m = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
+                   max_position_embeddings=512)
+    save_checkpoint(m, m.config, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [], "block_size": 1,
+                                                              "max_new_tokens": 480}))
+    proc = subprocess.Popen([sys.executable, "-m", "clover", "chat", "--model", str(model), "--no-think"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    try:
+        proc.stdin.write(b"tell me a very long story\n")
+        proc.stdin.flush()
+        seen = b""
+        while b"clover> " not in seen:
+            chunk = proc.stdout.read1(4096)
+            assert chunk, proc.stderr.read().decode()
+            seen += chunk
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write(b"/exit\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert "(reply stopped" in err.decode() and "Traceback" not in err.decode()

@@ -162,13 +162,14 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=not args.no_think)
         decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
-        sys.stdout.write("clover> " + ("" if args.no_think else "<think>\n"))
 
         def on_event(_, tokens, finished):
             sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
             sys.stdout.flush()
 
         try:
+            sys.stdout.write("clover> " + ("" if args.no_think else "<think>\n"))
+            sys.stdout.flush()
             (result,) = generate_batch(model, [ids], settings, on_event=on_event)
         except ValueError as exc:
             messages.pop()
