@@ -1,10 +1,13 @@
 """The HTTP server: an OpenAI-compatible FastAPI app in front of an `Engine`.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
-block), GET /v1/models, /health, /metrics. A request is read (size-limited), parsed (strict types),
-tokenized and validated here, so malformed input never reaches the engine; the engine gets token ids
-and `GenerationSettings` and sends back token ids, which `TextStream` turns into text. A client that
-disconnects cancels its request. The server never touches tensors.
+block), GET /v1/models, /health, /metrics. A request is read (JSON only, size- and time-limited),
+parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
+reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
+sends back token ids, which `TextStream` turns into text. A client that disconnects cancels its
+request. Optional guards in front of every route: an API key and a Host allow-list (`Guard`). At
+shutdown, requests still running when the grace period ends get a final shutting_down error. The
+server never touches tensors.
 """
 
 from __future__ import annotations
