@@ -214,6 +214,22 @@ def test_repeat_filter_limits_identical_lines():
     assert filt.filter(again) and "997 identical messages suppressed" in again.getMessage()
 
 
+def test_repeat_filter_is_installed_on_error_logs_not_on_the_access_log(model, tokenizer):
+    from clover.server.limits import install_repeat_filter
+
+    engine = Engine(model, EngineOptions(), start=False)
+    uvicorn_config(create_app(engine, tokenizer, MODEL), log_level="info")      # configures uvicorn's loggers
+    logging.basicConfig()
+    filt = install_repeat_filter()
+    try:
+        error_handlers = logging.getLogger("uvicorn").handlers + logging.getLogger().handlers
+        assert error_handlers and all(filt in h.filters for h in error_handlers)
+        assert all(filt not in h.filters for h in logging.getLogger("uvicorn.access").handlers)
+    finally:
+        for h in logging.getLogger("uvicorn").handlers + logging.getLogger().handlers:
+            h.removeFilter(filt)
+
+
 # ---- clover serve: options, the port first ----------------------------------------------------------
 def serve_args(*argv):
     return serve_cli.add_serve_arguments(argparse.ArgumentParser()).parse_args(list(argv))

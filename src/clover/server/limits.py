@@ -67,9 +67,10 @@ def header_timeout_protocol(seconds: float) -> type:
 
 def install_repeat_filter(burst: int = 5, interval: float = 10.0) -> RepeatFilter:
     """Put one RepeatFilter on every handler of the root and uvicorn loggers (call after logging
-    is configured: uvicorn.Config configures its own)."""
+    is configured: uvicorn.Config configures its own). Not on uvicorn's access log: every access
+    line shares one message template, so the filter would drop ordinary traffic."""
     filt = RepeatFilter(burst, interval)
-    for name in (None, "uvicorn", "uvicorn.error", "uvicorn.access"):
+    for name in (None, "uvicorn", "uvicorn.error"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(filt)
     return filt
