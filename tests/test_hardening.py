@@ -242,7 +242,8 @@ KEY = "sk-test-4f9a"
 
 @pytest.fixture(scope="module")
 def guarded(model, tokenizer):
-    server, engine = start(model, tokenizer, {"api_key": KEY, "allowed_hosts": ["127.0.0.1", "localhost"]})
+    server, engine = start(model, tokenizer, {"api_key": KEY, "allowed_hosts": ["127.0.0.1", "localhost", "[::1]",
+                                                                           "*.internal.test"]})
     yield server, engine
     assert server.stop()
 
@@ -278,7 +279,8 @@ def test_the_right_key_is_accepted_and_health_stays_open(guarded):
     assert 'status="401"' in httpx.get(server.url + "/metrics", headers=auth).text   # refusals are counted
 
 
-@pytest.mark.parametrize("host", ["evil.example", "attacker.test:8000", "127.0.0.1.evil.example", "[::1]"])
+@pytest.mark.parametrize("host", ["evil.example", "attacker.test:8000", "127.0.0.1.evil.example", "[::2]:80",
+                                  "internal.test.evil.example", "xinternal.test"])
 def test_other_host_headers_are_refused(guarded, host):
     server, _ = guarded
     r = httpx.get(server.url + "/health", headers={"host": host})
@@ -287,7 +289,8 @@ def test_other_host_headers_are_refused(guarded, host):
     assert check_error(r, 400)["code"] == "invalid_host"
 
 
-@pytest.mark.parametrize("host", ["localhost", "localhost:1234", "127.0.0.1", "LOCALHOST"])
+@pytest.mark.parametrize("host", ["localhost", "localhost:1234", "127.0.0.1", "LOCALHOST", "[::1]:8000", "[::1]",
+                                  "api.internal.test", "a.b.internal.test:443"])
 def test_allowed_host_headers_pass(guarded, host):
     server, _ = guarded
     assert httpx.get(server.url + "/health", headers={"host": host}).status_code == 200

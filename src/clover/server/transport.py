@@ -56,7 +56,7 @@ class Guard:
     def __init__(self, app, api_key: str | None = None, allowed_hosts=None, open_paths=("/health",)):
         self.app, self.open_paths = app, set(open_paths)
         self.api_key = api_key.encode() if api_key else None
-        self.allowed_hosts = [h.lower() for h in allowed_hosts] if allowed_hosts else None
+        self.allowed_hosts = [h.lower().strip("[]") for h in allowed_hosts] if allowed_hosts else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -73,8 +73,8 @@ class Guard:
         if self.allowed_hosts is None or "*" in self.allowed_hosts:
             return None
         name = host.lower()
-        if name.startswith("["):                       # [::1]:8000
-            name = name[: name.find("]") + 1]
+        if name.startswith("["):                       # [::1]:8000 → ::1
+            name = name[1: name.find("]")]
         elif name.count(":") == 1:
             name = name.split(":", 1)[0]
         for allowed in self.allowed_hosts:
