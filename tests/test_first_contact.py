@@ -110,3 +110,18 @@ def test_ctrl_c_in_chat_stops_the_reply_not_the_session(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err.decode()
     assert "(reply stopped" in err.decode() and "Traceback" not in err.decode()
+
+
+def test_a_long_prompt_announces_its_prefill():
+    long_prompt = "Sort these numbers: " + ", ".join(str(i % 97) for i in range(900))
+    out = run("generate", "-", "--max-new-tokens", "4", "--block-size", "1", stdin=long_prompt)
+    assert out.returncode == 0, out.stderr
+    n = int(re.search(r"\[prefill: ([\d,]+) prompt tokens", out.stderr).group(1).replace(",", ""))
+    import clover
+    from clover.tokenization import CloverTokenizer
+
+    tok = CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR)
+    assert n == len(tok.apply_chat_template([{"role": "user", "content": long_prompt}], add_generation_prompt=True))
+    assert n >= 1024 and "[prefill done:" in out.stderr
+    short = run("generate", "hi", "--max-new-tokens", "4", "--block-size", "1")
+    assert short.returncode == 0 and "prefill" not in short.stderr

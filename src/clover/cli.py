@@ -86,11 +86,20 @@ def cmd_generate(args) -> int:
     if stream and not args.no_think:
         sys.stdout.write("<think>\n")
 
+    # A long prompt's prefill can take a while before any text appears: say so on stderr.
+    announce = len(prompt_ids) >= PREFILL_NOTICE_TOKENS
+    first = []
+
     def on_event(_, tokens, finished):
+        if announce and not first:
+            first.append(time.perf_counter())
+            print(f"[prefill done: {time.perf_counter() - start:.2f}s]", file=sys.stderr, flush=True)
         if stream and tokens:
             sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
             sys.stdout.flush()
 
+    if announce:
+        print(f"[prefill: {len(prompt_ids):,} prompt tokens...]", file=sys.stderr, flush=True)
     start = time.perf_counter()
     (result,) = generate_batch(model, [prompt_ids], settings, on_event=on_event)
     seconds = time.perf_counter() - start
@@ -110,6 +119,9 @@ def cmd_generate(args) -> int:
             "settings": {k: v for k, v in settings.__dict__.items()}, "stats": result.stats.as_dict(),
         }))
     return 0
+
+
+PREFILL_NOTICE_TOKENS = 1024      # prompts from this length on get a prefill notice on stderr
 
 
 def _read_prompt(prompt: str) -> str:
