@@ -277,7 +277,7 @@ def test_clover_serve_end_to_end_with_api_key_from_the_environment(model_dir):
     probe.close()
     env = dict(os.environ, PYTHONPATH=SRC, CLOVER_API_KEY="k-123")
     proc = subprocess.Popen([sys.executable, "-m", "clover.server", "--model", str(model_dir), "--port", str(port),
-                             "--served-model-name", "my-model", "--log-level", "warning", "--threads", "1"],
+                             "--served-model-name", "my-model", "--log-level", "info", "--threads", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -292,6 +292,8 @@ def test_clover_serve_end_to_end_with_api_key_from_the_environment(model_dir):
             assert time.time() < deadline, "server did not come up"
             time.sleep(0.2)
         check_error(httpx.get(url + "/v1/models"), 401)
+        banner = proc.stdout.readline()                       # the first line: where to connect
+        assert f"serving 'my-model' on http://127.0.0.1:{port}/v1 (API key required)" in banner, banner
         check_error(httpx.get(url + "/metrics", headers={"authorization": "Bearer nope"}), 401)
         r = httpx.get(url + "/v1/models", headers={"authorization": "Bearer k-123"})
         assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["my-model"]

@@ -60,6 +60,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # [DONE]) instead of being cut off at the HTTP level.
     drain = asyncio.Event()
     app.state.begin_drain = drain.set
+    app.state.api_key = api_key
     metrics = engine.metrics
     created = int(time.time())
 

@@ -139,6 +139,11 @@ def run_serve(args) -> int:
                                 graceful_timeout=args.graceful_timeout, header_timeout=args.header_timeout,
                                 keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
         install_repeat_filter()
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        # uvicorn does not print its address when handed a socket: say where clients should go.
+        logging.getLogger("clover.server").info("serving '%s' on http://%s:%d/v1%s", served_name(args), shown, port,
+                                                " (API key required)" if app.state.api_key else "")
         try:
             DrainingServer(config, app.state.begin_drain).run(sockets=[sock])
         finally:
