@@ -352,16 +352,24 @@ def test_empty_prompt_is_rejected(hf_model):
 
 
 # ---- (d) loading and saving ------------------------------------------------------------------------
+def same_logits(a, b):
+    """The same function of the same weights, to float32 rounding. Bit identity across batch shapes,
+    padding or separately loaded copies of the weights is not something the code promises: MKL picks
+    shape- and alignment-dependent kernels (on AMD EPYC they differ by ~1e-7 unless MKL_CBWR is set)."""
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return True
+
+
 def test_forward_gives_causal_logits(hf_model, ours):
     ids = torch.randint(6, 512, (2, 30), generator=torch.Generator().manual_seed(0))
     out = hf_model(input_ids=ids)
     assert out.logits.shape == (2, 30, 512)
-    assert torch.equal(out.logits, ours(ids))
+    assert same_logits(out.logits, ours(ids))
     # Left padding: each row's real tokens give the logits of that row alone.
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     padded = hf_model(input_ids=ids, attention_mask=mask).logits
-    assert torch.equal(padded[0], ours(ids[:1])[0])
+    assert same_logits(padded[0], ours(ids[:1])[0])
     assert torch.allclose(padded[1, 7:], ours(ids[1:, 7:])[0], atol=1e-5)
     loss = hf_model(input_ids=ids, labels=ids).loss
     assert loss is not None and torch.isfinite(loss)
@@ -372,11 +380,14 @@ def test_save_pretrained_round_trip(hf_model, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True,
                                                  dtype=torch.float32).eval()
     ids = torch.randint(6, 512, (1, 25), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(again(ids).logits, hf_model(ids).logits)
+    # The saved weights are the same numbers (exact), the reloaded model the same function (to rounding).
+    saved = {k: v for k, v in again.state_dict().items()}
+    assert all(torch.equal(v, saved[k]) for k, v in hf_model.state_dict().items())
+    assert same_logits(again(ids).logits, hf_model(ids).logits)
     assert again.generation_config.block_size == 8
     assert torch.equal(again.generate(ids, max_new_tokens=6), hf_model.generate(ids, max_new_tokens=6))
     # The saved directory is a clover model directory too.
-    assert torch.equal(clover.load(tmp_path / "saved", dtype=torch.float32)(ids), hf_model(ids).logits)
+    assert same_logits(clover.load(tmp_path / "saved", dtype=torch.float32)(ids), hf_model(ids).logits)
 
 
 def test_package_class_saves_a_loadable_directory(dirs, tmp_path):
@@ -388,7 +399,7 @@ def test_package_class_saves_a_loadable_directory(dirs, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True, dtype=torch.float32)
     assert type(again).__module__.startswith("transformers_modules.")
     ids = torch.randint(6, 512, (1, 20), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(again(ids).logits, model(ids).logits)
+    assert same_logits(again(ids).logits, model(ids).logits)
 
 
 def test_dtype_device_map_and_sharding(dirs, ours, tmp_path):

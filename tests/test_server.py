@@ -312,7 +312,8 @@ def test_bad_requests_and_the_server_keeps_serving(served):
                      headers={"content-type": "application/json"}), 400, None, ["not valid JSON"])
     check_error(post(server, "/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/json"}),
                 400, None, ["JSON"])
-    check_error(post(server, "/v1/completions", content=b"[1, 2]"), 400, None, ["object"])
+    check_error(post(server, "/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
+                400, None, ["object"])
     big = dict(CHAT, messages=[{"role": "user", "content": "x" * 100_000}])
     check_error(post(server, "/v1/chat/completions", big), 413, None, ["limit"])
     # The same size sent chunked (no Content-Length) is cut off while reading.
@@ -321,7 +322,7 @@ def test_bad_requests_and_the_server_keeps_serving(served):
         for _ in range(100):
             yield b"y" * 1000
         yield b'"}'
-    check_error(post(server, "/v1/completions", content=chunks()), 413)
+    check_error(post(server, "/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
     long_prompt = " ".join(str(i % 10) for i in range(600))
     err = check_error(post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}), 400,
                       "prompt", ["exceeds the 512-token context"])

@@ -2,6 +2,7 @@
 
 The CLI only parses arguments and dispatches; user mistakes print one clear line, not a traceback.
 Every command takes `--model PATH` and defaults to the demo model shipped in the package.
+`python -m clover` is the same command.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def cmd_generate(args) -> int:
     from clover.generation.api import generate_batch, resolve_settings
     from clover.tokenization import IncrementalDecoder
 
+    prompt = _read_prompt(args.prompt)
     model, tokenizer, _ = _load(args)
-    messages = [{"role": "user", "content": args.prompt}]
+    messages = [{"role": "user", "content": prompt}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                enable_thinking=not args.no_think)
     settings = resolve_settings(model, **_settings_from_args(args))
@@ -85,11 +87,20 @@ def cmd_generate(args) -> int:
     if stream and not args.no_think:
         sys.stdout.write("<think>\n")
 
+    # A long prompt's prefill can take a while before any text appears: say so on stderr.
+    announce = len(prompt_ids) >= PREFILL_NOTICE_TOKENS
+    first = []
+
     def on_event(_, tokens, finished):
+        if announce and not first:
+            first.append(time.perf_counter())
+            print(f"[prefill done: {time.perf_counter() - start:.2f}s]", file=sys.stderr, flush=True)
         if stream and tokens:
             sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
             sys.stdout.flush()
 
+    if announce:
+        print(f"[prefill: {len(prompt_ids):,} prompt tokens...]", file=sys.stderr, flush=True)
     start = time.perf_counter()
     (result,) = generate_batch(model, [prompt_ids], settings, on_event=on_event)
     seconds = time.perf_counter() - start
@@ -103,12 +114,25 @@ def cmd_generate(args) -> int:
 
         text = tokenizer.decode(result.tokens, skip_special_tokens=False)
         print(json.dumps({
-            "prompt": args.prompt, "completion": text,
+            "prompt": prompt, "completion": text,
             "answer": extract_answer(text),          # after the last `</think>`, special tokens removed
             "completion_ids": result.tokens, "finish_reason": result.finish_reason, "seconds": round(seconds, 4),
             "settings": {k: v for k, v in settings.__dict__.items()}, "stats": result.stats.as_dict(),
         }))
     return 0
+
+
+PREFILL_NOTICE_TOKENS = 1024      # prompts from this length on get a prefill notice on stderr
+
+
+def _read_prompt(prompt: str) -> str:
+    """`-` reads the prompt from stdin (a long prompt does not fit in the argument list)."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    if not text.strip():
+        raise UserError("the prompt read from stdin is empty")
+    return text.rstrip("\n")
 
 
 def _show_think_end(tokenizer, tokens, decoder) -> str:
@@ -143,21 +167,30 @@ def cmd_chat(args) -> int:
             return 0
         if line == "/reset":
             messages = []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if line.startswith("/") and " " not in line:
+            print(f"unknown command {line}; commands: /reset, /exit", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=not args.no_think)
         decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
-        sys.stdout.write("clover> " + ("" if args.no_think else "<think>\n"))
 
         def on_event(_, tokens, finished):
             sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
             sys.stdout.flush()
 
         try:
+            sys.stdout.write("clover> " + ("" if args.no_think else "<think>\n"))
+            sys.stdout.flush()
             (result,) = generate_batch(model, [ids], settings, on_event=on_event)
         except ValueError as exc:
             messages.pop()
             print(f"\nerror: {exc}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:               # Ctrl-C stops this reply, not the session
+            messages.pop()
+            print("\n(reply stopped; Ctrl-D or /exit quits)", file=sys.stderr)
             continue
         sys.stdout.write(decoder.flush() + "\n")
         reply = tokenizer.decode(result.tokens, skip_special_tokens=True).split("</think>")[-1].strip()
@@ -196,6 +229,8 @@ def cmd_info(args) -> int:
 def cmd_eval_demo(args) -> int:
     from clover.training.evaluate import MODES, evaluate, format_report
 
+    if args.per_task < 1:
+        raise UserError(f"--per-task must be at least 1, got {args.per_task}")
     model, tokenizer, _ = _load(args)
     modes = args.modes.split(",") if args.modes else list(MODES)
     for m in modes:
@@ -244,14 +279,21 @@ def cmd_bench(args, rest) -> int:
 PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench}
 
 
+def _version() -> str:
+    from clover import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clover", description="Clover block-diffusion language models: generate, chat, serve, evaluate.",
         epilog="Without --model every command uses the tiny demo model shipped with clover.",
     )
+    parser.add_argument("--version", action="version", version=f"clover {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("generate", help="answer one prompt, streaming text as blocks resolve")
-    p.add_argument("prompt", help="the user message")
+    p.add_argument("prompt", help="the user message; - reads it from stdin (clover generate - < prompt.txt)")
     _add_model_arg(p)
     _add_decoding_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")

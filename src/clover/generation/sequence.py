@@ -17,6 +17,8 @@ from ..decoding.unmasking import candidates, positions_to_fill
 from .settings import GenerationSettings
 
 _ids = itertools.count()
+# |logit| / temperature above this may overflow float32 on the way through softmax.
+_SAFE_SCALED_LOGIT = 1e30
 
 
 @dataclass
@@ -73,6 +75,9 @@ class Sequence:
         self.block: list[int] = []
         self.draft_steps_done = 0
         self.pending: int | None = None          # next token known from a causal prediction
+        # A self-speculative draft's first token is the causal prediction, which may itself be the
+        # mask id: it is then a real token that stays put, not a position to draft over (§8).
+        self._seed_is_mask = False
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt))
         self.generator = None
@@ -141,10 +146,12 @@ class Sequence:
         if self.settings.speculative:
             length = min(self.settings.block_size, self.remaining)
             self.block = [self.pending] + [self.mask_id] * (length - 1)
+            self._seed_is_mask = self.pending == self.mask_id
             self.draft_steps_done = 0
             self.phase = "denoise" if length > 1 else "verify"
         else:
             self.block = [self.mask_id] * self.settings.block_size
+            self._seed_is_mask = False
             self.phase = "denoise"
 
     # ---- controls ------------------------------------------------------------------------------
@@ -181,20 +188,23 @@ class Sequence:
 
     # ---- decisions -----------------------------------------------------------------------------
     def masked_positions(self) -> list[int]:
-        return [i for i, t in enumerate(self.block) if t == self.mask_id]
+        """Positions still to decide (a draft's seed is decided even when it is the mask id)."""
+        start = 1 if self._seed_is_mask else 0
+        return [i for i in range(start, len(self.block)) if self.block[i] == self.mask_id]
 
     def denoise(self, masked_logits: torch.Tensor) -> None:
         """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
-        masked positions, in position order."""
+        mask-id positions, in position order (the decoder scores every mask id it sees, so a seed
+        that is the mask id has a row too: it is dropped here)."""
         s = self.settings
+        if self._seed_is_mask:
+            masked_logits = masked_logits[1:]
         masked = self.masked_positions()
-        filled = [t for t in self.block if t != self.mask_id]
+        undecided = set(masked)
+        filled = [t for i, t in enumerate(self.block) if i not in undecided]
         queries = [self.position + i for i in masked]
         controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
-        tokens, confidence = candidates(
-            controlled, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            generator=self.generator, exclude=self.mask_id,   # a mask "fill" would never finish the block
-        )
+        tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
         fill = positions_to_fill(confidence, s.threshold)
         self.draft_steps_done += 1
         if s.speculative and self.draft_steps_done >= s.draft_steps:
@@ -202,7 +212,7 @@ class Sequence:
         for i, t, f in zip(masked, tokens.tolist(), fill.tolist()):
             if f:
                 self.block[i] = t
-        if self.mask_id not in self.block:
+        if not self.masked_positions():
             self.phase = "verify" if s.speculative else "commit"
 
     def predict_next(self, logits: torch.Tensor, extra: list[int], seen_first: int) -> list[int]:
@@ -214,8 +224,27 @@ class Sequence:
         if self._controls_on:
             histories = [self._history(extra[: seen_first + k]) for k in range(n)]
             logits = self._controlled(logits, queries, histories, extra)
-        tokens, _ = candidates(
-            logits.float(), do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            generator=self.generator,
-        )
+        tokens, _ = self._candidates(logits.float())
         return tokens.tolist()
+
+    def _candidates(self, logits: torch.Tensor, exclude: int | None = None):
+        """`candidates()` on logits made safe first, so no NaN can reach `torch.multinomial` (which
+        would raise inside the shared decoder step and fail every co-batched request): NaN scores
+        become -inf, +inf the largest float32, a row with no finite score uniform; and a temperature so
+        small that logits / temperature would overflow float32 is applied in float64, shifted by each
+        row's maximum (the same distribution, finite). Finite logits at ordinary temperatures pass
+        through unchanged."""
+        s = self.settings
+        x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+        if bool(dead.any()):
+            x = torch.where(dead, torch.zeros_like(x), x)
+        temperature = s.temperature
+        if s.do_sample and temperature > 0 and x.numel():
+            largest = float(torch.where(torch.isfinite(x), x.abs(), 0).amax())
+            if largest / temperature > _SAFE_SCALED_LOGIT:
+                scaled = x.double() / temperature
+                x = (scaled - scaled.amax(dim=-1, keepdim=True)).float()   # max 0; the rest <= 0, maybe -inf
+                temperature = 1.0
+        return candidates(x, do_sample=s.do_sample, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
+                          generator=self.generator, exclude=exclude)

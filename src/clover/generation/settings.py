@@ -18,6 +18,15 @@ IGNORED_CONFIG_KEYS = {"_from_model_config", "transformers_version", "pad_token_
                        "bos_token_id", "use_cache", "return_dict_in_generate", "output_scores"}
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Sampling runs in float32 with denormals flushed to zero (runtime.py): a positive temperature or
+# top_p below float32's smallest normal number acts as 0 there (a division by zero, an empty nucleus).
+FLOAT32_TINY = 2.0 ** -126
+# Control values past this only overflow float32 logits (inf, then NaN): a bias of 1e9 already
+# outweighs any logit, a penalty factor of 1e9 (or 1e-9) already flattens or inflates every one.
+MAX_CONTROL_MAGNITUDE = 1e9
+
+
 class GenerationSettingsError(ValueError):
     """A setting or request that SPEC §9 (or plain sense) rejects."""
 
@@ -44,6 +53,10 @@ class GenerationSettings:
     dllm_think_end_start: int = 4096
     dllm_think_end_window: int = 4096
     dllm_think_end_strength: float = 10.0
+    # A block's forward costs what its length costs, whatever max_new_tokens is: the cap keeps one
+    # cheap request (block_size 65536, max_tokens 1) from holding the engine for minutes. The
+    # operator's setting (generation_config.json, `clover serve --max-block-size`), never a request's.
+    max_block_size: int = 1024
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -108,6 +121,10 @@ class GenerationSettings:
 
         integer("max_new_tokens", 1)
         integer("block_size", 1)
+        integer("max_block_size", 1)
+        if self.block_size > self.max_block_size:
+            raise GenerationSettingsError(f"block_size must be <= max_block_size {self.max_block_size}, "
+                                          f"got {self.block_size}")
         integer("draft_steps", 1)
         number("threshold")
         if not 0.0 < self.threshold <= 1.0:
@@ -117,26 +134,49 @@ class GenerationSettings:
         if not isinstance(self.do_sample, bool):
             raise GenerationSettingsError(f"do_sample must be true or false, got {self.do_sample!r}")
         number("temperature")
-        if self.temperature < 0:
-            raise GenerationSettingsError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise GenerationSettingsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < FLOAT32_TINY:
+            raise GenerationSettingsError(f"temperature must be 0 (greedy) or at least {FLOAT32_TINY:.3g} "
+                                          f"(float32's smallest normal number), got {self.temperature}")
         if self.top_p is not None:
             number("top_p")
             if not 0.0 < self.top_p <= 1.0:
                 raise GenerationSettingsError(f"top_p must lie in (0, 1], got {self.top_p}")
+            if self.top_p < FLOAT32_TINY:
+                raise GenerationSettingsError(f"top_p must be at least {FLOAT32_TINY:.3g} (float32's smallest "
+                                              f"normal number; below it the nucleus is empty), got {self.top_p}")
         if self.top_k is not None:
             integer("top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise GenerationSettingsError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise GenerationSettingsError(f"seed must lie in [-2**63, 2**64 - 1] (what a torch generator "
+                                          f"takes), got {self.seed}")
         if self.block_expert_top_p is not None:
             number("block_expert_top_p")
             if not 0.0 < self.block_expert_top_p <= 1.0:
                 raise GenerationSettingsError(
                     f"block_expert_top_p must lie in (0, 1], got {self.block_expert_top_p}"
                 )
+            if self.block_expert_top_p < FLOAT32_TINY:      # 0 in the model's float32 check: the step fails
+                raise GenerationSettingsError(f"block_expert_top_p must be at least {FLOAT32_TINY:.3g} (float32's "
+                                              f"smallest normal number), got {self.block_expert_top_p}")
+        integer("dllm_repetition_window", 1)          # it slices the history: 1.0 used to crash the step
         try:
             self.controls.validate()
         except ValueError as exc:
             raise GenerationSettingsError(str(exc)) from None
+        for name in ("dllm_length_penalty_strength", "dllm_think_end_strength"):
+            if abs(getattr(self, name)) > MAX_CONTROL_MAGNITUDE:
+                raise GenerationSettingsError(f"{name} must lie in [-{MAX_CONTROL_MAGNITUDE:g}, "
+                                              f"{MAX_CONTROL_MAGNITUDE:g}] (larger biases overflow float32 "
+                                              f"logits), got {getattr(self, name)}")
+        r = self.dllm_repetition_penalty
+        if not 1 / MAX_CONTROL_MAGNITUDE <= r <= MAX_CONTROL_MAGNITUDE:
+            raise GenerationSettingsError(f"dllm_repetition_penalty must lie in [{1 / MAX_CONTROL_MAGNITUDE:g}, "
+                                          f"{MAX_CONTROL_MAGNITUDE:g}] (beyond that float32 logits overflow), "
+                                          f"got {r}")
         if self.speculative and self.do_sample and self.temperature > 0:
             raise GenerationSettingsError(
                 "decoding='self_speculative' supports greedy decoding only (do_sample=False); "

@@ -1,10 +1,13 @@
 """The HTTP server: an OpenAI-compatible FastAPI app in front of an `Engine`.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
-block), GET /v1/models, /health, /metrics. A request is read (size-limited), parsed (strict types),
-tokenized and validated here, so malformed input never reaches the engine; the engine gets token ids
-and `GenerationSettings` and sends back token ids, which `TextStream` turns into text. A client that
-disconnects cancels its request. The server never touches tensors.
+block), GET /v1/models, /health, /metrics. A request is read (JSON only, size- and time-limited),
+parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
+reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
+sends back token ids, which `TextStream` turns into text. A client that disconnects cancels its
+request. Optional guards in front of every route: an API key and a Host allow-list (`Guard`). At
+shutdown, requests still running when the grace period ends get a final shutting_down error. The
+server never touches tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, ch
                        setting_param, settings_overrides, stop_strings)
 from .chat_tools import ChatOutput, prepare_chat
 from .text import CONTENT, TextStream
-from .transport import CountRequests, SSEResponse, collect, outputs, read_json, sse
+from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
 
 log = logging.getLogger("clover.server")
 
@@ -36,8 +39,14 @@ ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "clover", *,
                max_body_bytes: int = 1 << 20, shutdown_engine: bool = True,
-               shutdown_timeout: float = 30.0) -> FastAPI:
-    """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down."""
+               shutdown_timeout: float = 30.0, max_block_size: int | None = None, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None, body_timeout: float | None = 30.0) -> FastAPI:
+    """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down.
+    `api_key`: required as a Bearer token on every route but /health (None: no authentication).
+    `allowed_hosts`: Host header names accepted ("*.example.com" and "*" allowed; None: any).
+    `body_timeout`: seconds a request body may take to arrive (408 after; None: no limit).
+    `max_block_size`: the largest block_size a request may ask for (None: the model's
+    generation_config.json, else GenerationSettings' default)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -47,6 +56,12 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     app = FastAPI(title="Clover", lifespan=lifespan)
     app.state.engine, app.state.tokenizer, app.state.model_name = engine, tokenizer, model_name
+    # Set by begin_drain() (limits.DrainingServer calls it just before uvicorn's grace period ends):
+    # every open request then ends with a 503 shutting_down error (streams: an error event and
+    # [DONE]) instead of being cut off at the HTTP level.
+    drain = asyncio.Event()
+    app.state.begin_drain = drain.set
+    app.state.api_key = api_key
     metrics = engine.metrics
     created = int(time.time())
 
@@ -62,7 +77,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       "invalid_request_error", None, kind))
+                                       "invalid_request_error", None, kind, exc.headers))   # 405 keeps Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -74,7 +89,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
                                        None, "internal_error"))
 
-    app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)     # outermost: counts refusals
 
     # ---- helpers -------------------------------------------------------------------------------
     def check_model(name: str) -> None:
@@ -84,6 +100,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     def make_settings(req, extra: dict, prompt_ids: list[int], prompt_param: str):
         over, asked = settings_overrides(req, extra)
+        if max_block_size is not None:
+            over["max_block_size"] = max_block_size
         max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         try:
             settings = engine.settings(**over)
@@ -123,7 +141,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- chat ----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await read_json(request, max_body_bytes))
+        req = parse(ChatRequest, await read_json(request, max_body_bytes, body_timeout))
         check_model(req.model)
         check_unsupported(req)
         extra = extras(req)
@@ -144,7 +162,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         skip = extra.get("skip_special_tokens", True)
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
-        prompt_ids, plan = prepare_chat(tokenizer, req, thinking, kwargs)     # the model's template, tools
+        # Templating and tokenizing a large body takes a while: in a worker thread, not on the event loop.
+        prompt_ids, plan = await asyncio.to_thread(prepare_chat, tokenizer, req, thinking, kwargs)  # the model's template, tools
         output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
         handle = submit(prompt_ids, settings)
@@ -153,7 +172,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if not req.stream:
-            reasoning, content, finish, error = await collect(request, handle, text)
+            reasoning, content, finish, error = await collect(request, handle, text, drain)
             if error is not None:
                 raise engine_error(error)
             message = output.message(reasoning, content)
@@ -170,7 +189,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
         async def stream():
             yield chunk(output.first_delta())
-            async for delta, finish, error in outputs(handle, text):
+            async for delta, finish, error in outputs(handle, text, drain):
                 d = output.feed(delta, last=bool(finish))
                 if d:
                     yield chunk(d)
@@ -189,7 +208,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, max_body_bytes))
+        req = parse(CompletionRequest, await read_json(request, max_body_bytes, body_timeout))
         check_model(req.model)
         check_unsupported(req)
         extra = extras(req)
@@ -205,7 +224,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
             prompt = prompt[0]
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("the prompt is empty: at least one token is needed", "prompt")
         settings = make_settings(req, extra, prompt_ids, "prompt")
@@ -214,7 +233,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         if not req.stream:
-            _, content, finish, error = await collect(request, handle, text)
+            _, content, finish, error = await collect(request, handle, text, drain)
             if error is not None:
                 raise engine_error(error)
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
@@ -228,7 +247,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                         "choices": [{"index": 0, "text": text_delta, "logprobs": None, "finish_reason": finish}]})
 
         async def stream():
-            async for delta, finish, error in outputs(handle, text):
+            async for delta, finish, error in outputs(handle, text, drain):
                 if error is not None:
                     if delta[CONTENT]:
                         yield chunk(delta[CONTENT])

@@ -1,15 +1,25 @@
 """`clover serve`: load a model directory, start the engine, run the app under uvicorn.
 
-`add_serve_arguments(parser)` declares the options, `run_serve(args)` runs until SIGINT/SIGTERM, then
-shuts down gracefully: uvicorn stops accepting connections and waits up to `--graceful-timeout`
-seconds for open requests; the engine then finishes what is left or ends it with an error event.
+`add_serve_arguments(parser)` declares the options, `run_serve(args)` checks them and binds the port
+first (a busy port is reported at once, not after minutes of model loading), then loads the model and
+runs until SIGINT/SIGTERM, then shuts down gracefully: uvicorn stops accepting connections and waits
+up to `--graceful-timeout` seconds for open requests; the engine then finishes what is left or ends
+it with an error event. A mistake in the options or a port that cannot be bound is one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
+import sys
 from pathlib import Path
+
+
+class ServeError(ValueError):
+    """A problem with the options or the address: printed as one line, no traceback."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,11 +36,64 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--max-cache-gb", type=float, default=None, help="cache budget of the running batch")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-block-size", type=int, default=None,
+                        help="largest block_size a request may ask for (default: the model's "
+                             "generation_config.json max_block_size, else 1024)")
     parser.add_argument("--graceful-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish at shutdown")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                             "CLOVER_API_KEY environment variable, which keeps the key out of `ps`; unset: no auth)")
+    parser.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="NAME", default=None,
+                        help="accept only requests whose Host header is NAME (repeatable; '*.example.com' "
+                             "matches subdomains): defeats DNS rebinding against a loopback server")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's headers (default 10)")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body may take to arrive, else 408 (default 30)")
+    parser.add_argument("--keep-alive-timeout", type=int, default=5,
+                        help="seconds an idle keep-alive connection stays open (default 5)")
+    parser.add_argument("--max-connections", type=int, default=256,
+                        help="open connections past which new requests get 503 (default 256)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
+
+
+def check_args(args) -> None:
+    """ServeError for options that would otherwise fail later with a traceback."""
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must lie in 0..65535, got {args.port}")
+    for name in ("max_batch", "max_connections", "max_body_bytes", "keep_alive_timeout"):
+        if getattr(args, name) < 1:
+            raise ServeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_queue < 0:
+        raise ServeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for name in ("header_timeout", "body_timeout", "graceful_timeout"):
+        if not getattr(args, name) > 0:
+            raise ServeError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.max_block_size is not None and args.max_block_size < 1:
+        raise ServeError(f"--max-block-size must be at least 1, got {args.max_block_size}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise ServeError(f"no model at {args.model} (expected a directory with config.json)")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening (uvicorn listens on it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def build(args):
@@ -50,25 +113,50 @@ def build(args):
     tokenizer = CloverTokenizer.from_dir(args.tokenizer or path)
     budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
     engine = Engine(model, EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget))
-    name = args.served_model_name or ("clover-demo" if args.model is None else path.resolve().name)
-    app = create_app(engine, tokenizer, name, max_body_bytes=args.max_body_bytes,
-                     shutdown_timeout=args.graceful_timeout)
+    app = create_app(engine, tokenizer, served_name(args), max_body_bytes=args.max_body_bytes,
+                     shutdown_timeout=args.graceful_timeout, max_block_size=args.max_block_size,
+                     api_key=args.api_key or os.environ.get("CLOVER_API_KEY") or None,
+                     allowed_hosts=args.allowed_hosts, body_timeout=args.body_timeout)
     return app, engine
 
 
-def run_serve(args) -> int:
-    import uvicorn
+def served_name(args) -> str:
+    """The `model` clients must pass: --served-model-name, else the model directory's name."""
+    if args.served_model_name:
+        return args.served_model_name
+    return "clover-demo" if args.model is None else Path(args.model).resolve().name
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, engine = build(args)
+
+def run_serve(args) -> int:
+    from .limits import DrainingServer, install_repeat_filter, uvicorn_config
+
+    check_args(args)
+    sock = bind_socket(args.host, args.port)        # before the (slow) model load: a busy port fails now
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.graceful_timeout)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        app, engine = build(args)
+        config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                graceful_timeout=args.graceful_timeout, header_timeout=args.header_timeout,
+                                keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
+        install_repeat_filter()
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        # uvicorn does not print its address when handed a socket: say where clients should go.
+        logging.getLogger("clover.server").info("serving '%s' on http://%s:%d/v1%s", served_name(args), shown, port,
+                                                " (API key required)" if app.state.api_key else "")
+        try:
+            DrainingServer(config, app.state.begin_drain).run(sockets=[sock])
+        finally:
+            engine.shutdown(graceful=False)
     finally:
-        engine.shutdown(graceful=False)
+        sock.close()
     return 0
 
 
 def main(argv=None) -> int:
     parser = add_serve_arguments(argparse.ArgumentParser(prog="clover serve", description=__doc__))
-    return run_serve(parser.parse_args(argv))
+    try:
+        return run_serve(parser.parse_args(argv))
+    except ServeError as exc:
+        print(f"clover serve: error: {exc}", file=sys.stderr)
+        return 2

@@ -8,10 +8,13 @@ stream ends), disconnect detection for non-streaming requests, the request-count
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
+from types import SimpleNamespace
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from .protocol import APIError, bad_request
 from .text import CONTENT, REASONING, TextStream
@@ -44,6 +47,53 @@ class CountRequests:
             self.counter.inc(route=route, status=status[0])
 
 
+class Guard:
+    """ASGI middleware in front of every route: the Host header must be one of `allowed_hosts`
+    (when given: a DNS-rebinding page reaches a loopback server under its own host name), and, when
+    `api_key` is set, every path but `open_paths` (/health: for load balancers) needs
+    `Authorization: Bearer <api_key>`. Refusals are OpenAI-shaped errors (400 invalid_host, 401)."""
+
+    def __init__(self, app, api_key: str | None = None, allowed_hosts=None, open_paths=("/health",)):
+        self.app, self.open_paths = app, set(open_paths)
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = [h.lower().strip("[]") for h in allowed_hosts] if allowed_hosts else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        error = self._host_error(headers.get("host", b"").decode("latin-1"))
+        if error is None and self.api_key is not None and scope["path"] not in self.open_paths:
+            error = self._auth_error(headers.get("authorization"))
+        if error is None:
+            return await self.app(scope, receive, send)
+        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+    def _host_error(self, host: str) -> APIError | None:
+        if self.allowed_hosts is None or "*" in self.allowed_hosts:
+            return None
+        name = host.lower()
+        if name.startswith("["):                       # [::1]:8000 → ::1
+            name = name[1: name.find("]")]
+        elif name.count(":") == 1:
+            name = name.split(":", 1)[0]
+        for allowed in self.allowed_hosts:
+            if name == allowed or (allowed.startswith("*.") and name.endswith(allowed[1:])):
+                return None
+        return APIError(400, f"the Host header {host!r} is not one this server answers to "
+                             f"(allowed: {', '.join(self.allowed_hosts)})", "invalid_request_error", None,
+                        "invalid_host")
+
+    def _auth_error(self, authorization: bytes | None) -> APIError | None:
+        scheme, _, token = (authorization or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return None
+        message = ("invalid API key" if authorization else
+                   "missing API key: send it as 'Authorization: Bearer <key>'")
+        return APIError(401, message, "invalid_request_error", None, "invalid_api_key",
+                        {"WWW-Authenticate": "Bearer"})
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that runs `on_close` however it ends (done, error, disconnect)."""
 
@@ -62,30 +112,137 @@ def sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def read_json(request: Request, max_bytes: int):
-    """The body parsed as JSON; 413 past `max_bytes` (declared or streamed), 400 if not JSON."""
+MAX_JSON_DEPTH = 64     # OpenAI bodies nest a few levels; deeper is an attack on the parser
+
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json` (UTF-8). A browser page may send
+    `text/plain` or form bodies cross-origin without a CORS preflight; JSON it cannot."""
+    header = request.headers.get("content-type")
+    media, _, params = (header or "").partition(";")
+    charset = None
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    if media.strip().lower() != "application/json" or charset not in (None, "utf-8", "utf8"):
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json (UTF-8), got "
+                            f"{header!r}" if header else "the request has no Content-Type: send application/json",
+                       "invalid_request_error", None, "unsupported_media_type")
+
+
+def check_json_value(value) -> None:
+    """Reject what json.loads accepts but the rest of the server cannot take: nesting deeper than
+    MAX_JSON_DEPTH (recursive validators would overflow the stack) and lone UTF-16 surrogates
+    (`"\\ud800"`: not encodable as UTF-8, so the tokenizer would raise). Iterative, so any depth is safe."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item)
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _check_text(key)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"the request body contains a lone UTF-16 surrogate ({text[exc.start]!a} at character "
+                          f"{exc.start} of a string); send valid Unicode", None, "invalid_json") from None
+
+
+async def read_json(request: Request, max_bytes: int, timeout: float | None = None):
+    """The body parsed as JSON; 415 unless declared application/json, 413 past `max_bytes`
+    (declared or streamed), 408 if not all there within `timeout` seconds (a slow sender holds a
+    connection), 400 if not UTF-8 JSON or not acceptable (see check_json_value)."""
+    check_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"the request body ({length} bytes) exceeds the {max_bytes}-byte limit",
                        "invalid_request_error", None, "request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body exceeds the {max_bytes}-byte limit",
-                           "invalid_request_error", None, "request_too_large")
-        chunks.append(chunk)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"the request body exceeds the {max_bytes}-byte limit",
+                               "invalid_request_error", None, "request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     try:
-        return json.loads(b"".join(chunks))
+        body = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                       None, "request_timeout", {"Connection": "close"}) from None
+    if len(body) > OFF_LOOP_BYTES:          # a large body parses in a worker thread: the loop keeps serving
+        return await asyncio.to_thread(parse_json, body)
+    return parse_json(body)
+
+
+OFF_LOOP_BYTES = 64 * 1024
+
+
+def parse_json(body: bytes):
+    """UTF-8 JSON → a value, checked by check_json_value; APIError 400 otherwise."""
+    try:
+        value = json.loads(body.decode("utf-8"))   # json.loads(bytes) would also take UTF-16/32
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+        raise bad_request(f"the request body is not valid JSON (UTF-8): {exc}", None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
+    check_json_value(value)
+    return value
 
 
-async def outputs(handle, text: TextStream):
+# What a request that the server ends at shutdown receives, as if the engine had sent it.
+SHUTDOWN_EVENT = SimpleNamespace(tokens=(), finished=True, finish_reason="error", error_code="shutdown",
+                                 error="the server is shutting down: the request was stopped before it finished")
+
+
+async def _events_until(handle, drain: asyncio.Event | None):
+    """The handle's events; if `drain` is set first, SHUTDOWN_EVENT instead of the rest."""
+    events = handle.events().__aiter__()
+    while True:
+        if drain is None:
+            try:
+                yield await events.__anext__()
+            except StopAsyncIteration:
+                return
+            continue
+        nxt = asyncio.ensure_future(events.__anext__())
+        stop = asyncio.ensure_future(drain.wait())
+        try:
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+            yield SHUTDOWN_EVENT
+            return
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return
+
+
+async def outputs(handle, text: TextStream, drain: asyncio.Event | None = None):
     """Yield (delta, finish_reason, error_event) per engine event; the last has a finish reason or
-    an error event. A stop string ends it early (finish "stop") and cancels the request."""
+    an error event. A stop string ends it early (finish "stop") and cancels the request; `drain`
+    (set when the server's grace period is about to run out) ends it with a shutdown error event."""
     try:
-        async for event in handle.events():
+        async for event in _events_until(handle, drain):
             delta = text.feed(event.tokens)
             if text.stopped:
                 handle.cancel()
@@ -111,14 +268,14 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def collect(request: Request, handle, text: TextStream):
+async def collect(request: Request, handle, text: TextStream, drain: asyncio.Event | None = None):
     """Run a request to its end for a non-streaming answer: (reasoning, content, finish_reason,
     error_event). A client that disconnects first cancels the request (APIError 499)."""
     parts = {REASONING: [], CONTENT: []}
     result = {"finish": "stop", "error": None}
 
     async def run():
-        async for delta, finish, error in outputs(handle, text):
+        async for delta, finish, error in outputs(handle, text, drain):
             for k in parts:
                 parts[k].append(delta[k])
             if finish or error:
@@ -133,6 +290,10 @@ async def collect(request: Request, handle, text: TextStream):
         if not work.done():
             work.cancel()
             handle.cancel()
+            # cancel() only asks: wait until the task has really stopped, else work.result() below
+            # raises InvalidStateError (a false 500 for a client that simply left).
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
     if work.cancelled():
         raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
     work.result()
