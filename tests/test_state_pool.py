@@ -287,3 +287,12 @@ def test_admission_holds_over_many_rounds_in_a_tight_pool(decoding):
     alone = fresh()
     alone.configure_state_pool(1 << 24, max_sequences=2, prefix_slots=1)
     assert [q.response for q in seqs] == [generate_batch(alone, [p], s)[0].tokens for p in prompts]
+
+
+def test_generate_batch_takes_settings_dicts():
+    model = fresh()
+    prompts = [[20, 21, 22, 23], [30, 31, 32]]
+    kw = dict(max_new_tokens=6, block_size=2, threshold=0.9)
+    want = [r.tokens for r in generate_batch(model, prompts, settings(model, **kw))]
+    assert [r.tokens for r in generate_batch(model, prompts, kw)] == want
+    assert [r.tokens for r in generate_batch(model, prompts, [kw, dict(kw)])] == want

@@ -204,7 +204,8 @@ class Engine:
                 self._state = "closed"
             self._wake.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout if graceful else None)
+            # not graceful: the loop stops after its current step (bounded by the step's token budget)
+            self._thread.join(timeout if graceful else 30.0)
             if self._thread.is_alive():
                 with self._lock:
                     self._state = "closed"

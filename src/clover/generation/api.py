@@ -41,9 +41,12 @@ def generate_batch(model, prompts, settings: GenerationSettings | list[Generatio
                    max_batch: int | None = None) -> list[GenerationResult]:
     """Generate for several prompts (lists or 1-D tensors of ids), each with its own settings.
 
+    `settings`: `GenerationSettings`, or dicts of keyword settings (resolved against the model's
+    defaults), one for all prompts or one per prompt.
     `on_event(index, new_tokens, finished)` is called as tokens resolve (for streaming)."""
-    if isinstance(settings, GenerationSettings):
+    if isinstance(settings, (GenerationSettings, dict)):
         settings = [settings] * len(prompts)
+    settings = [resolve_settings(model, **s) if isinstance(s, dict) else s for s in settings]
     if len(settings) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(settings)} settings")
     seqs = []

@@ -62,6 +62,8 @@ def plan_tools(req) -> ToolPlan:
     if not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls must be true or false", "parallel_tool_calls")
 
+    if req.tool_choice is not None and not tools:          # as the OpenAI API answers it
+        raise bad_request("tool_choice is only allowed when tools are specified", "tool_choice")
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, dict):
         fn = choice.get("function")
