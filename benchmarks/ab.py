@@ -6,7 +6,8 @@ The machine these benchmarks run on drifts by 10–25% over minutes, so two benc
 after the other cannot resolve a change of a few percent. Here the revision's package is extracted
 under another name (`clover_base`), both engines load the same checkpoint into one process, and their
 measurements alternate round by round: prefill (512 tokens; 4096 every fourth round), 8 AR decode
-steps, and one 32-token block step at `block_expert_top_p` 0.7, each a median over the rounds.
+steps, one 32-token block step at `block_expert_top_p` 0.7, and one commit fused with the next block's
+first step (64 tokens, `block_len` 32), each a median over the rounds.
 The working tree's `clover` must be importable (`pip install -e .`).
 """
 
@@ -61,6 +62,11 @@ def measure(model, config, rnd: int) -> dict:
     t = time.perf_counter()
     model.step(block, [cache], block=True, block_top_p=0.7)
     out["block step top_p 0.7 (ms)"] = (time.perf_counter() - t) * 1e3
+    committed = copy.deepcopy(cache)          # a commit: the resolved block + the next block's first step
+    commit_ids = torch.cat([block, torch.full_like(block, config["mask_token_id"] or 0)], dim=1)
+    t = time.perf_counter()
+    model.step(commit_ids, [committed], block_len=32, block_top_p=0.7, logits_at="block")
+    out["commit + block (ms)"] = (time.perf_counter() - t) * 1e3
     state = copy.deepcopy(cache)
     token = model.step(make_input_ids(config, 1, seed=1), [state], logits_at="last")[:, -1:].argmax(-1)
     t = time.perf_counter()

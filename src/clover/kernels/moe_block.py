@@ -65,6 +65,8 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
 
 def packed_for_kernels(moe) -> bool:
     """Whether `moe` was packed by `pack_for_cpu(kernels=True)` (what the kernel reads)."""
+    if "_kernel_constants" in moe.__dict__:          # looked up (and checked) before
+        return True
     fused = moe.fused_input
     return (fused is not None and moe.experts.panels is not None and hasattr(fused.packed, "panels")
             and getattr(moe.shared_expert.down_proj, "packed", None) is not None)

@@ -24,9 +24,17 @@ from .moe_block import moe_block, packed_for_kernels
 from .rmsnorm import add_rmsnorm
 
 
+_BF16 = torch.bfloat16
+
+
 def _plain_bf16(*tensors) -> bool:
-    return (not torch.is_grad_enabled()
-            and all(t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors))
+    # (a plain loop: this runs a dozen times per decode step)
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and (t.dtype is not _BF16 or t.device.type != "cpu"):
+            return False
+    return True
 
 
 def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
