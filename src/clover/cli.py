@@ -1,4 +1,4 @@
-"""The `clover` command: generate, chat, info, eval-demo, train, export, serve, bench.
+"""The `clover` command: generate, chat, info, eval-demo, train, export, serve, bench, lm-eval.
 
 The CLI only parses arguments and dispatches; user mistakes print one clear line, not a traceback.
 Every command takes `--model PATH` and defaults to the demo model shipped in the package.
@@ -227,6 +227,14 @@ def cmd_serve(args, rest) -> int:
     return server_cli.main(rest) or 0          # `clover serve` defaults to the demo model itself
 
 
+def cmd_lm_eval(args, rest) -> int:
+    try:
+        from clover.evaluation import lm_eval_model
+    except ImportError as exc:
+        raise UserError(f"clover lm-eval needs lm-eval ({exc}): pip install 'clover[eval]'") from None
+    return lm_eval_model.main(rest) or 0
+
+
 def cmd_bench(args, rest) -> int:
     import runpy
 
@@ -240,7 +248,8 @@ def cmd_bench(args, rest) -> int:
     return 0
 
 
-PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench}
+PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench,
+               "lm-eval": cmd_lm_eval}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("train", "train a small Clover on generated tasks (see `clover train --help`)"),
                        ("export", "write a transformers trust_remote_code model directory: SRC DST"),
                        ("serve", "OpenAI-compatible HTTP server (see `clover serve --help`)"),
-                       ("bench", "performance benchmarks (see `clover bench --help`)")):
+                       ("bench", "performance benchmarks (see `clover bench --help`)"),
+                       ("lm-eval", "lm-evaluation-harness with `--model clover` registered (its own flags)")):
         sub.add_parser(name, help=text, add_help=False)
     return parser
 
