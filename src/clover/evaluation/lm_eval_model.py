@@ -172,7 +172,7 @@ class CloverLM(TemplateLM):
         self.enable_thinking = bool(enable_thinking)
         self.keep_thinking = bool(keep_thinking)
         self.settings = {k: v for k, v in settings.items() if v is not None}
-        resolve_settings(self.model, **self.settings).validate_request(1, self.max_length, self.model.config.vocab_size)
+        resolve_settings(self.model, **self.settings)       # unknown or invalid settings fail here
         self.stop_strings = [s for s in (IM_END, ENDOFTEXT) if self.tokenizer.token_to_id(s) is not None]
         self.stats = RunStats()
         RUNS.append(self.stats)
