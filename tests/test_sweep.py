@@ -28,7 +28,7 @@ def one_thread():
 def test_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
     out = tmp_path / "sweep"
     assert clover_main(["eval-demo", "--sweep", "--per-task", "2", "--tasks", "sort", "--thresholds", "0.9,0.5",
-                        "--block-sizes", "8", "--out", str(out)]) == 0
+                        "--block-sizes", "8", "--repeats", "2", "--out", str(out)]) == 0
     rows = json.loads((out / "sweep.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["autoregressive", "low_confidence_b8_t0.9", "low_confidence_b8_t0.5",
                                          "self_speculative"]
@@ -47,6 +47,7 @@ def test_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
                                                     for e, r in zip(examples, results)) / 2)
         assert (row["tokens"], row["forwards"]) == (tokens, forwards)
         assert row["tokens_per_second"] == pytest.approx(tokens / row["seconds"])
+        assert len(row["seconds_per_round"]) == 2 and row["seconds"] == min(row["seconds_per_round"])
     table = (out / "sweep.md").read_text().strip().splitlines()
     assert len(table) == 2 + len(rows) and "| low_confidence | 8 | 0.5 |" in table[4]
     assert table == capsys.readouterr().out.strip().splitlines()

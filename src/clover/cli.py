@@ -231,12 +231,15 @@ def _eval_demo_sweep(args) -> int:
     model, tokenizer, path = _load(args)
     rows = run_sweep(model, tokenizer, per_task=args.per_task, thresholds=thresholds, block_sizes=block_sizes,
                      seed=args.seed, tasks=args.tasks.split(",") if args.tasks else None,
-                     batch_size=args.batch_size, progress=lambda s: print(s, file=sys.stderr))
+                     batch_size=args.batch_size, repeats=args.repeats, progress=lambda s: print(s, file=sys.stderr))
     n = rows[0]["n"]
+    import torch
+
     import clover
 
     name = "demo model" if path == clover.DEMO_MODEL_DIR else path.name
-    title = f"{name}: {n} held-out demo problems, batch {args.batch_size}, {model.dtype}".replace("torch.", "")
+    title = (f"{name}: {n} held-out demo problems, batch {args.batch_size}, {model.dtype}, "
+             f"{torch.get_num_threads()} threads, best of {max(1, args.repeats)}").replace("torch.", "")
     paths = write(rows, args.out, title)
     print(format_table(rows))
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
@@ -322,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99", help="sweep: LowConfidence thresholds")
     p.add_argument("--block-sizes", default="8,16,32", help="sweep: block sizes")
     p.add_argument("--batch-size", type=int, default=32, help="sweep: prompts per generate_batch call")
+    p.add_argument("--repeats", type=int, default=1, help="sweep: rounds per setting; the fastest time is kept")
     p.add_argument("--out", default="sweep", metavar="DIR", help="sweep: output directory (default ./sweep)")
     p.set_defaults(func=cmd_eval_demo)
 

@@ -310,7 +310,7 @@ class CloverLM(TemplateLM):
         for idx in groups.values():
             settings, until = self._generation_settings(requests[idx[0]].args[1])
             budget = max(1, self.max_length - settings.max_new_tokens)
-            prompts = {i: self.tok_encode(requests[i].args[0])[-budget:] for i in idx}
+            prompts = {i: self.tok_encode(requests[i].args[0])[-budget:] or [self.prefix_token_id] for i in idx}
             order = sorted(idx, key=lambda i: -len(prompts[i]))
             for chunk in _batches(order, self.batch_size, sys.maxsize, lambda i: len(prompts[i])):
                 start = time.perf_counter()
