@@ -217,7 +217,7 @@ class CloverLM(TemplateLM):
             if not continuation:
                 raise ValueError("loglikelihood: the continuation encodes to no tokens")
             whole = (context + continuation)[-(self.max_length + 1):]
-            inputs.append((whole[:-1], len(continuation)))
+            inputs.append((whole[:-1], min(len(continuation), len(whole) - 1)))
         order = sorted(range(len(rows)), key=lambda i: -len(inputs[i][0]))
         pad = self.prefix_token_id
         out: list = [None] * len(rows)
