@@ -28,7 +28,7 @@ def one_thread():
 def test_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
     out = tmp_path / "sweep"
     assert clover_main(["eval-demo", "--sweep", "--per-task", "2", "--tasks", "sort", "--thresholds", "0.9,0.5",
-                        "--block-sizes", "8", "--repeats", "2", "--out", str(out)]) == 0
+                        "--block-sizes", "8", "--repeats", "2", "--batch-size", "1", "--out", str(out)]) == 0
     rows = json.loads((out / "sweep.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["autoregressive", "low_confidence_b8_t0.9", "low_confidence_b8_t0.5",
                                          "self_speculative"]
@@ -47,7 +47,12 @@ def test_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
                                                     for e, r in zip(examples, results)) / 2)
         assert (row["tokens"], row["forwards"]) == (tokens, forwards)
         assert row["tokens_per_second"] == pytest.approx(tokens / row["seconds"])
-        assert len(row["seconds_per_round"]) == 2 and row["seconds"] == min(row["seconds_per_round"])
+        # each of the 2 one-prompt batches is timed by its faster round
+        batches = row["batch_seconds_per_round"]
+        assert len(batches) == 2 and all(len(b) == 2 for b in batches)
+        assert [sum(b) for b in batches] == pytest.approx(row["seconds_per_round"])
+        assert row["seconds"] == pytest.approx(min(batches[0][0], batches[1][0]) + min(batches[0][1], batches[1][1]))
+        assert row["seconds"] <= min(row["seconds_per_round"]) + 1e-9
     table = (out / "sweep.md").read_text().strip().splitlines()
     assert len(table) == 2 + len(rows) and "| low_confidence | 8 | 0.5 |" in table[4]
     assert table == capsys.readouterr().out.strip().splitlines()

@@ -239,7 +239,7 @@ def _eval_demo_sweep(args) -> int:
 
     name = "demo model" if path == clover.DEMO_MODEL_DIR else path.name
     title = (f"{name}: {n} held-out demo problems, batch {args.batch_size}, {model.dtype}, "
-             f"{torch.get_num_threads()} threads, best of {max(1, args.repeats)}").replace("torch.", "")
+             f"{torch.get_num_threads()} threads, each batch its best of {max(1, args.repeats)} rounds").replace("torch.", "")
     paths = write(rows, args.out, title)
     print(format_table(rows))
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

@@ -34,9 +34,9 @@ def run_sweep(model, tokenizer, per_task: int = 20, thresholds=DEFAULT_THRESHOLD
               repeats: int = 1, progress=None) -> list[dict]:
     """One row per setting: name, settings, accuracy, tokens/forward, tokens/s, per-task accuracy.
 
-    `repeats` > 1 runs every setting that many times, in rounds, and keeps the fastest time: on a
-    shared machine other processes only ever add time. (Greedy decoding gives the same tokens each
-    round; a round that differs is an error.)"""
+    `repeats` > 1 runs every setting that many times, in rounds, and times each batch of prompts by
+    its fastest round: on a shared machine other processes only ever add time, in bursts. (Greedy
+    decoding gives the same tokens each round; a round that differs is an error.)"""
     modes = sweep_modes(thresholds, block_sizes)
     # one untimed request first: the first forwards of a process pay one-time costs (thread pool,
     # kernel builds) that would otherwise land on whichever setting runs first
@@ -54,7 +54,7 @@ def run_sweep(model, tokenizer, per_task: int = 20, thresholds=DEFAULT_THRESHOLD
         for other in rounds[1:]:
             if other[name]["_all"]["tokens"] != r["_all"]["tokens"] or other[name]["_all"]["accuracy"] != r["_all"]["accuracy"]:
                 raise RuntimeError(f"{name}: rounds disagree (not greedy?)")
-        seconds = min(rr[name]["_seconds"] for rr in rounds)
+        seconds = sum(min(times) for times in zip(*(rr[name]["_batch_seconds"] for rr in rounds)))
         out.append({
             "name": name,
             "decoding": ("autoregressive" if settings["block_size"] == 1
@@ -64,6 +64,7 @@ def run_sweep(model, tokenizer, per_task: int = 20, thresholds=DEFAULT_THRESHOLD
             "tokens_per_forward": r["_all"]["tokens_per_forward"],
             "tokens": r["_all"]["tokens"], "forwards": r["_all"]["forwards"], "seconds": seconds,
             "seconds_per_round": [rr[name]["_seconds"] for rr in rounds],
+            "batch_seconds_per_round": [rr[name]["_batch_seconds"] for rr in rounds],
             "tokens_per_second": r["_all"]["tokens"] / seconds if seconds > 0 else 0.0,
             "per_task": {t: v["accuracy"] for t, v in r.items() if not t.startswith("_")},
         })

@@ -25,7 +25,7 @@ MODES = {
 def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 1234, tasks=None, modes=None,
              enable_thinking: bool = True, max_new_tokens: int = 96, batch_size: int = 32, progress=None):
     """Returns {mode: {task: {"accuracy", "tokens_per_forward", "n", "tokens", "forwards"}, "_all": {...},
-    "_seconds": s}}. `modes`: names from MODES, or a dict {name: generation settings} (the sweep's)."""
+    "_seconds": s, "_batch_seconds": [s per batch]}}. `modes`: names from MODES, or a dict {name: generation settings} (the sweep's)."""
     tasks = list(tasks or TASK_NAMES)
     examples = []
     for task in tasks:
@@ -35,11 +35,12 @@ def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 
     modes = modes if isinstance(modes, dict) else {m: MODES[m] for m in (modes or MODES)}
     for mode, mode_settings in modes.items():
         settings = resolve_settings(model, max_new_tokens=max_new_tokens, **mode_settings)
-        start = time.perf_counter()
-        results = []
+        results, batch_seconds = [], []
         for i in range(0, len(prompts), batch_size):
+            start = time.perf_counter()
             results += generate_batch(model, prompts[i : i + batch_size], settings)
-        seconds = time.perf_counter() - start
+            batch_seconds.append(time.perf_counter() - start)
+        seconds = sum(batch_seconds)
         per = {}
         for task in tasks + ["_all"]:
             idx = [i for i, ex in enumerate(examples) if task == "_all" or ex.task == task]
@@ -49,6 +50,7 @@ def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 
             per[task] = {"accuracy": correct / len(idx), "tokens_per_forward": tokens / max(forwards, 1),
                          "n": len(idx), "tokens": tokens, "forwards": forwards}
         per["_seconds"] = seconds
+        per["_batch_seconds"] = batch_seconds
         report[mode] = per
         if progress:
             progress(f"{mode}: accuracy {per['_all']['accuracy']:.1%}, "
