@@ -151,6 +151,8 @@ class CloverLM(TemplateLM):
         unknown = sorted(set(settings) - set(_SETTING_ARGS))
         if unknown:
             raise ValueError(f"unknown model_args for clover: {', '.join(unknown)}")
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         path = Path(pretrained) if pretrained else clover.DEMO_MODEL_DIR

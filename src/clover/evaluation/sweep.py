@@ -98,9 +98,9 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
             ax.plot(xs, ys, marker="o", label=f"LowConfidence, block {b}")
             for r, x, y in zip(line, xs, ys):
                 ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
-        for decoding, marker in (("autoregressive", "s"), ("self_speculative", "D")):
+        for decoding, marker, color in (("autoregressive", "s", "black"), ("self_speculative", "D", "tab:red")):
             for r in (r for r in rows if r["decoding"] == decoding):
-                ax.scatter([r[key]], [r["accuracy"] * 100], marker=marker, s=60, zorder=3,
+                ax.scatter([r[key]], [r["accuracy"] * 100], marker=marker, s=60, zorder=3, color=color,
                            label=decoding.replace("_", "-") + (f", block {r['block_size']}" if r["block_size"] > 1 else ""))
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
@@ -122,3 +122,11 @@ def write(rows: list[dict], out_dir, title: str = "") -> dict[str, Path]:
     paths["json"].write_text(json.dumps({"title": title, "rows": rows}, indent=1) + "\n")
     plot(rows, paths["plot"], title)
     return paths
+
+
+if __name__ == "__main__":      # redraw a sweep's PNG from its JSON: python -m clover.evaluation.sweep DIR
+    import sys
+
+    folder = Path(sys.argv[1])
+    data = json.loads((folder / "sweep.json").read_text())
+    plot(data["rows"], folder / "sweep.png", data.get("title", ""))
