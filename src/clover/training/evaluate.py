@@ -25,7 +25,8 @@ MODES = {
 def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 1234, tasks=None, modes=None,
              enable_thinking: bool = True, max_new_tokens: int = 96, batch_size: int = 32, progress=None):
     """Returns {mode: {task: {"accuracy", "tokens_per_forward", "n", "tokens", "forwards"}, "_all": {...},
-    "_seconds": s, "_batch_seconds": [s per batch]}}. `modes`: names from MODES, or a dict {name: generation settings} (the sweep's)."""
+    "_seconds": s, "_batch_seconds": [s per batch]}}. `modes`: names from MODES, or a dict
+    {name: generation settings} (the sweep's)."""
     tasks = list(tasks or TASK_NAMES)
     examples = []
     for task in tasks:
