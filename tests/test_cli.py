@@ -99,7 +99,7 @@ def test_chat_is_multi_turn():
 
 def test_help_lists_every_command():
     out = run_cli("--help")
-    for command in ("generate", "chat", "info", "eval-demo", "train", "export", "serve", "bench"):
+    for command in ("generate", "chat", "info", "eval-demo", "train", "export", "serve", "bench", "lm-eval"):
         assert command in out.stdout
     for command in ("train", "export", "serve"):
         sub = run_cli(command, "--help")

@@ -1,4 +1,4 @@
-"""The `clover` command: generate, chat, info, eval-demo, train, export, serve, bench.
+"""The `clover` command: generate, chat, info, eval-demo, train, export, serve, bench, lm-eval.
 
 The CLI only parses arguments and dispatches; user mistakes print one clear line, not a traceback.
 Every command takes `--model PATH` and defaults to the demo model shipped in the package.
@@ -231,6 +231,8 @@ def cmd_eval_demo(args) -> int:
 
     if args.per_task < 1:
         raise UserError(f"--per-task must be at least 1, got {args.per_task}")
+    if args.sweep:
+        return _eval_demo_sweep(args)
     model, tokenizer, _ = _load(args)
     modes = args.modes.split(",") if args.modes else list(MODES)
     for m in modes:
@@ -241,6 +243,42 @@ def cmd_eval_demo(args) -> int:
                       progress=lambda s: print(s, file=sys.stderr))
     print(format_report(report))
     print(json.dumps(report))
+    return 0
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def _eval_demo_sweep(args) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("--sweep draws its plot with matplotlib: pip install 'clover[eval]'") from None
+    from clover.evaluation.sweep import format_table, run_sweep, write
+
+    thresholds = _numbers(args.thresholds, float, "--thresholds")
+    block_sizes = _numbers(args.block_sizes, int, "--block-sizes")
+    if not thresholds or not block_sizes:
+        raise UserError("--sweep needs at least one threshold and one block size")
+    model, tokenizer, path = _load(args)
+    rows = run_sweep(model, tokenizer, per_task=args.per_task, thresholds=thresholds, block_sizes=block_sizes,
+                     seed=args.seed, tasks=args.tasks.split(",") if args.tasks else None,
+                     batch_size=args.batch_size, repeats=args.repeats, progress=lambda s: print(s, file=sys.stderr))
+    n = rows[0]["n"]
+    import torch
+
+    import clover
+
+    name = "demo model" if path == clover.DEMO_MODEL_DIR else path.name
+    title = (f"{name}: {n} held-out demo problems, batch {args.batch_size}, {model.dtype}, "
+             f"{torch.get_num_threads()} threads, each batch its best of {max(1, args.repeats)} rounds").replace("torch.", "")
+    paths = write(rows, args.out, title)
+    print(format_table(rows))
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0
 
 
@@ -263,6 +301,14 @@ def cmd_serve(args, rest) -> int:
     return server_cli.main(rest) or 0          # `clover serve` defaults to the demo model itself
 
 
+def cmd_lm_eval(args, rest) -> int:
+    try:
+        from clover.evaluation import lm_eval_model
+    except ImportError as exc:
+        raise UserError(f"clover lm-eval needs lm-eval ({exc}): pip install 'clover[eval]'") from None
+    return lm_eval_model.main(rest) or 0
+
+
 def cmd_bench(args, rest) -> int:
     import runpy
 
@@ -276,7 +322,8 @@ def cmd_bench(args, rest) -> int:
     return 0
 
 
-PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench}
+PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench,
+               "lm-eval": cmd_lm_eval}
 
 
 def _version() -> str:
@@ -315,12 +362,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--modes", help=f"comma-separated subset of the decoding modes")
     p.add_argument("--tasks", help="comma-separated subset of the tasks")
+    p.add_argument("--sweep", action="store_true",
+                   help="accuracy against speed: LowConfidence over --thresholds x --block-sizes, plus "
+                        "autoregressive and self-speculative; writes a table, JSON and PNG to --out")
+    p.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99", help="sweep: LowConfidence thresholds")
+    p.add_argument("--block-sizes", default="8,16,32", help="sweep: block sizes")
+    p.add_argument("--batch-size", type=int, default=32, help="sweep: prompts per generate_batch call")
+    p.add_argument("--repeats", type=int, default=1, help="sweep: rounds per setting; the fastest time is kept")
+    p.add_argument("--out", default="sweep", metavar="DIR", help="sweep: output directory (default ./sweep)")
     p.set_defaults(func=cmd_eval_demo)
 
     for name, text in (("train", "train a small Clover on generated tasks (see `clover train --help`)"),
                        ("export", "write a transformers trust_remote_code model directory: SRC DST"),
                        ("serve", "OpenAI-compatible HTTP server (see `clover serve --help`)"),
-                       ("bench", "performance benchmarks (see `clover bench --help`)")):
+                       ("bench", "performance benchmarks (see `clover bench --help`)"),
+                       ("lm-eval", "lm-evaluation-harness with `--model clover` registered (its own flags)")):
         sub.add_parser(name, help=text, add_help=False)
     return parser
 

@@ -35,7 +35,7 @@ _IN_PACKAGE = __name__ == "clover.hf.modeling_clover"   # False in an exported m
 # Keys of `generate()` that are transformers conventions rather than Clover settings.
 _IGNORED_GENERATE_KWARGS = ("token_type_ids", "position_ids", "use_cache", "output_attentions",
                             "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
-                            "num_beams", "num_return_sequences", "logits_processor", "stopping_criteria")
+                            "num_beams", "num_return_sequences", "logits_processor")
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
@@ -212,7 +212,9 @@ class CloverForCausalLM(CloverPreTrainedModel):
         """Block-diffusion generation (SPEC §5, §8). Settings: `generation_config` (default: the model's,
         from generation_config.json) ← keyword arguments (`max_new_tokens`, `block_size`, `threshold`,
         `decoding`, `do_sample`, `dllm_*`, …). `max_new_tokens` is the hard limit; a request the context
-        limit cannot hold is rejected (SPEC §9). Returns `[B, prompt width + new tokens]`."""
+        limit cannot hold is rejected (SPEC §9). transformers' `stopping_criteria` and `stop_strings`
+        (with `tokenizer=`) end each row where they would in a token-by-token loop (see `_stop_lengths`).
+        Returns `[B, prompt width + new tokens]`."""
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         if input_ids is None:
@@ -227,8 +229,10 @@ class CloverForCausalLM(CloverPreTrainedModel):
                 raise ValueError(f"{key}={value} is not supported by Clover's block-diffusion generate()")
             if key == "return_dict_in_generate" and value:
                 raise ValueError("return_dict_in_generate=True is not supported: generate() returns token ids")
-            if key in ("logits_processor", "stopping_criteria") and value:
+            if key == "logits_processor" and value:
                 raise ValueError(f"{key} is not supported by Clover's generate(); use the dllm_* controls")
+        criteria = _stopping_criteria(kwargs.pop("stopping_criteria", None), kwargs.pop("stop_strings", None),
+                                      kwargs.pop("tokenizer", None))
 
         rt = self.clover_model()
         defaults = _generation_defaults(generation_config if generation_config is not None
@@ -269,13 +273,58 @@ class CloverForCausalLM(CloverPreTrainedModel):
             pad = rt.config.pad_token_id
         if pad is None:
             pad = settings.eos_token_id[0] if settings.eos_token_id else 0
-        new = max(len(r.tokens) for r in results)
+        completions = [r.tokens for r in results]
+        if criteria is not None:
+            completions = [c[:n] for c, n in zip(completions, _stop_lengths(ids, completions, criteria, pad))]
+        new = max(len(c) for c in completions)
         out = torch.full((ids.shape[0], ids.shape[1] + new), pad, dtype=torch.long, device=ids.device)
         out[:, : ids.shape[1]] = ids
-        for b, r in enumerate(results):
-            if r.tokens:
-                out[b, ids.shape[1]: ids.shape[1] + len(r.tokens)] = torch.tensor(r.tokens, device=ids.device)
+        for b, c in enumerate(completions):
+            if c:
+                out[b, ids.shape[1]: ids.shape[1] + len(c)] = torch.tensor(c, device=ids.device)
         return out if input_ids.dim() == 2 else out[0]
+
+
+def _stopping_criteria(stopping_criteria, stop_strings, tokenizer):
+    """transformers' `stopping_criteria` plus a `StopStringCriteria` for `stop_strings` (which, as in
+    transformers, needs `tokenizer=`); None when there are none."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    criteria = StoppingCriteriaList(list(stopping_criteria or []))
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tokenizer)")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer,
+                                           stop_strings=[stop_strings] if isinstance(stop_strings, str) else stop_strings))
+    return criteria if len(criteria) else None
+
+
+def _stop_lengths(ids, completions, criteria, pad) -> list[int]:
+    """How many completion tokens each row keeps under `criteria`, asked after every token as
+    transformers' loop does (rows that already ended read as padding): a row ends after the first
+    token for which they answer True; a single True (e.g. lm-eval's "every row has hit a stop
+    sequence") ends every row. Block diffusion resolves whole blocks, so this cuts the finished output
+    rather than stopping the forwards early."""
+    B, width = ids.shape
+    keep = [len(c) for c in completions]
+    longest = max(keep, default=0)
+    seq = torch.full((B, width + longest), pad, dtype=torch.long, device=ids.device)
+    seq[:, :width] = ids
+    for b, c in enumerate(completions):
+        if c:
+            seq[b, width: width + len(c)] = torch.tensor(c, device=ids.device)
+    done = [n == 0 for n in keep]
+    for t in range(1, longest + 1):
+        flags = torch.as_tensor(criteria(seq[:, : width + t], None)).to(torch.bool).cpu()
+        flags = flags.expand(B) if flags.dim() == 0 else flags
+        for b in range(B):
+            if not done[b] and flags[b]:
+                keep[b], done[b] = t, True
+            elif not done[b] and t >= keep[b]:
+                done[b] = True           # ended on its own (EOS or max_new_tokens)
+        if all(done):
+            break
+    return keep
 
 
 def _generation_defaults(generation_config) -> dict:

@@ -24,20 +24,24 @@ MODES = {
 
 def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 1234, tasks=None, modes=None,
              enable_thinking: bool = True, max_new_tokens: int = 96, batch_size: int = 32, progress=None):
-    """Returns {mode: {task: {"accuracy", "tokens_per_forward", "n"}, "_all": {...}, "_seconds": s}}."""
+    """Returns {mode: {task: {"accuracy", "tokens_per_forward", "n", "tokens", "forwards"}, "_all": {...},
+    "_seconds": s, "_batch_seconds": [s per batch]}}. `modes`: names from MODES, or a dict
+    {name: generation settings} (the sweep's)."""
     tasks = list(tasks or TASK_NAMES)
     examples = []
     for task in tasks:
         examples += list(sample_examples(per_task, "heldout", seed, tasks=[task]))
     prompts = [tokenizer.encode(ex.prompt_text(enable_thinking)) for ex in examples]
     report = {}
-    for mode in modes or MODES:
-        settings = resolve_settings(model, max_new_tokens=max_new_tokens, **MODES[mode])
-        start = time.perf_counter()
-        results = []
+    modes = modes if isinstance(modes, dict) else {m: MODES[m] for m in (modes or MODES)}
+    for mode, mode_settings in modes.items():
+        settings = resolve_settings(model, max_new_tokens=max_new_tokens, **mode_settings)
+        results, batch_seconds = [], []
         for i in range(0, len(prompts), batch_size):
+            start = time.perf_counter()
             results += generate_batch(model, prompts[i : i + batch_size], settings)
-        seconds = time.perf_counter() - start
+            batch_seconds.append(time.perf_counter() - start)
+        seconds = sum(batch_seconds)
         per = {}
         for task in tasks + ["_all"]:
             idx = [i for i, ex in enumerate(examples) if task == "_all" or ex.task == task]
@@ -45,8 +49,9 @@ def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 
             tokens = sum(results[i].stats.generated_tokens for i in idx)
             forwards = sum(results[i].stats.forwards for i in idx)
             per[task] = {"accuracy": correct / len(idx), "tokens_per_forward": tokens / max(forwards, 1),
-                         "n": len(idx)}
+                         "n": len(idx), "tokens": tokens, "forwards": forwards}
         per["_seconds"] = seconds
+        per["_batch_seconds"] = batch_seconds
         report[mode] = per
         if progress:
             progress(f"{mode}: accuracy {per['_all']['accuracy']:.1%}, "
