@@ -148,9 +148,12 @@ def _direct_logprob(model, ids: list[int], n_scored: int) -> tuple[float, bool]:
     return score, all(lp[p].argmax().item() == t for p, t in zip(positions, targets))
 
 
-def test_loglikelihood_equals_log_softmax_of_causal_logits(lm, demo):
-    """Batched, right-padded scoring equals one unpadded forward per request (greedy flag included)."""
-    model, tokenizer = demo
+def test_loglikelihood_equals_log_softmax_of_causal_logits():
+    """Batched, right-padded scoring equals one unpadded forward per request (greedy flag included), in
+    float32: the property is that padding and batching change nothing beyond fp32 rounding (the default
+    bf16 path adds bf16 rounding of different matrix shapes on top)."""
+    lm = CloverLM(batch_size=8, dtype="float32")
+    model, tokenizer = lm.model, lm.tokenizer
     pairs = [("<|im_start|>user\nWhat is 12+34?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", "46<|im_end|>"),
              ("<|im_start|>user\nWhat is 12+34?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", "47<|im_end|>"),
              ("Reverse the list:", " a b c d e f g"),
