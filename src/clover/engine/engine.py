@@ -51,6 +51,7 @@ class EngineOptions:
     max_queue: int = 64                    # requests waiting for a slot; one more raises QueueFull
     max_cache_bytes: int | None = None     # the state pool's size (K/V pages + GDN slots); None: the model's default
     step_tokens: int | None = None         # tokens per decoder step (prefill chunks fill what decoding leaves)
+    decode_prefill_tokens: int | None = None   # prefill tokens per step while requests are decoding
     prefix_cache: bool = True              # reuse cached prompt prefixes across requests
 
     def __post_init__(self):
@@ -89,7 +90,8 @@ class Engine:
 
     def _new_decoder(self) -> Decoder:
         o = self.options
-        return Decoder(self.model, max_batch=o.max_batch, step_tokens=o.step_tokens, prefix_cache=o.prefix_cache)
+        return Decoder(self.model, max_batch=o.max_batch, step_tokens=o.step_tokens, prefix_cache=o.prefix_cache,
+                       decode_prefill_tokens=o.decode_prefill_tokens)
 
     # ---- properties --------------------------------------------------------------------------
     @property

@@ -7,7 +7,9 @@ that commit, verify or decode autoregressively (grouped by token count) → even
 
 Scheduling: each step has a budget of `step_tokens` tokens. The running sequences' block, commit,
 verify and decode tokens come first; prompts are prefilled in chunks from what is left (at least one
-page), shortest remaining prompt first while the oldest prefill keeps a quarter of it. So a long
+page; at most `decode_prefill_tokens` while anyone is decoding, since each denoising step of a block
+waits for its step's prefill chunk), shortest remaining prompt first while the oldest prefill keeps a
+quarter of it. So a long
 prompt is spread over many steps, and a short request that arrives meanwhile is prefilled at once and
 gets its first block after a few steps, not after the whole long prefill.
 
@@ -35,6 +37,9 @@ from .sequence import Sequence
 log = logging.getLogger("clover.decoder")
 
 DEFAULT_STEP_TOKENS = 1024
+# While any sequence is decoding, prefill chunks get at most this many tokens per step: every step of a
+# block's denoising waits for the step's prefill chunk, so it sets the decoding requests' step time.
+DEFAULT_DECODE_PREFILL_TOKENS = 256
 
 
 @dataclass
@@ -61,13 +66,14 @@ def reserved_tokens(seq_or_settings, prompt_len: int, config) -> int:
 
 class Decoder:
     def __init__(self, model, max_batch: int | None = None, step_tokens: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, decode_prefill_tokens: int | None = None):
         self.model = model
         self.pool = model.state_pool()
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []
         self.max_batch = max_batch
         self.step_tokens = step_tokens or DEFAULT_STEP_TOKENS
+        self.decode_prefill_tokens = decode_prefill_tokens or DEFAULT_DECODE_PREFILL_TOKENS
         self.prefix_cache = prefix_cache
 
     def add(self, seq: Sequence) -> None:
@@ -99,7 +105,10 @@ class Decoder:
         produced: dict[int, list[int]] = defaultdict(list)
         self._admit()
         busy = self._decode_tokens()
-        prefill_budget = max(self.step_tokens - busy, self.pool.page_size)
+        prefill_budget = self.step_tokens - busy
+        if busy:
+            prefill_budget = min(prefill_budget, self.decode_prefill_tokens)
+        prefill_budget = max(prefill_budget, self.pool.page_size)
         self._guard(self._prefill, [s for s in self.running if s.phase == "prefill"], prefill_budget)
         self._guard(self._block_forwards, [s for s in self.running if s.phase == "denoise"])
         self._guard(self._causal_forwards, [s for s in self.running if s.phase in ("commit", "verify", "ar")],
