@@ -7,3 +7,16 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tiny models (intra-op threads fighting for two shared cores
+    make tiny forwards far slower), restored afterwards for modules that set their own."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,13 +19,7 @@ from tiny_models import make_model
 TIMEOUT = 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The CI machine is shared: intra-op threads fighting for two cores make tiny forwards 50x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

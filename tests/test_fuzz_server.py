@@ -18,7 +18,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from clover.engine import Engine, EngineOptions  # noqa: E402
 from clover.server.app import create_app  # noqa: E402
-from test_server import MODEL, TIMEOUT, Server, model, model_dir, one_thread, tokenizer  # noqa: E402,F401
+from test_server import MODEL, TIMEOUT, Server, model, model_dir, tokenizer  # noqa: E402,F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 TEXT = st.text(alphabet=st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=20)
 # clover flushes denormals process-wide (runtime.py), so hypothesis cannot make subnormal floats here.

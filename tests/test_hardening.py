@@ -15,8 +15,10 @@ import pytest
 
 from clover.engine import Engine, EngineOptions
 from clover.server.app import create_app
-from test_server import (MODEL, TIMEOUT, Server, check_error, model, model_dir, one_thread,  # noqa: F401 (fixtures)
+from test_server import (MODEL, TIMEOUT, Server, check_error, model, model_dir,  # noqa: F401 (fixtures)
                          post, slow_forwards, tokenizer, wait_for)
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 JSON = {"content-type": "application/json"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

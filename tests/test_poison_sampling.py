@@ -16,12 +16,7 @@ from reference_generation import CONTROLS_OFF
 from tiny_models import make_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)

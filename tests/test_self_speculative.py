@@ -31,13 +31,7 @@ CONTROLS_ON = dict(
 REPETITION_ONLY = dict(CONTROLS_OFF, dllm_repetition_penalty=1.5, dllm_repetition_window=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add contention (index_add_/conv1d crawl when cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)

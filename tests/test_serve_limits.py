@@ -23,7 +23,10 @@ from clover.engine import Engine, EngineOptions
 from clover.server import cli as serve_cli
 from clover.server.app import create_app
 from clover.server.limits import DrainingServer, RepeatFilter, uvicorn_config
-from test_server import MODEL, TIMEOUT, check_error, model, model_dir, one_thread, tokenizer  # noqa: F401
+from test_server import MODEL, TIMEOUT, check_error, model, model_dir, tokenizer  # noqa: F401
+from tiny_models import slow_steps
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -161,13 +164,7 @@ def test_connections_past_the_limit_get_503(make_server):
 @pytest.fixture
 def very_slow_forwards(model, monkeypatch):
     """Every forward takes >= 20 ms: a 400-token request runs for 8 s or more."""
-    real = type(model).step
-
-    def step(self, *args, **kwargs):
-        time.sleep(0.02)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "step", step)
+    slow_steps(monkeypatch, model, 0.02)
 
 
 def test_requests_running_past_the_grace_period_end_with_an_error_event(make_server, very_slow_forwards):

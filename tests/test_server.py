@@ -22,20 +22,14 @@ from clover.server.app import create_app
 from clover.server.text import StopMatcher, TextStream
 from clover.tokenization import CloverTokenizer
 from clover.training.build_tokenizer import build_tokenizer
-from tiny_models import make_model
+from tiny_models import slow_steps, make_model
 
 MODEL = "tiny"
 TIMEOUT = 60
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The CI machine is shared: intra-op threads fighting for two cores make tiny forwards 50x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -350,13 +344,7 @@ def wait_for(predicate, timeout=TIMEOUT):
 @pytest.fixture
 def slow_forwards(model, monkeypatch):
     """Every forward takes ≥ 5 ms, so a long request is surely still running when the test acts."""
-    real = type(model).step
-
-    def step(self, *args, **kwargs):
-        time.sleep(0.005)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "step", step)
+    slow_steps(monkeypatch, model, 0.005)
 
 
 def test_disconnect_mid_stream_frees_the_slot(served, slow_forwards):

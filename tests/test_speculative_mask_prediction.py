@@ -18,12 +18,7 @@ from tiny_models import make_model
 PROMPTS = [torch.randint(5, 90, (6 + i,), generator=torch.Generator().manual_seed(40 + i)).tolist() for i in range(5)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,12 +22,7 @@ from tiny_models import make_model
 F64 = torch.float64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def settings(model, **kw) -> GenerationSettings:

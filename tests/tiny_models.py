@@ -99,3 +99,17 @@ def layer_call(module, x, seqs, block_len, *before, backend=None):
     out = module(x, *before, batch, block_len, backend)
     pool.finish(batch, seqs)
     return out
+
+
+def slow_steps(monkeypatch, model, seconds: float) -> None:
+    """Make every cached forward of `model`'s class take at least `seconds` longer (tests that must act
+    while a request is surely still running)."""
+    import time
+
+    real = type(model).step
+
+    def step(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "step", step)
