@@ -291,3 +291,21 @@ def test_generate_batch_takes_settings_dicts():
     want = [r.tokens for r in generate_batch(model, prompts, settings(model, **kw))]
     assert [r.tokens for r in generate_batch(model, prompts, kw)] == want
     assert [r.tokens for r in generate_batch(model, prompts, [kw, dict(kw)])] == want
+
+
+def test_a_shared_system_prompt_is_reused_up_to_the_last_chunk_end_inside_it():
+    """Two requests that share a 100-token prefix, then differ: with 32-token prefill chunks the second
+    reuses the first's state at 96 (the last page boundary inside the shared part) and decodes the
+    tokens it decodes without reuse."""
+    model = fresh()
+    model.configure_state_pool(1 << 24, max_sequences=4)
+    g = torch.Generator().manual_seed(14)
+    system = torch.randint(5, 90, (100,), generator=g).tolist()
+    a, b = system + [40, 41, 42, 43, 44], system + [50, 51]
+    s = settings(model, max_new_tokens=8, block_size=4, threshold=0.9)
+    run(Decoder(model, step_tokens=32), [Sequence(a, s, model.config)])
+    second = Sequence(b, s, model.config)
+    run(Decoder(model, step_tokens=32), [second])
+    assert second.stats.reused_tokens == 96
+    reference = fresh()
+    assert second.response == generate_batch(reference, [b], s)[0].tokens

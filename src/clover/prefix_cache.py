@@ -6,11 +6,16 @@ pages holding its K/V and to the GDN slot holding the state after it. Slots are 
 tokens takes those references instead of recomputing them and prefills only the rest; it shares the
 pages read-only (a partly shared page would be copied before a write, see `StatePool._make_writable`).
 
-Where entries come from: the scheduler splits each prompt's prefill so that one chunk ends at the last
-page boundary before the prompt's final token and inserts the sequence's state there (a later request
-with the same prompt reuses all but the last few tokens; a longer one — the next turn of a chat, the
-same system prompt and tools — reuses that much). Eviction: least recently used, when a page or a slot
-is needed and none is free, and when the entries would hold more than `max_entries` slots.
+Where entries come from: the scheduler inserts the sequence's state at every prefill chunk end that
+lies on a page boundary, and splits each prompt's prefill so that one chunk ends at the last page
+boundary before the prompt's final token. A later request with the same prompt reuses all but the last
+few tokens; the next turn of a chat (which starts with the whole earlier prompt) reuses all of it; a
+request that shares only a system prompt and tools with an earlier one reuses up to the last chunk end
+inside the shared part (chunks are `step_tokens`, 1024, when nothing else runs, and 256 while others
+decode). GDN state exists only where a forward ended — it cannot be rebuilt for an arbitrary boundary
+without recomputing the prefix — so these are the points kept. Eviction: least recently used (a hit
+refreshes its entry), when a page or a slot is needed and none is free, and when the entries would hold
+more than `max_entries` slots.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ gets its first block after a few steps, not after the whole long prefill.
 Admission: a sequence enters when the pool can reserve pages for its whole length (prompt, every block
 and the next block's scratch) and two GDN slots, so a running sequence never runs out; otherwise it
 waits (FIFO). Its prompt is first looked up in the prefix cache: a cached prefix is shared instead of
-prefilled, and the prefill inserts the state at the last page boundary before the prompt's end.
+prefilled, and the prefill inserts the state at each chunk end on a page boundary, one of which is
+the last page boundary before the prompt's end.
 
 Failures stay with their request: a forward that raises changes no sequence (cache.py), so its rows
 are retried one by one and only the rows that fail alone end with finish_reason "error"; an exception
@@ -244,8 +245,8 @@ class Decoder:
             for seq, logits in self._rows([seq for seq, _, _ in group], forward):
                 e = spans[seq.id][1]
                 seq.prefilled = e
-                if self.prefix_cache and e == (len(seq.prompt) - 1) // P * P:
-                    self.pool.prefix.insert(seq.prompt[:e], seq.cache)
+                if self.prefix_cache and e % P == 0 and e < len(seq.prompt):
+                    self.pool.prefix.insert(seq.prompt[:e], seq.cache)     # every page-aligned chunk end
                 if e == len(seq.prompt):
                     self._decide(seq, self._after_prefill, seq, logits[0])
 
