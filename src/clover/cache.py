@@ -346,9 +346,7 @@ class StatePool:
     def page_table(self, pages_per_row: list[list[int]], device=None) -> torch.Tensor:
         """Per-row page tables as one int32 [B, max pages] tensor (the native attention kernel's input)."""
         width = max(1, max(len(p) for p in pages_per_row))
-        table = torch.zeros(len(pages_per_row), width, dtype=torch.int32)
-        for b, pages in enumerate(pages_per_row):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages_per_row], dtype=torch.int32)
         return table if device is None else table.to(device)
 
     # ---- one forward -----------------------------------------------------------------------------

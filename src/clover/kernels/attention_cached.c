@@ -64,8 +64,10 @@ static inline __attribute__((always_inline)) void attend_group(
         norm_rope(qg + (long)g * 2 * D, D, R, q_scale, eps, cos, sin, q[g]);
         mx[g] = -INFINITY;
     }
-    for (long s = 0; s < S; s++) {                       /* scores q·k_s / √D, each key row widened once */
-        const uint16_t *Ks = K + ((long)pages[s / page] * page + s % page) * ld;
+    /* keys page by page: one page-table lookup per page, rows `ld` apart inside it */
+    for (long s0 = 0; s0 < S; s0 += page)
+    for (long s = s0, s_end = S - s0 < page ? S : s0 + page; s < s_end; s++) {   /* scores q·k_s / √D */
+        const uint16_t *Ks = K + ((long)pages[s0 / page] * page + (s - s0)) * ld;  /* each key row widened once */
         __m512 acc[MAX_GROUP];
         for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
         for (int j = 0; j < nd; j++) {
@@ -101,8 +103,9 @@ static inline __attribute__((always_inline)) void attend_group(
         __mmask16 mlo = lanes(D - d0), mhi = D - d0 > 16 ? lanes(D - d0 - 16) : 0;
         int whole = D - d0 >= PV_CHUNK;
         for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
-        for (long s = 0; s < S; s++) {
-            const uint16_t *Vs = V + ((long)pages[s / page] * page + s % page) * ld + d0;
+        for (long s0 = 0; s0 < S; s0 += page)
+        for (long s = s0, s_end = S - s0 < page ? S : s0 + page; s < s_end; s++) {
+            const uint16_t *Vs = V + ((long)pages[s0 / page] * page + (s - s0)) * ld + d0;
             __m512 vl = whole ? widen16(Vs) : load_bf16_16(Vs, mlo);
             __m512 vh = whole ? widen16(Vs + 16) : load_bf16_16(Vs + 16, mhi);
             for (int g = 0; g < G; g++) {

@@ -21,19 +21,20 @@ MAX_TOKENS = 64
 
 def _constants(mixer):
     """fp32 copies of the parameters the kernel reads, made once and again whenever a parameter was
-    written since (a weight reload through `load_state_dict` bumps the tensors' versions)."""
+    written since (a weight reload through `load_state_dict` copies into them, bumping their versions;
+    the versions only grow, so their sum changes with any of them)."""
+    cached = mixer.__dict__.get("_kernel_constants")
+    if cached is not None and cached[0] == sum(t._version for t in cached[1]):
+        return cached[2]
     sources = (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
                mixer.norm.weight)
-    versions = tuple(t._version for t in sources)
-    cached = getattr(mixer, "_kernel_constants", None)
-    if cached is None or cached[0] != versions:
-        f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
-        consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
-                  f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
-                  f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
-                  f32(mixer.norm.weight))
-        cached = mixer._kernel_constants = (versions, consts)
-    return cached[1]
+    f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
+    consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
+              f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
+              f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
+              f32(mixer.norm.weight))
+    mixer.__dict__["_kernel_constants"] = (sum(t._version for t in sources), sources, consts)
+    return consts
 
 
 def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
