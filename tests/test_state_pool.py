@@ -309,3 +309,23 @@ def test_a_shared_system_prompt_is_reused_up_to_the_last_chunk_end_inside_it():
     assert second.stats.reused_tokens == 96
     reference = fresh()
     assert second.response == generate_batch(reference, [b], s)[0].tokens
+
+
+def test_the_default_pool_holds_the_real_model_shape():
+    """The library's default pool (what generate() and make_cache() use) must fit the real model's GDN
+    slots (61 MiB each, 30 GDN layers) for 16 sequences plus 64K tokens of K/V: built on the meta device,
+    so no memory is spent; by hand: 49 slots · 61.4 MiB + 2048 pages · 640 KiB."""
+    from clover.config import CloverConfig
+    from clover.model import CloverForCausalLM
+
+    cfg = CloverConfig(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                       max_position_embeddings=131072, mask_token_id=248319, model_type="clover")
+    with torch.device("meta"):
+        model = CloverForCausalLM(cfg).to(torch.bfloat16)
+    pool = model.state_pool()
+    assert pool.num_slots == 49 and pool.num_pages == 2048
+    assert pool.nbytes() == 49 * 64389120 + 2048 * 655360

@@ -90,9 +90,10 @@ class CloverForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     # ---- state ---------------------------------------------------------------------------------
-    # The state pool's default size for library use (generate(), make_cache()); the engine sizes it from
-    # its own options (`configure_state_pool`). Its tensors are allocated at once but untouched memory
-    # stays virtual, so this is a ceiling on what caches may take, not memory spent at load.
+    # The state pool's default size for library use (generate(), make_cache()), raised where one model's
+    # GDN slots need more; the engine sizes it from its own options (`configure_state_pool`). Its tensors
+    # are allocated at once but untouched memory stays virtual, so this is a ceiling on what caches may
+    # take, not memory spent at load.
     default_pool_bytes = 2 << 30
     default_pool_sequences = 16
 
@@ -108,8 +109,15 @@ class CloverForCausalLM(nn.Module):
         """(Re)build the state pool for `memory_bytes` of caches and `max_sequences` running at once.
         Sequences of the old pool keep working on it; new ones use the new pool."""
         devices = [layer.input_layernorm.weight.device for layer in self.model.layers]
-        pool = StatePool.for_budget(self.config, self.dtype, memory_bytes or self.default_pool_bytes,
-                                    max_sequences=max_sequences or self.default_pool_sequences,
+        max_sequences = max_sequences or self.default_pool_sequences
+        if memory_bytes is None:
+            # at least the GDN slots of max_sequences plus 64K tokens of K/V (the real model's slots alone
+            # take ~3 GB for 16 sequences); untouched pool memory stays virtual
+            slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
+            floor = (slots * StatePool.bytes_per_slot(self.config, self.dtype)
+                     + 2048 * StatePool.bytes_per_page(self.config, self.dtype))
+            memory_bytes = max(self.default_pool_bytes, floor)
+        pool = StatePool.for_budget(self.config, self.dtype, memory_bytes, max_sequences=max_sequences,
                                     prefix_slots=prefix_slots, devices=devices)
         self.__dict__["_state_pool"] = pool
         return pool
