@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 
 class CloverEngine(EngineAPI):
-    """`EngineAPI` over `CloverForCausalLM.step` with a `SequenceCache` per state."""
+    """`EngineAPI` over `CloverForCausalLM.step` with a `SequenceState` (the model's state pool) per state."""
 
     name = "clover"
 
