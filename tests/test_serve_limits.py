@@ -23,7 +23,7 @@ from clover.engine import Engine, EngineOptions
 from clover.server import cli as serve_cli
 from clover.server.app import create_app
 from clover.server.limits import DrainingServer, RepeatFilter, uvicorn_config
-from test_server import MODEL, TIMEOUT, check_error, model, model_dir, tokenizer  # noqa: F401
+from test_server import MODEL, TIMEOUT, Server, check_error, model, model_dir, tokenizer  # noqa: F401
 from tiny_models import slow_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
@@ -31,28 +31,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-class LimitedServer:
+class LimitedServer(Server):
     """uvicorn with `clover serve`'s config (uvicorn_config) in a thread, on a port the OS picked."""
 
     def __init__(self, app, graceful_timeout=5, draining=True, **limits):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn_config(app, log_level="warning", graceful_timeout=graceful_timeout, **limits)
-        self.server = DrainingServer(config, app.state.begin_drain) if draining else uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> bool:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-        return not self.thread.is_alive()
+        def make_server():
+            config = uvicorn_config(app, log_level="warning", graceful_timeout=graceful_timeout, **limits)
+            return DrainingServer(config, app.state.begin_drain) if draining else uvicorn.Server(config)
+        super().__init__(app, make_server)
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=TIMEOUT)

@@ -54,15 +54,19 @@ def tokenizer(model_dir):
 
 
 class Server:
-    """uvicorn in a background thread, on a port the OS picked."""
+    """uvicorn in a background thread, on a port the OS picked (`make_server`: builds another uvicorn
+    server or config instead of the default one)."""
 
-    def __init__(self, app):
+    def __init__(self, app, make_server=None):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=20, lifespan="on")
-        self.server = uvicorn.Server(config)
+        if make_server is None:
+            self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=20,
+                                                        lifespan="on"))
+        else:
+            self.server = make_server()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
