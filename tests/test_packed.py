@@ -121,3 +121,19 @@ def test_packed_weights_are_registered_state():
         assert torch.equal(a.step(ids[:1], [ca]), b.step(ids[:1], [cb]))              # GDN / attention kernels
         block = torch.full((1, 8), a.config.mask_token_id)
         assert torch.equal(a.step(block, [ca], block=True), b.step(block, [cb], block=True))
+
+
+@pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable")
+def test_a_model_built_under_inference_mode_runs_the_kernels():
+    """Parameters created under `torch.inference_mode` are inference tensors, which keep no version
+    counter: the kernels' cached constants must not depend on one there (the fast path equals the same
+    weights built outside inference mode)."""
+    outside = make_model("base", seed=3, dtype=torch.bfloat16)
+    pack_for_cpu(outside, kernels=True)
+    with torch.inference_mode():
+        inside = make_model("base", seed=3, dtype=torch.bfloat16)
+        pack_for_cpu(inside, kernels=True)
+        ids = torch.randint(5, 90, (1, 30), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(inside(ids), outside(ids))
+        a, b = inside.make_cache(), outside.make_cache()
+        assert torch.equal(inside.step(ids, [a]), outside.step(ids, [b]))

@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from .build import library
+from .rmsnorm import tensor_version
 
 MAX_TOKENS = 64
 
@@ -24,7 +25,7 @@ def _constants(mixer):
     written since (a weight reload through `load_state_dict` copies into them, bumping their versions;
     the versions only grow, so their sum changes with any of them)."""
     cached = mixer.__dict__.get("_kernel_constants")
-    if cached is not None and cached[0] == sum(t._version for t in cached[1]):
+    if cached is not None and cached[0] == sum(tensor_version(t) for t in cached[1]):
         return cached[2]
     sources = (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
                mixer.norm.weight)
@@ -33,7 +34,7 @@ def _constants(mixer):
               f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
               f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
               f32(mixer.norm.weight))
-    mixer.__dict__["_kernel_constants"] = (sum(t._version for t in sources), sources, consts)
+    mixer.__dict__["_kernel_constants"] = (sum(tensor_version(t) for t in sources), sources, consts)
     return consts
 
 

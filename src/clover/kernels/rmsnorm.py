@@ -12,11 +12,21 @@ import torch
 from .build import library
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """`t`'s in-place write counter (what a `load_state_dict` reload bumps); inference tensors (a model
+    built under `torch.inference_mode`) keep none: 0, so their kernel constants are made once."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
+
+
 def _scale(norm) -> torch.Tensor:
     """The norm's fp32 `1 + w`, made once and again whenever the weight was written since (a reload)."""
     cached = getattr(norm, "_kernel_scale", None)
-    if cached is None or cached[0] != norm.weight._version:
-        cached = norm._kernel_scale = (norm.weight._version, (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
+    version = tensor_version(norm.weight)
+    if cached is None or cached[0] != version:
+        cached = norm._kernel_scale = (version, (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
     return cached[1]
 
 
