@@ -66,22 +66,13 @@ class ForwardBatch:
     write_slots: list[int] | None
     records: list | None
     padded: bool = False
-
-    def span(self, row: int, start: int, stop: int):
-        """Where positions start … stop−1 of `row` are in a `[pages · page_size, …]` view of a layer's
-        K/V: a slice when its pages there are consecutive, else an index tensor (made once per forward)."""
-        memo = self.__dict__.setdefault("_spans", {})
-        key = (row, start, stop)
-        if key not in memo:
-            memo[key] = self.pool.span(self.pages[row], start, stop)
-        return memo[key]
+    _table: torch.Tensor | None = field(default=None, repr=False)
 
     def page_table(self) -> torch.Tensor:
         """The rows' page tables as one int32 [B, max pages] tensor (made once per forward)."""
-        table = self.__dict__.get("_table")
-        if table is None:
-            table = self._table = self.pool.page_table(self.pages)
-        return table
+        if self._table is None:
+            self._table = self.pool.page_table(self.pages)
+        return self._table
 
 
 class _Holdings:
@@ -221,7 +212,7 @@ class StatePool:
     # ---- slots -----------------------------------------------------------------------------------
     def _take_slot(self) -> int:
         while not self._free_slots:
-            if not self.prefix.evict_one(slots=True):
+            if not self.prefix.evict_one():
                 raise PoolFull(f"the state pool's {self.num_slots} GDN state slots are all in use")
         slot = self._free_slots.pop()
         self._slot_refs[slot] = 1
@@ -276,17 +267,20 @@ class StatePool:
             self.reserved_slots -= held.reserved_slots
             held.reserved_pages = held.reserved_slots = 0
 
+    def _seq_take_page(self, held: _Holdings) -> int:
+        """A fresh page for a sequence: out of its reservation while it has one, else one nobody was promised."""
+        if held.reserved_pages:
+            held.reserved_pages -= 1
+            self.reserved_pages -= 1
+        elif len(self._free_pages) + self.prefix.evictable_pages() - self.reserved_pages < 1:
+            raise PoolFull(f"the state pool is out of K/V pages ({self.num_pages} of {self.page_size} tokens, "
+                           f"{self.reserved_pages} reserved by running requests)")
+        return self._take_page()
+
     def _grow(self, held: _Holdings, tokens: int) -> None:
         """Give a sequence pages up to `tokens` positions, its reservation first."""
-        need = self.pages_for(tokens) - len(held.pages)
-        for _ in range(need):
-            if held.reserved_pages:
-                held.reserved_pages -= 1
-                self.reserved_pages -= 1
-            elif len(self._free_pages) + self.prefix.evictable_pages() - self.reserved_pages < 1:
-                raise PoolFull(f"the state pool is out of K/V pages ({self.num_pages} of {self.page_size} tokens, "
-                               f"{self.reserved_pages} reserved by running requests)")
-            held.pages.append(self._take_page())
+        for _ in range(self.pages_for(tokens) - len(held.pages)):
+            held.pages.append(self._seq_take_page(held))
 
     def _make_writable(self, held: _Holdings, start: int, stop: int) -> None:
         """Copy any shared page among positions start … stop−1 (copy-on-write: a cached prefix's last
@@ -295,10 +289,7 @@ class StatePool:
         for i in range(start // P, min(self.pages_for(stop), len(held.pages))):
             page = held.pages[i]
             if self._page_refs[page] > 1:
-                if held.reserved_pages:
-                    held.reserved_pages -= 1
-                    self.reserved_pages -= 1
-                fresh = self._take_page()
+                fresh = self._seq_take_page(held)
                 for d in (self.k, self.v):
                     for t in d.values():
                         t[fresh].copy_(t[page])
@@ -343,11 +334,11 @@ class StatePool:
             return slice(first, first + stop - start)
         return self.flat_positions(pages, start, stop)
 
-    def page_table(self, pages_per_row: list[list[int]], device=None) -> torch.Tensor:
+    def page_table(self, pages_per_row: list[list[int]]) -> torch.Tensor:
         """Per-row page tables as one int32 [B, max pages] tensor (the native attention kernel's input)."""
         width = max(1, max(len(p) for p in pages_per_row))
         table = torch.tensor([p + [0] * (width - len(p)) for p in pages_per_row], dtype=torch.int32)
-        return table if device is None else table.to(device)
+        return table
 
     # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None) -> ForwardBatch:
@@ -396,6 +387,8 @@ class StatePool:
             return {"pages": self.num_pages, "free_pages": len(self._free_pages), "reserved_pages": self.reserved_pages,
                     "slots": self.num_slots, "free_slots": len(self._free_slots),
                     "reserved_slots": self.reserved_slots, "page_size": self.page_size, "bytes": self.nbytes(),
+                    "page_bytes": self.bytes_per_page(self.config, self.dtype, self.page_size),
+                    "slot_bytes": self.bytes_per_slot(self.config, self.dtype),
                     **self.prefix.stats()}
 
 
@@ -435,11 +428,6 @@ class SequenceState:
     def release(self) -> None:
         """Give everything back to the pool now (also done when the handle is garbage-collected)."""
         self._finalizer()
-
-    def nbytes(self) -> int:
-        pool = self.pool
-        return (len(self._held.pages) * StatePool.bytes_per_page(pool.config, pool.dtype, pool.page_size)
-                + StatePool.bytes_per_slot(pool.config, pool.dtype))
 
     @property
     def has_gdn(self) -> bool:

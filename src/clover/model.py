@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backend import Backend, reference_backend
+from .backend import reference_backend
 from .cache import SequenceState, StatePool
 from .config import CloverConfig
 from .layers.attention import Attention

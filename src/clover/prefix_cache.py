@@ -34,12 +34,11 @@ class PrefixEntry:
 class PrefixCache:
     def __init__(self, pool, max_entries: int | None = None):
         self.pool = pool
-        self.enabled = True
         self.max_entries = max_entries
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()     # least recently used first
         self._page_holds: dict[int, int] = {}                             # page → entries holding it
         self._slot_holds: dict[int, int] = {}
-        self.lookups = self.hits = self.reused_tokens = self.evictions = self.inserts = 0
+        self.lookups = self.hits = self.reused_tokens = self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,7 +48,7 @@ class PrefixCache:
         """Keep `seq`'s state after `tokens` (its first len(tokens) tokens; its length must equal that
         and be a multiple of the page size). Returns whether an entry was added."""
         pool, n = self.pool, len(tokens)
-        if not self.enabled or n == 0 or n % pool.page_size or seq.length != n or seq.spec_start is not None:
+        if n == 0 or n % pool.page_size or seq.length != n or seq.spec_start is not None:
             return False
         key = tuple(tokens)
         h = hash(key)
@@ -69,13 +68,10 @@ class PrefixCache:
                 pool._ref_slot(slot)
                 self._slot_holds[slot] = self._slot_holds.get(slot, 0) + 1
             self._entries[h] = PrefixEntry(key, pages, slot)
-            self.inserts += 1
             return True
 
     def lookup(self, prompt) -> PrefixEntry | None:
         """The longest entry that is a prefix of `prompt` and leaves at least one token to compute."""
-        if not self.enabled:
-            return None
         self.lookups += 1
         with self.pool._lock:
             lengths = sorted({len(e.tokens) for e in self._entries.values()}, reverse=True)
@@ -112,7 +108,7 @@ class PrefixCache:
         return len(entry.tokens)
 
     # ---- eviction --------------------------------------------------------------------------------
-    def evict_one(self, slots: bool = False) -> bool:
+    def evict_one(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
         with self.pool._lock:
             if not self._entries:

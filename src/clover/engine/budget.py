@@ -9,19 +9,13 @@ and not counted.
 from __future__ import annotations
 
 from ..cache import PAGE_SIZE, StatePool
-
-
-def cache_capacity(config, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Positions of the pool a request reserves (its final block is resolved whole, and a commit
-    forward carries the next block's masks as scratch)."""
-    blocks = -(-max_new_tokens // block_size)
-    return min(prompt_len + (blocks + 1) * block_size, config.max_position_embeddings + block_size)
+from ..generation.decoder import reserved_tokens
 
 
 def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size: int,
                 page_size: int = PAGE_SIZE) -> int:
     """Bytes of K/V pages and GDN slots one request holds while it runs."""
-    pages = -(-cache_capacity(config, prompt_len, max_new_tokens, block_size) // page_size)
+    tokens = reserved_tokens(config, prompt_len, max_new_tokens, block_size)
     has_gdn = any(k == "linear_attention" for k in config.layer_types)
-    return (pages * StatePool.bytes_per_page(config, dtype, page_size)
+    return (-(-tokens // page_size) * StatePool.bytes_per_page(config, dtype, page_size)
             + (2 * StatePool.bytes_per_slot(config, dtype) if has_gdn else 0))

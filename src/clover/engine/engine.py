@@ -80,7 +80,6 @@ class Engine:
         self._admitted: list[RequestHandle] = []          # admitted, not yet in the decoder
         self._cancels: list[RequestHandle] = []           # admitted or running, cancel asked
         self._slots = 0                                   # admitted + running
-        self._reserved = 0                                # their cache tokens (pool positions)
         self._state = "new"                               # new → running → draining → closed
         # Engine thread only:
         self._running: dict[int, RequestHandle] = {}
@@ -130,7 +129,7 @@ class Engine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
         validate_request(self.model, len(prompt_ids), settings)
-        need = reserved_tokens(settings, len(prompt_ids), self.config)
+        need = reserved_tokens(self.config, len(prompt_ids), settings.max_new_tokens, settings.block_size)
         pool = self.pool
         if pool.pages_for(need) > pool.num_pages:
             raise RequestTooLarge(
@@ -232,16 +231,8 @@ class Engine:
             self._waiting.popleft()
             self._admitted.append(head)
             self._slots += 1
-            self._reserved += head.cache_tokens
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.batch_size.set(self._slots)
-        self.metrics.cache_bytes.set(self._reserved * self._page_bytes())
-
-    def _page_bytes(self) -> int:
-        """Bytes per reserved token of cache (the gauge reports the running requests' reservations)."""
-        from ..cache import StatePool
-
-        return StatePool.bytes_per_page(self.config, self.model.dtype, self.pool.page_size) // self.pool.page_size
 
     def _loop(self) -> None:
         while True:
@@ -330,7 +321,6 @@ class Engine:
     def _release(self, handle: RequestHandle) -> None:
         with self._lock:
             self._slots -= 1
-            self._reserved -= handle.cache_tokens
             self._admit_locked()
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, code: str | None = None,
@@ -356,7 +346,7 @@ class Engine:
                 handle.sequence.finish("error")
                 self._finish(handle, "error", message, code)
         with self._lock:
-            self._slots, self._reserved = 0, 0
+            self._slots = 0
             self.metrics.queue_depth.set(0)
             self.metrics.batch_size.set(0)
-            self.metrics.cache_bytes.set(0)
+            self.metrics.pool_updated(self.pool.stats())

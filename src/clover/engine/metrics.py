@@ -185,7 +185,8 @@ class EngineMetrics:
             f"{p}_tokens_per_forward", "Generated tokens / sequence forwards of the requests finished so far.")
         self.queue_depth = r.gauge(f"{p}_queue_depth", "Requests waiting for a slot in the running batch.")
         self.batch_size = r.gauge(f"{p}_batch_size", "Requests in the running batch.")
-        self.cache_bytes = r.gauge(f"{p}_cache_reserved_bytes", "Cache bytes reserved by running requests.")
+        self.cache_bytes = r.gauge(f"{p}_cache_reserved_bytes",
+                                   "State-pool bytes in use or promised to running requests (prefix-cache entries included).")
         self.pool_free_pages = r.gauge(f"{p}_state_pool_free_pages", "K/V pages of the state pool not in use.")
         self.pool_pages = r.gauge(f"{p}_state_pool_pages", "K/V pages of the state pool (32 tokens each).")
         self.prefix_lookups = r.gauge(f"{p}_prefix_cache_lookups_total", "Prompts looked up in the prefix cache.")
@@ -222,6 +223,9 @@ class EngineMetrics:
     def pool_updated(self, stats: dict) -> None:
         """Copy the state pool's figures (StatePool.stats()) into the gauges."""
         self.pool_pages.set(stats["pages"])
+        held_pages = stats["pages"] - stats["free_pages"] + stats["reserved_pages"]
+        held_slots = stats["slots"] - 1 - stats["free_slots"] + stats["reserved_slots"]     # slot 0: the zero state
+        self.cache_bytes.set(held_pages * stats["page_bytes"] + held_slots * stats["slot_bytes"])
         self.pool_free_pages.set(stats["free_pages"])
         self.prefix_lookups.set(stats["prefix_lookups"])
         self.prefix_hits.set(stats["prefix_hits"])

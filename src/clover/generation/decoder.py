@@ -56,13 +56,16 @@ class RequestTooLarge(ValueError):
     """A request needs more of the state pool than the whole pool has."""
 
 
-def reserved_tokens(seq_or_settings, prompt_len: int, config) -> int:
-    """Positions a request may ever occupy in the pool: its prompt, every block of its answer, and the
-    next block's scratch rows of the commit forward (a commit carries [block | next block's masks])."""
-    from ..engine.budget import cache_capacity
+def reserved_tokens(config, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Positions a request may ever occupy in the pool: its prompt, every block of its answer (the final
+    block is resolved whole), and the next block's scratch rows of the commit forward (a commit carries
+    [block | next block's masks])."""
+    blocks = -(-max_new_tokens // block_size)
+    return min(prompt_len + (blocks + 1) * block_size, config.max_position_embeddings + block_size)
 
-    s = getattr(seq_or_settings, "settings", seq_or_settings)
-    return cache_capacity(config, prompt_len, s.max_new_tokens, s.block_size)
+
+def _reserved(seq: Sequence, config) -> int:
+    return reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens, seq.settings.block_size)
 
 
 class Decoder:
@@ -84,7 +87,7 @@ class Decoder:
             seq.prefilled = len(seq.prompt)
             self.running.append(seq)
             return
-        need = reserved_tokens(seq, len(seq.prompt), self.model.config)
+        need = _reserved(seq, self.model.config)
         if self.pool.pages_for(need) > self.pool.num_pages:
             raise RequestTooLarge(
                 f"this request needs {need} tokens of cache (prompt {len(seq.prompt)} + its blocks), more than "
@@ -126,13 +129,14 @@ class Decoder:
     def _admit(self) -> None:
         while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
             seq = self.waiting[0]
-            need = reserved_tokens(seq, len(seq.prompt), self.model.config)
+            need = _reserved(seq, self.model.config)
             if not self.pool.can_reserve(need):
                 if not self.running:       # nothing will free memory: evict cached prefixes, else fail
                     if self.pool.prefix.evict_one():
                         continue
                     self.waiting.pop(0)
                     self._fail(seq, RuntimeError("the state pool cannot hold this request"))
+                    self.running.append(seq)   # finished: this step's events report it, then it leaves
                     continue
                 break
             self.waiting.pop(0)
