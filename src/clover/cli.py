@@ -309,6 +309,12 @@ def cmd_lm_eval(args, rest) -> int:
     return lm_eval_model.main(rest) or 0
 
 
+def cmd_quantize(args, rest) -> int:
+    from clover.quantization import convert
+
+    return convert.main(rest) or 0
+
+
 def cmd_bench(args, rest) -> int:
     import runpy
 
@@ -323,7 +329,7 @@ def cmd_bench(args, rest) -> int:
 
 
 PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench,
-               "lm-eval": cmd_lm_eval}
+               "lm-eval": cmd_lm_eval, "quantize": cmd_quantize}
 
 
 def _version() -> str:
@@ -374,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, text in (("train", "train a small Clover on generated tasks (see `clover train --help`)"),
                        ("export", "write a transformers trust_remote_code model directory: SRC DST"),
+                       ("quantize", "write an int8/int4 weight-quantized copy of a model: SRC DST --bits 8|4"),
                        ("serve", "OpenAI-compatible HTTP server (see `clover serve --help`)"),
                        ("bench", "performance benchmarks (see `clover bench --help`)"),
                        ("lm-eval", "lm-evaluation-harness with `--model clover` registered (its own flags)")):
@@ -391,6 +398,8 @@ def main(argv=None) -> int:
         except (UserError, ValueError, FileNotFoundError) as exc:
             print(f"clover {command}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            return 130
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

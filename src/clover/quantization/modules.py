@@ -93,11 +93,14 @@ def quantizable(model, spec: QuantSpec) -> list[str]:
     return names
 
 
-def quantize_model(model, spec: QuantSpec, names=None, fill: bool = True, asymmetric=frozenset()) -> list[str]:
+def quantize_model(model, spec: QuantSpec | None, names=None, fill: bool = True, asymmetric=frozenset(),
+                   specs=None) -> list[str]:
     """Replace the matrices `names` (default: `quantizable(model, spec)`) by quantized modules, in place.
     `fill`: quantize the current weights (else the buffers are left empty: a model on the meta device
     about to load a quantized checkpoint). `asymmetric`: names whose stored form carries `mins`.
-    Returns the names converted."""
+    `specs`: per-matrix overrides of `spec`, by module name (experts: `….experts.gate_up_proj` /
+    `….experts.down_proj`), for checkpoints that mix precisions (GGUF's Q4_K_M). Returns the names converted."""
+    specs = specs or {}
     from ..layers.moe import Experts
 
     names = quantizable(model, spec) if names is None else list(names)
@@ -108,14 +111,15 @@ def quantize_model(model, spec: QuantSpec, names=None, fill: bool = True, asymme
         if isinstance(old, Experts):
             for part in ("gate_up_proj", "down_proj"):
                 weight = getattr(old, part)
-                q = QuantizedWeight(weight.shape, spec, mins=f"{qualified}.{part}" in asymmetric, dtype=weight.dtype,
+                key = f"{qualified}.{part}"
+                q = QuantizedWeight(weight.shape, specs.get(key, spec), mins=key in asymmetric, dtype=weight.dtype,
                                     device=weight.device)
                 if fill:
                     q.fill(weight)
                 delattr(old, part)
                 setattr(old, part, q)
             continue
-        new = QuantizedLinear(old.in_features, old.out_features, spec, bias=old.bias is not None,
+        new = QuantizedLinear(old.in_features, old.out_features, specs.get(qualified, spec), bias=old.bias is not None,
                               mins=qualified in asymmetric, dtype=old.weight.dtype, device=old.weight.device)
         if fill:
             new.fill(old.weight)
@@ -123,5 +127,5 @@ def quantize_model(model, spec: QuantSpec, names=None, fill: bool = True, asymme
                 new.bias.copy_(old.bias)
         setattr(parent, leaf, new)
         del old
-    model.quantization = spec
+    model.quantization = spec if spec is not None else next(iter(specs.values()), None)
     return names
