@@ -323,3 +323,14 @@ def test_int4_demo_model_keeps_its_accuracy(tmp_path):
         a, b = base[mode]["_all"]["accuracy"], quant[mode]["_all"]["accuracy"]
         assert base[mode]["_all"]["n"] == 120
         assert abs(a - b) <= 0.03, (mode, a, b)
+
+
+def test_export_refuses_a_quantized_model(bf16_dir, tmp_path):
+    """transformers' loader would silently re-initialise the quantized matrices: refuse with a reason."""
+    from clover.hf.export import ExportError, export
+
+    src, _ = bf16_dir
+    q = quantize_checkpoint(src, tmp_path / "q", 8, progress=False)
+    with pytest.raises(ExportError, match="quantized"):
+        export(q, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

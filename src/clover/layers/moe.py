@@ -116,10 +116,13 @@ class Experts(nn.Module):
         x[rows[r]] (or x itself, or its one row with `same_row`), every expert's gate/up with the SwiGLU
         in one call, every expert's down times the row's routing weight `scale` in one call: the
         gather, SwiGLU and weighting happen inside the kernels (see kernels/panels.py)."""
-        from ..kernels import panels, quant_panels
+        from ..kernels.panels import grouped_linear
+        from ..kernels.quant_panels import QuantPanelWeight
+        from ..kernels.quant_panels import grouped_linear as quantized_grouped_linear
 
         gate_up, down = self.panels
-        grouped_linear = (quant_panels if isinstance(gate_up, quant_panels.QuantPanelWeight) else panels).grouped_linear
+        if isinstance(gate_up, QuantPanelWeight):
+            grouped_linear = quantized_grouped_linear
         hidden = grouped_linear(x, gate_up, offsets, ids, same_row, rows=rows, swiglu=True)
         return grouped_linear(hidden, down, offsets, ids, scale=scale)
 

@@ -71,11 +71,13 @@ def _kind(module):
 def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    from ..kernels import panels, quant_panels
+    from ..kernels.panels import linear
+    from ..kernels.quant_panels import QuantPanelWeight
+    from ..kernels.quant_panels import linear as quantized_linear
 
-    if isinstance(packed, quant_panels.QuantPanelWeight):
-        return quant_panels.linear(x, packed, bias)
-    return panels.linear(x, packed, bias)
+    if isinstance(packed, QuantPanelWeight):
+        return quantized_linear(x, packed, bias)
+    return linear(x, packed, bias)
 
 
 def refuse_moving_packed(module, fn) -> None:
