@@ -163,8 +163,10 @@ def tensor_type(name: str, t: torch.Tensor, qtype: T, fallback: T = T.F16, types
     for suffix, override in (types or {}).items():
         if name.endswith(suffix):
             want = override
-    block = gguf.GGML_QUANT_SIZES[want][0]
-    return want if t.shape[-1] % block == 0 else fallback
+    for kind in (want, fallback):
+        if t.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            return kind
+    return T.F16
 
 
 def encode(t: torch.Tensor, qtype: T) -> np.ndarray:
