@@ -73,13 +73,23 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
 
 def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     """u [R, K] (0…15, uint8) → Clover's int4 bytes [R, K/2]."""
-    pairs = u.reshape(*u.shape[:-1], -1, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
-def _split_nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
-    """Bytes [..., n, width] → [..., n, 2, width]: low nibbles first, then the high ones."""
-    return torch.stack([qs & 0xF, qs >> 4], dim=-2)
+def _repack_halves(qs: torch.Tensor) -> torch.Tensor:
+    """GGML's half-split nibbles → Clover's pairwise nibbles, for runs of bytes whose low nibbles hold
+    elements 0…n−1 and high nibbles elements n…2n−1 (Q4_0's 16 bytes, each 32-byte run of Q4_K).
+    Clover byte k holds elements 2k, 2k+1: the low nibbles of bytes 2k, 2k+1 for k < n/2, their high
+    nibbles after. uint8 shifts drop the bits pushed out, so each half is two operations."""
+    w = qs.contiguous().view(torch.int16)           # byte pairs (2k, 2k+1) as one little-endian word
+    low = (w & 0x0F) | ((w >> 4) & 0xF0)           # low nibbles of both bytes
+    high = ((w >> 4) & 0x0F) | ((w >> 8) & 0xF0)   # high nibbles of both bytes
+    return torch.cat([low, high], dim=-1).to(torch.uint8)
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] → element values [..., 2n]: low nibbles (elements 0…n−1), then high nibbles."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
 
 
 def _q8_0(b: torch.Tensor) -> Codes:
@@ -92,51 +102,43 @@ def _q8_0(b: torch.Tensor) -> Codes:
 def _q4_0(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d = _f16(b[..., 0:2])
-    u = _split_nibbles(b[..., 2:18], 16).reshape(R, nb * 32)                 # element j: low nibble of byte j, j+16: high
-    return Codes(_pack_nibbles(u), d, None, 4, 32)
+    return Codes(_repack_halves(b[..., 2:18]).reshape(R, nb * 16), d, None, 4, 32)
 
 
 def _q4_1(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    u = _split_nibbles(b[..., 4:20], 16).reshape(R, nb * 32)
-    return Codes(_pack_nibbles(u), d, m, 4, 32)
+    return Codes(_repack_halves(b[..., 4:20]).reshape(R, nb * 16), d, m, 4, 32)
 
 
 def _high_bits_32(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0/Q5_1: 4 bytes = 32 bits, bit j is element j's fifth bit. → [..., 32] (0 or 1)."""
-    bits = qh.contiguous().view(torch.int32).to(torch.int64)                # little-endian uint32 (sign irrelevant)
-    shifts = torch.arange(32, dtype=torch.int64)
-    return ((bits >> shifts) & 1).to(torch.uint8)
+    return torch.cat([(qh >> j) & 1 for j in range(8)], dim=-1).reshape(*qh.shape[:-1], 8, 4).transpose(-1, -2) \
+        .reshape(*qh.shape[:-1], 32)
 
 
 def _q5_0(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d = _f16(b[..., 0:2])
-    high = _high_bits_32(b[..., 2:6])                                        # [R, nb, 32]
-    low = _split_nibbles(b[..., 6:22], 16).reshape(R, nb, 32)
-    q = (low | (high << 4)).to(torch.int8) - 16
-    return Codes(q.reshape(R, nb * 32), d, None, 8, 32)
+    q = _low_high(b[..., 6:22]) | (_high_bits_32(b[..., 2:6]) << 4)        # 0…31
+    return Codes((q - 16).view(torch.int8).reshape(R, nb * 32), d, None, 8, 32)   # uint8 wraps to q − 16
 
 
 def _q5_1(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    high = _high_bits_32(b[..., 4:8])
-    low = _split_nibbles(b[..., 8:24], 16).reshape(R, nb, 32)
-    q = (low | (high << 4)).to(torch.int8)
-    return Codes(q.reshape(R, nb * 32), d, m, 8, 32)
+    q = _low_high(b[..., 8:24]) | (_high_bits_32(b[..., 4:8]) << 4)
+    return Codes(q.view(torch.int8).reshape(R, nb * 32), d, m, 8, 32)
 
 
 def _k_scales(s: torch.Tensor):
-    """Q4_K/Q5_K's 12 scale bytes → 8 six-bit scales and 8 six-bit mins per super-block (int64).
+    """Q4_K/Q5_K's 12 scale bytes → 8 six-bit scales and 8 six-bit mins per super-block (float32).
     Bytes 0–3 / 4–7 hold scales / mins 0–3 in their low 6 bits and the top 2 bits of scales / mins
     4–7; bytes 8–11 hold the low 4 bits of scales 4–7 (low nibble) and mins 4–7 (high nibble)."""
-    s = s.to(torch.int64)
     a, m, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     scales = torch.cat([a & 63, (hi & 0xF) | ((a >> 2) & 0x30)], dim=-1)
     mins = torch.cat([m & 63, (hi >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return scales, mins
+    return scales.to(torch.float32), mins.to(torch.float32)
 
 
 def _k_factors(b: torch.Tensor):
@@ -144,8 +146,8 @@ def _k_factors(b: torch.Tensor):
     R, nb, _ = b.shape
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales(b[..., 4:16])
-    scales = (d.unsqueeze(-1) * sc.to(torch.float32)).reshape(R, nb * 8)
-    mins = -(dmin.unsqueeze(-1) * mn.to(torch.float32)).reshape(R, nb * 8)
+    scales = (d.unsqueeze(-1) * sc).reshape(R, nb * 8)
+    mins = (dmin.unsqueeze(-1) * mn).neg_().reshape(R, nb * 8)
     return scales, mins
 
 
@@ -153,32 +155,38 @@ def _q4_k(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     scales, mins = _k_factors(b)
     # 128 bytes = 4 runs of 32: run i holds sub-block 2i in its low nibbles, 2i+1 in its high ones
-    u = _split_nibbles(b[..., 16:144].reshape(R, nb, 4, 32), 32).reshape(R, nb * QK_K)
-    return Codes(_pack_nibbles(u), scales, mins, 4, 32)
+    qs = _repack_halves(b[..., 16:144].reshape(R, nb, 4, 32))
+    return Codes(qs.reshape(R, nb * 128), scales, mins, 4, 32)
 
 
 def _q5_k(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     scales, mins = _k_factors(b)
     qh = b[..., 16:48]                                                        # bit j of byte l: sub-block j, element l
-    low = _split_nibbles(b[..., 48:176].reshape(R, nb, 4, 32), 32).reshape(R, nb, 8, 32)
-    high = torch.stack([(qh >> j) & 1 for j in range(8)], dim=-2)            # [R, nb, 8, 32]
-    q = (low | (high << 4)).to(torch.int8)
-    return Codes(q.reshape(R, nb * QK_K), scales, mins, 8, 32)
+    runs = b[..., 48:176].reshape(R, nb, 4, 32)
+    q = torch.empty(R, nb, 8, 32, dtype=torch.uint8)
+    for j in range(8):
+        low = runs[:, :, j // 2] & 0xF if j % 2 == 0 else runs[:, :, j // 2] >> 4
+        q[:, :, j] = low | (((qh >> j) & 1) << 4)
+    return Codes(q.view(torch.int8).reshape(R, nb * QK_K), scales, mins, 8, 32)
 
 
 def _q6_k(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
-    ql, qh = b[..., 0:128], b[..., 128:192]
+    ql = b[..., 0:128].reshape(R, nb, 2, 2, 32)                              # half, run, element
+    qh = b[..., 128:192].reshape(R, nb, 2, 32)
     sc = b[..., 192:208].contiguous().view(torch.int8).to(torch.float32)     # [R, nb, 16]
     d = _f16(b[..., 208:210])
-    # each half of 128 elements: low 4 bits from 64 bytes (low nibbles: elements 0–63, high: 64–127),
-    # top 2 bits from 32 bytes (bit pairs 0,2,4,6: elements 0–31, 32–63, 64–95, 96–127)
-    low = _split_nibbles(ql.reshape(R, nb, 2, 64), 64).reshape(R, nb, 2, 128)
-    high = torch.stack([(qh.reshape(R, nb, 2, 32) >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(R, nb, 2, 128)
-    q = (low | (high << 4)).to(torch.int8) - 32
+    # each half of 128 elements, in quarters of 32: low 4 bits from the low nibbles of run 0, run 1,
+    # then the high nibbles of run 0, run 1; top 2 bits from bit pairs 0, 2, 4, 6 of the half's qh
+    q = torch.empty(R, nb, 2, 4, 32, dtype=torch.uint8)
+    for t in range(4):
+        run = ql[:, :, :, t % 2]
+        low = run & 0xF if t < 2 else run >> 4
+        q[:, :, :, t] = low | (((qh >> (2 * t)) & 3) << 4)
+    q.sub_(32)                                                                # uint8 wraps: q − 32 as int8
     scales = (d.unsqueeze(-1) * sc).reshape(R, nb * 16)
-    return Codes(q.reshape(R, nb * QK_K), scales, None, 8, 16)
+    return Codes(q.view(torch.int8).reshape(R, nb * QK_K), scales, None, 8, 16)
 
 
 FORMATS = {
@@ -206,10 +214,14 @@ def decode_codes(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> Codes:
 
 
 def decode_float(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> torch.Tensor:
-    """Raw bytes of whole rows → float32 values [R, K] (quantized types dequantized: s·q (+ m))."""
+    """Raw bytes of whole rows → values [R, K]: float types in their own dtype (a view of the bytes
+    where they are aligned: the caller converts once, into the destination), quantized types
+    dequantized to float32 (s·q (+ m))."""
     if not fmt.quantized:
-        values = raw.contiguous().view(_FLOATS[fmt.name]).reshape(-1, K)
-        return values.to(torch.float32)
+        item = _FLOATS[fmt.name].itemsize
+        if raw.storage_offset() % item:
+            raw = raw.clone()                 # unaligned in the file: realign this chunk only
+        return raw.view(_FLOATS[fmt.name]).reshape(-1, K)
     c = decode_codes(fmt, raw, K)
     return codes_to_float(c)
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..checkpoint import _clover_default, _no_weight_init
 from ..quantization.format import QuantSpec
 from ..quantization.modules import KEPT, QuantizedLinear, QuantizedWeight
-from .blocks import FORMATS, Codes, GGMLFormat, codes_to_float, decode_codes, decode_float, promote, to_fp16
+from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, promote, to_fp16
 from .config import read_config
 from .file import GGUFError, GGUFFile, TensorInfo
 from .names import Entry, plan, skipped, squeezed
@@ -216,12 +216,12 @@ def _fill_float(f: GGUFFile, entry: Entry, tensor: torch.Tensor) -> None:
                     values = values.reshape(-1, 1)
                     r0, r1 = 0, values.shape[0]
                 if layout.value is not None:
-                    values = layout.value(values)
+                    values = layout.value(values.to(torch.float32))
                     if not torch.isfinite(values).all():
                         raise GGUFError(f"{f.path}: tensor {src.name}: undoing the converter's transform "
                                         f"({layout.value_name}) gives non-finite values")
                 values = layout.apply_cols(values, layout.col_perm[0]) if layout.col_perm else values
-                _put_rows(dest, src.rows, r0, r1, values.to(tensor.dtype))
+                _put_rows(dest, src.rows, r0, r1, values)
         except ValueError as exc:
             raise GGUFError(f"{f.path}: tensor {info.describe()}: {exc}") from None
 
@@ -263,4 +263,4 @@ def _assign(model, name: str, tensor: torch.Tensor) -> None:
         module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
 
 
-__all__ = ["load_gguf", "codes_to_float"]
+__all__ = ["load_gguf"]

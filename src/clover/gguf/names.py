@@ -39,7 +39,7 @@ loads one. Blocks past the model's layers (llama.cpp's MTP / next-n layers) are 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +66,6 @@ class Entry:
     sources: list[Source]
     layout: Layout
     optional: bool = False            # Clover's block-mode tensors
-    stored_names: list[str] = field(default_factory=list)
 
 
 def squeezed(shape) -> tuple[int, ...]:
