@@ -23,7 +23,8 @@ BACKENDS = ("auto", "cpu", "reference")
 
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
          flush_denormal: bool = True):
-    """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
+    """Load a Clover (or Qwen3.5-MoE) model directory, a GGUF file (llama.cpp's `qwen35moe` layout,
+    clover/gguf/) or a directory holding one; `path=None` loads the bundled demo model.
 
     `backend`: "auto" (default) gives the fastest path whose results equal the reference to bf16
     rounding: on CPU, bf16 weights (unless `dtype` asks for another precision) repacked for Clover's
@@ -49,6 +50,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
+    gguf_file = _gguf_file(path)
     on_cpu = torch.device(device).type == "cpu"
     if backend == "cpu":
         from .kernels import available
@@ -61,18 +63,33 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         from .layers.packed import packing_available
 
         packs = packing_available()
-    model = load_model(path, dtype=torch.bfloat16 if packs else dtype, device=device)
+    load_dtype = torch.bfloat16 if packs else dtype
+    if gguf_file is not None:
+        from .gguf import load_gguf
+
+        model = load_gguf(gguf_file, dtype=load_dtype, device=device)
+    else:
+        model = load_model(path, dtype=load_dtype, device=device)
     if packs:
         from .layers.packed import pack_for_cpu
 
         pack_for_cpu(model, kernels=True if backend == "cpu" else None)
-    gen = path / "generation_config.json"
+    gen = path / "generation_config.json"          # a directory's (a GGUF file alone has none)
     if gen.exists():
         try:
             model.generation_defaults = json.loads(gen.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{gen}: invalid JSON ({exc})") from None
     return model
+
+
+def _gguf_file(path: Path):
+    """The GGUF file to load for `path` (a `.gguf` file, or a directory holding one and no safetensors)."""
+    if path.is_file() or not any(path.glob("*.safetensors")):
+        from .gguf.file import find_gguf
+
+        return find_gguf(path)
+    return None
 
 
 __all__ = ["load", "DEMO_MODEL_DIR", "__version__"]
