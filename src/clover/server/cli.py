@@ -103,14 +103,13 @@ def build(args):
     import clover
     from clover.engine import Engine, EngineOptions
     from clover.server.app import create_app
-    from clover.tokenization import CloverTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model = clover.load(path, dtype=dtype, device=args.device)   # the fast path: bf16 + native kernels on CPU
-    tokenizer = CloverTokenizer.from_dir(args.tokenizer or path)
+    tokenizer = clover.load_tokenizer(args.tokenizer or path)
     budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
     engine = Engine(model, EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget))
     app = create_app(engine, tokenizer, served_name(args), max_body_bytes=args.max_body_bytes,
