@@ -12,6 +12,8 @@ can reserve its whole length — the pool's real capacity, not an estimate; a re
 whole pool is refused at `submit` (`RequestTooLarge`). The decoder isolates failures per request
 (error event for that request alone); an exception escaping a whole step fails the requests that
 were running, and the loop goes on with a fresh decoder.
+Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
+between steps, so the model is only ever driven by one thread.
 The engine works in token ids: tokenization and text belong to the server.
 """
 
@@ -21,10 +23,12 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..generation.api import validate as validate_request
 from ..generation.decoder import Decoder, reserved_tokens
+from ..generation.scoring import causal_logprobs
 from ..generation.sequence import Sequence
 from ..generation.settings import GenerationSettings, GenerationSettingsError
 from .handle import EngineEvent, RequestHandle
@@ -79,6 +83,7 @@ class Engine:
         self._waiting: deque[RequestHandle] = deque()     # queued, not admitted
         self._admitted: list[RequestHandle] = []          # admitted, not yet in the decoder
         self._cancels: list[RequestHandle] = []           # admitted or running, cancel asked
+        self._scores: list[tuple[list[int], int, Future]] = []   # scoring jobs: (ids, top_k, future)
         self._slots = 0                                   # admitted + running
         self._state = "new"                               # new → running → draining → closed
         # Engine thread only:
@@ -165,6 +170,29 @@ class Engine:
             self._wake.notify_all()
         return handle
 
+    def score(self, token_ids, top_k: int = 0) -> Future:
+        """Queue a scoring job: the causal log-probabilities of `token_ids` and the `top_k` best tokens
+        at each position (`generation.scoring.causal_logprobs`), computed on the engine thread between
+        decoding steps. Returns a Future of `TokenScores`. Raises GenerationSettingsError (ids outside
+        the vocabulary, an empty or too long sequence), QueueFull, EngineClosed."""
+        ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids]
+        if not ids:
+            raise GenerationSettingsError("prompt is empty: at least one token is needed")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
+        if len(ids) > self.context_limit:
+            raise GenerationSettingsError(f"prompt of {len(ids)} tokens exceeds the {self.context_limit}-token context")
+        future: Future = Future()
+        with self._lock:
+            if self._state != "running" or not self._thread.is_alive():
+                raise EngineClosed("the engine is shutting down and takes no new requests")
+            if len(self._scores) >= max(1, self.options.max_queue):
+                raise QueueFull(f"the scoring queue is full ({len(self._scores)} waiting): try again later")
+            self._scores.append((ids, int(top_k), future))
+            self._wake.notify_all()
+        return future
+
     def generate(self, prompt_ids, timeout: float | None = None, **overrides) -> RequestHandle:
         """Blocking convenience: submit and wait; the handle holds tokens, finish_reason, stats."""
         return self.submit(prompt_ids, **overrides).result(timeout)
@@ -237,16 +265,18 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._admitted or self._cancels or self._running or self._state == "closed"
-                           or (self._state == "draining" and not self._waiting)):
+                while not (self._admitted or self._cancels or self._running or self._scores
+                           or self._state == "closed" or (self._state == "draining" and not self._waiting)):
                     self._wake.wait()
                 if self._state == "closed" or (self._state == "draining" and not (
-                        self._waiting or self._admitted or self._running)):
+                        self._waiting or self._admitted or self._running or self._scores)):
                     break
                 admitted, self._admitted = self._admitted, []
                 cancels, self._cancels = self._cancels, []
+                scores, self._scores = self._scores, []
             try:
                 self._take_in(admitted, cancels)
+                self._run_scores(scores)
                 if not self._decoder.idle:
                     self._step()
             except Exception:           # bookkeeping bug: keep serving the others
@@ -276,6 +306,16 @@ class Engine:
                 self._decoder.cancel(handle.sequence)
                 self._release(handle)
                 self._finish(handle, "cancelled")
+
+    def _run_scores(self, jobs) -> None:
+        for ids, top_k, future in jobs:
+            if not future.set_running_or_notify_cancel():      # its client went away
+                continue
+            try:
+                future.set_result(causal_logprobs(self.model, ids, top_k))
+            except Exception as exc:
+                log.exception("scoring %d tokens failed", len(ids))
+                future.set_exception(exc)
 
     def _step(self) -> None:
         self.metrics.step_batch.observe(len(self._running))
@@ -336,11 +376,15 @@ class Engine:
         """After the loop stopped: every request not finished gets an error event."""
         with self._lock:
             left = list(self._waiting) + self._admitted + self._cancels
+            scores, self._scores = self._scores, []
             self._waiting.clear()
             self._admitted, self._cancels = [], []
             self._state = "closed"
         left += list(self._running.values())
         self._running.clear()
+        for _, _, future in scores:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosed(message))
         for handle in left:
             if not handle.finished:
                 handle.sequence.finish("error")

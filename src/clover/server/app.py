@@ -29,6 +29,7 @@ from ..tokenization import CloverTokenizer
 from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, check_unsupported, extras, parse,
                        setting_param, settings_overrides, stop_strings)
 from .chat_tools import ChatOutput, prepare_chat
+from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion_top_k
 from .text import CONTENT, TextStream
 from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
 
@@ -134,6 +135,25 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             return APIError(503, event.error, "service_unavailable", None, "shutting_down")
         return APIError(500, event.error or "internal error", "server_error", None, "internal_error")
 
+    async def score(ids: list[int], top_k: int):
+        """Causal log-probabilities of `ids` from the engine (logprobs.py), its refusals as HTTP errors."""
+        try:
+            future = engine.score(ids, top_k)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), "service_unavailable", None, "shutting_down", {"Retry-After": "5"}) from None
+        except GenerationSettingsError as exc:
+            code = "context_length_exceeded" if "exceeds" in str(exc) else "invalid_value"
+            raise bad_request(str(exc), "prompt", code) from None
+        try:
+            return await asyncio.wrap_future(future)
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), "service_unavailable", None, "shutting_down") from None
+        except Exception as exc:
+            raise APIError(500, f"scoring failed: {type(exc).__name__}: {exc}", "server_error", None,
+                           "internal_error") from None
+
     def usage(handle, text: TextStream) -> dict:
         n = text.n_tokens
         return {"prompt_tokens": handle.prompt_len, "completion_tokens": n, "total_tokens": handle.prompt_len + n}
@@ -144,6 +164,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         req = parse(ChatRequest, await read_json(request, max_body_bytes, body_timeout))
         check_model(req.model)
         check_unsupported(req)
+        top_k = chat_top_k(req)
         extra = extras(req)
         stop = stop_strings(req)
         if not req.messages:
@@ -176,8 +197,12 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if error is not None:
                 raise engine_error(error)
             message = output.message(reasoning, content)
+            logprobs = None
+            if top_k is not None:
+                ids = prompt_ids + handle.tokens[: text.n_tokens]
+                logprobs = chat_logprobs(tokenizer, ids, await score(ids, top_k), len(prompt_ids))
             return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                  "finish_reason": output.finish_reason(finish)}],
                     "usage": usage(handle, text), "clover": handle.stats or {}}
 
@@ -211,6 +236,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         req = parse(CompletionRequest, await read_json(request, max_body_bytes, body_timeout))
         check_model(req.model)
         check_unsupported(req)
+        top_k = completion_top_k(req)
         extra = extras(req)
         stop = stop_strings(req)
         for name in ("enable_thinking", "chat_template_kwargs"):
@@ -227,17 +253,37 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("the prompt is empty: at least one token is needed", "prompt")
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.max_tokens == 0:        # scoring only: the prompt's log-probabilities (lm-eval's loglikelihood)
+            if not req.echo:
+                raise bad_request("max_tokens 0 generates nothing: it needs echo: true (the prompt, scored with "
+                                  "logprobs)", "max_tokens", "invalid_value")
+            logprobs = None
+            if top_k is not None:
+                logprobs = completion_logprobs(tokenizer, prompt_ids, [], await score(prompt_ids, top_k), echo=True)
+            n = len(prompt_ids)
+            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": [{"index": 0, "text": tokenizer.decode(prompt_ids), "logprobs": logprobs,
+                                 "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}, "clover": {}}
         settings = make_settings(req, extra, prompt_ids, "prompt")
         handle = submit(prompt_ids, settings)
         text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         if not req.stream:
             _, content, finish, error = await collect(request, handle, text, drain)
             if error is not None:
                 raise engine_error(error)
+            logprobs = None
+            if top_k is not None:
+                completion = handle.tokens[: text.n_tokens]
+                logprobs = completion_logprobs(tokenizer, prompt_ids, completion,
+                                               await score(prompt_ids + completion, top_k), echo=bool(req.echo),
+                                               content=content, skip_special_tokens=skip,
+                                               eos_ids=settings.eos_token_id)
+            shown = (tokenizer.decode(prompt_ids) if req.echo else "") + content
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "text": content, "logprobs": None, "finish_reason": finish}],
+                    "choices": [{"index": 0, "text": shown, "logprobs": logprobs, "finish_reason": finish}],
                     "usage": usage(handle, text), "clover": handle.stats or {}}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -135,21 +135,15 @@ def check_unsupported(req: _Common) -> None:
             raise bad_request(f"{name} is not supported; use dllm_repetition_penalty", name, "unsupported")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
-    if isinstance(req, ChatRequest):
-        if req.logprobs or req.top_logprobs:
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported")
+    if isinstance(req, ChatRequest):      # logprobs / top_logprobs / echo: logprobs.py
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
                               "unsupported")
     else:
-        if req.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {req.best_of}", "best_of", "unsupported")
-        if req.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported")
 
 
 def stop_strings(req: _Common) -> list[str]:
