@@ -170,11 +170,8 @@ class Engine:
             self._wake.notify_all()
         return handle
 
-    def score(self, token_ids, top_k: int = 0) -> Future:
-        """Queue a scoring job: the causal log-probabilities of `token_ids` and the `top_k` best tokens
-        at each position (`generation.scoring.causal_logprobs`), computed on the engine thread between
-        decoding steps. Returns a Future of `TokenScores`. Raises GenerationSettingsError (ids outside
-        the vocabulary, an empty or too long sequence), QueueFull, EngineClosed."""
+    def check_scored(self, token_ids) -> list[int]:
+        """The ids as a list, if a scoring job can take them (GenerationSettingsError if not)."""
         ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids]
         if not ids:
             raise GenerationSettingsError("prompt is empty: at least one token is needed")
@@ -183,6 +180,14 @@ class Engine:
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
         if len(ids) > self.context_limit:
             raise GenerationSettingsError(f"prompt of {len(ids)} tokens exceeds the {self.context_limit}-token context")
+        return ids
+
+    def score(self, token_ids, top_k: int = 0) -> Future:
+        """Queue a scoring job: the causal log-probabilities of `token_ids` and the `top_k` best tokens
+        at each position (`generation.scoring.causal_logprobs`), computed on the engine thread between
+        decoding steps. Returns a Future of `TokenScores`. Raises GenerationSettingsError (ids outside
+        the vocabulary, an empty or too long sequence), QueueFull, EngineClosed."""
+        ids = self.check_scored(token_ids)
         future: Future = Future()
         with self._lock:
             if self._state != "running" or not self._thread.is_alive():

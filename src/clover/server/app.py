@@ -135,6 +135,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             return APIError(503, event.error, "service_unavailable", None, "shutting_down")
         return APIError(500, event.error or "internal error", "server_error", None, "internal_error")
 
+    def scored_prompt_error(exc: GenerationSettingsError) -> APIError:
+        return bad_request(str(exc), "prompt", "context_length_exceeded" if "exceeds" in str(exc) else "invalid_value")
+
     async def score(ids: list[int], top_k: int):
         """Causal log-probabilities of `ids` from the engine (logprobs.py), its refusals as HTTP errors."""
         try:
@@ -144,8 +147,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         except EngineClosed as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down", {"Retry-After": "5"}) from None
         except GenerationSettingsError as exc:
-            code = "context_length_exceeded" if "exceeds" in str(exc) else "invalid_value"
-            raise bad_request(str(exc), "prompt", code) from None
+            raise scored_prompt_error(exc) from None
         try:
             return await asyncio.wrap_future(future)
         except EngineClosed as exc:
@@ -258,6 +260,10 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if not req.echo:
                 raise bad_request("max_tokens 0 generates nothing: it needs echo: true (the prompt, scored with "
                                   "logprobs)", "max_tokens", "invalid_value")
+            try:
+                engine.check_scored(prompt_ids)
+            except GenerationSettingsError as exc:
+                raise scored_prompt_error(exc) from None
             logprobs = None
             if top_k is not None:
                 logprobs = completion_logprobs(tokenizer, prompt_ids, [], await score(prompt_ids, top_k), echo=True)
