@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a 
 block), GET /v1/models, /health, /metrics. A request is read (JSON only, size- and time-limited),
 parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
 reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
-sends back token ids, which `TextStream` turns into text. A client that disconnects cancels its
+sends back token ids, which `TextStream` turns into text; `logprobs` / `echo` are scored by the engine
+once the completion is written (logprobs.py). A client that disconnects cancels its
 request. Optional guards in front of every route: an API key and a Host allow-list (`Guard`). At
 shutdown, requests still running when the grace period ends get a final shutting_down error. The
 server never touches tensors.

@@ -126,7 +126,8 @@ def parse(model_cls, data) -> BaseModel:
 
 
 def check_unsupported(req: _Common) -> None:
-    """Reject OpenAI features we do not implement, rather than ignore them."""
+    """Reject OpenAI features we do not implement, rather than ignore them (logprobs, top_logprobs and
+    echo are checked in logprobs.py)."""
     if req.n not in (None, 1):
         raise bad_request(f"n must be 1 (one completion per request), got {req.n}", "n", "unsupported")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -135,7 +136,7 @@ def check_unsupported(req: _Common) -> None:
             raise bad_request(f"{name} is not supported; use dllm_repetition_penalty", name, "unsupported")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
-    if isinstance(req, ChatRequest):      # logprobs / top_logprobs / echo: logprobs.py
+    if isinstance(req, ChatRequest):
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
                               "unsupported")
