@@ -92,6 +92,25 @@ def test_echo_scores_the_prompt_with_max_tokens_0(client, model, tokenizer):
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
 
 
+def test_tokens_inside_a_character(client, model, tokenizer):
+    """Byte-level tokens that are part of a UTF-8 character are written `bytes:\\xNN` (OpenAI's form)
+    and start where their character starts in `text`."""
+    prompt = "Café 日本 ok"
+    ids = tokenizer.encode(prompt)
+    lp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1).choices[0].logprobs
+    for t, shown in zip(ids, lp.tokens):
+        data = tokenizer.token_bytes(t)
+        try:
+            assert shown == data.decode("utf-8")
+        except UnicodeDecodeError:
+            assert shown == "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+    assert lp.tokens[3] == "bytes:\\xc3" and lp.tokens[4] == "bytes:\\xa9"           # é = c3 a9
+    assert lp.text_offset[3] == lp.text_offset[4] == prompt.index("é")
+    assert lp.text_offset[5] == prompt.index(" 日")
+    want = causal(model, ids)
+    assert lp.token_logprobs[1:] == pytest.approx([want[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-4)
+
+
 def test_lm_evals_loglikelihood_request(served, model, tokenizer):
     """What lm-eval's local-completions sends: token ids, echo, logprobs 1, max_tokens 1. The prompt's
     scores and greedy flags (token logprob == the top one) are read at [ctxlen:-1]."""
