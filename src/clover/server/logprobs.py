@@ -6,8 +6,9 @@ log-probabilities whatever the decoding mode — for autoregressive and self-spe
 distribution each token was chosen from (raw: before temperature, top-k/p and dllm_* controls), for
 LowConfidence output the causal mode's log-probability of the token the block decoder wrote (not the
 block step's fill confidence). That scoring needs the whole completion, so these fields do not
-combine with `stream`. The entries cover exactly the tokens counted in `usage.completion_tokens`
-(an ending EOS included; tokens after a stop string are not generated into the count).
+combine with `stream` (nor does `echo`, not implemented for streams). The entries cover exactly the
+tokens counted in `usage.completion_tokens`: an ending end-of-turn token included, and with a stop
+string up to the token that completed it.
 
 Token strings are the token's bytes as UTF-8, or `bytes:\\xNN…` when they are not valid UTF-8 on
 their own (part of a character), as OpenAI writes them.
@@ -23,10 +24,11 @@ MAX_TOP_LOGPROBS = 20          # OpenAI chat's limit (vLLM's default max_logprob
 
 def completion_top_k(req: CompletionRequest) -> int | None:
     """`logprobs` of a /v1/completions request: None (not asked) or the number of top tokens."""
-    if req.stream and (req.logprobs is not None or req.echo):
-        name = "logprobs" if req.logprobs is not None else "echo"
-        raise bad_request(f"{name} does not combine with stream: true (log-probabilities are scored once the "
-                          "completion is written)", name, "unsupported")
+    if req.stream and req.logprobs is not None:
+        raise bad_request("logprobs does not combine with stream: true (log-probabilities are scored once the "
+                          "completion is written)", "logprobs", "unsupported")
+    if req.stream and req.echo:
+        raise bad_request("echo does not combine with stream: true", "echo", "unsupported")
     if req.logprobs is None:
         return None
     if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
