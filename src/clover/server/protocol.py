@@ -138,9 +138,6 @@ def check_unsupported(req: _Common) -> None:
     if isinstance(req, ChatRequest):
         if req.logprobs or req.top_logprobs:
             raise bad_request("logprobs are not supported", "logprobs", "unsupported")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                              "unsupported")
     else:
         if req.echo:
             raise bad_request("echo is not supported", "echo", "unsupported")
