@@ -15,8 +15,9 @@ from functools import lru_cache
 import torch
 
 # Tokens the closing walk tries first, in order: they end lines (a raw tool-call value), strings,
-# objects and arrays soonest, then the shortest values. A walk that finds none of them allowed takes the lowest allowed id.
-_CLOSERS = ["\n", '"', "}", "]", "0", "false", "null", ",", ":", "{", "[", "a"]
+# objects, arrays and values soonest (`,` before digits, or a number would grow forever), then the
+# shortest values. A walk that finds none of them allowed takes the lowest allowed id.
+_CLOSERS = ["\n", '"', "}", "]", ",", "0", "false", "null", ":", "{", "[", "a"]
 
 
 class GrammarError(ValueError):
@@ -97,6 +98,7 @@ class GrammarMatcher:
         self._m = matcher
         self._g = grammars
         self.consumed = 0
+        self.ended = False             # an end token was consumed
 
     @property
     def end_token(self) -> int:
@@ -104,7 +106,7 @@ class GrammarMatcher:
 
     @property
     def finished(self) -> bool:
-        """The grammar ended (an end-of-sequence token was consumed)."""
+        """Nothing but the end token can follow (or it was consumed)."""
         return self._m.is_stopped()
 
     def allowed(self) -> torch.Tensor:
@@ -117,6 +119,7 @@ class GrammarMatcher:
             return False
         ok = self._m.consume_token(int(token))
         self.consumed += ok
+        self.ended |= ok and int(token) in self._g.eos_ids
         return ok
 
     def forced(self) -> list[int]:
@@ -130,17 +133,21 @@ class GrammarMatcher:
         return ff
 
     def closing(self, limit: int) -> list[int] | None:
-        """A short token path from here to the grammar's end (its end token included), at most `limit`
-        tokens, or None. Greedy: forced tokens, else the first allowed of `_CLOSERS`, else the lowest
-        allowed id; after `</think>` inside thinking, so thinking ends first."""
+        """A short token path from here to the end of the response (its end token included), at most
+        `limit` tokens, or None. Greedy: forced tokens, else `</think>` inside thinking, else the first
+        allowed of `_CLOSERS`, else the lowest allowed id."""
+        if self.ended:
+            return []
         m = self._m.deep_copy()
         path: list[int] = []
         eos = set(self._g.eos_ids)
-        while len(path) < limit:
-            if m.is_stopped():
-                return path
-            if m.is_accepting():
-                return path + [self._g.eos_ids[0]] if len(path) < limit else None
+        preferred = ([self._g.think_end_id] if self._g.think_end_id is not None else []) + self._g._closers
+        while True:
+            if m.is_stopped() or m.is_accepting():
+                path.append(self.end_token)
+                return path if len(path) <= limit else None
+            if len(path) >= limit or m.is_error():
+                return None
             ff = list(m.compute_ff_tokens())
             if ff:
                 take = ff[: limit - len(path)]
@@ -148,11 +155,7 @@ class GrammarMatcher:
                 path += take
                 continue
             allowed = self._bits(m)
-            choice = None
-            for t in ([self._g.think_end_id] if self._g.think_end_id is not None else []) + self._g._closers:
-                if allowed[t]:
-                    choice = t
-                    break
+            choice = next((t for t in preferred if allowed[t]), None)
             if choice is None:
                 ids = [t for t in allowed.nonzero().flatten().tolist() if t not in eos]
                 if not ids:
@@ -160,9 +163,6 @@ class GrammarMatcher:
                 choice = ids[0]
             m.consume_token(choice)
             path.append(choice)
-            if m.is_error():
-                return None
-        return None
 
     def _bits(self, m) -> torch.Tensor:
         bits = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.uint8)
@@ -172,5 +172,5 @@ class GrammarMatcher:
     def after(self, token: int) -> "GrammarMatcher | None":
         """A copy advanced by `token` (None if the grammar refuses it); this one is unchanged."""
         copy = GrammarMatcher(self._m.deep_copy(), self._g)
-        copy.consumed = self.consumed
+        copy.consumed, copy.ended = self.consumed, self.ended
         return copy if copy.consume(token) else None

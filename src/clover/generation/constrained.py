@@ -95,7 +95,7 @@ class BlockConstraint:
         after = self.m.after(token)
         if after is None:
             return None
-        path = after.closing(left - 1) if left > 1 else ([] if after.finished else None)
+        path = after.closing(left - 1)
         if path is not None:
             self._close_len = len(path)
             return token
