@@ -123,7 +123,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     def submit(prompt_ids, settings, grammar=None):
         try:
-            return engine.submit(prompt_ids, settings, grammar)
+            if grammar is None:
+                return engine.submit(prompt_ids, settings)
+            return engine.submit(prompt_ids, settings, grammar=grammar)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
