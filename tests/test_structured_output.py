@@ -234,3 +234,18 @@ def test_strict_tool_schema_problems_are_400(server):
     body = {"model": MODEL, "messages": ASK, "tools": [bad], "tool_choice": "required"}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_schema", r.text
+
+
+# ---- the rest of the chat surface, on the real engine ---------------------------------------------
+def test_stop_inside_reasoning_counts_returned_tokens(client):
+    """Blocks of 32 on the demo model: a stop string early in the thinking ends the response there, and
+    usage counts the tokens up to it, not the whole block."""
+    ask = [{"role": "user", "content": "What is 17+25?"}]
+    free = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=96, temperature=0)
+    reasoning = free.choices[0].message.model_extra["reasoning_content"]
+    stop = reasoning[6:10]
+    cut = reasoning.index(stop)
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=96, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.content
+    assert r.choices[0].message.model_extra["reasoning_content"] == reasoning[:cut].rstrip("\n")
+    assert r.usage.completion_tokens <= cut + len(stop) < 32 < free.usage.completion_tokens
