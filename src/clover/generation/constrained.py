@@ -12,7 +12,7 @@ Blocks resolve out of order, but a grammar reads left to right, so the grammar a
   frontier's neighbour, so a block always finishes.
 - Budget: close to `max_new_tokens`, each token is taken only if a closing path (the grammar's end
   reached greedily: forced tokens, then closers such as `"`, `}`, `]`) still fits in what is left;
-  otherwise the closing path is written. Thinking ends the same way (`</think>` is the first closer
+  otherwise the closing path is written, whole. Thinking ends the same way (`</think>` is the first closer
   inside thinking), so a constrained request ends with a complete answer within its budget.
 - Once the grammar has consumed its end token, the block's remaining masks are filled with it (they
   are never returned), which saves the forwards that would resolve them.
@@ -36,6 +36,7 @@ class BlockConstraint:
         self.mask_id = mask_id
         self.valid = 0                     # leading block positions the grammar has consumed
         self._close_len: int | None = None
+        self._closing: list[int] = []      # the rest of a closing path the budget committed to
         self.forced_tokens = 0             # tokens written by the grammar (forced or closing), not the model
 
     def new_block(self) -> None:
@@ -61,11 +62,14 @@ class BlockConstraint:
                 block[i:] = [self.m.end_token] * (len(block) - i)
                 i = len(block)
                 break
-            forced = self.m.forced()
-            token = forced[0] if forced else block[i]
-            if token == self.mask_id and not forced:
-                break
-            token = self._within_budget(token, budget - i)
+            if self._closing:                   # committed: the budget leaves no room for anything else
+                token = self._closing.pop(0)
+            else:
+                forced = self.m.forced()
+                token = forced[0] if forced else block[i]
+                if token == self.mask_id and not forced:
+                    break
+                token = self._within_budget(token, budget - i)
             if token is None or not self.m.consume(token):
                 block[i] = self.mask_id         # refused: the frontier, decided again next step
                 break
@@ -103,4 +107,5 @@ class BlockConstraint:
         if not here:                            # no room even now: nothing better to do than the model's token
             return token
         self._close_len = len(here)
+        self._closing = here[1:]
         return here[0]
