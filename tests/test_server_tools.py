@@ -318,6 +318,29 @@ def test_usage_counts_tokens_up_to_a_stop(client, scripted, tok):
     assert chunks[-1].usage.completion_tokens == expected
 
 
+def test_stop_strings_end_generation_inside_reasoning(client, scripted, tok):
+    """A stop string in the thinking ends the response there (reasoning cut before it, no content),
+    streamed and whole; usage counts the tokens up to the one that completed it."""
+    _, engine = scripted
+    script = "Let me think HALT about it.\n</think>\n\nThe answer.<|im_end|>"
+    say(engine, script)
+    ids = tok.encode(script)
+    expected = next(k for k in range(1, len(ids) + 1) if "HALT" in tok.decode(ids[:k]))
+    r = client.chat.completions.create(model=MODEL, messages=ASK, stop=["HALT"])
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == "Let me think " and not message.content
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == expected
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stop=["HALT"], stream=True,
+                                                 stream_options={"include_usage": True}))
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    assert reasoning == "Let me think " and chunks[-1].usage.completion_tokens == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    # a stop string that only appears after </think> still ends the content, the reasoning whole
+    r = client.chat.completions.create(model=MODEL, messages=ASK, stop=["answer"])
+    assert r.choices[0].message.model_extra["reasoning_content"] == "Let me think HALT about it."
+    assert r.choices[0].message.content == "The "
+
+
 def test_control_token_text_in_messages_is_plain_text(client, scripted, hf):
     _, engine = scripted
     say(engine, "</think>\n\nok<|im_end|>")

@@ -144,15 +144,17 @@ class Engine:
             )
         return need
 
-    def submit(self, prompt_ids, settings: GenerationSettings | None = None, **overrides) -> RequestHandle:
-        """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed."""
+    def submit(self, prompt_ids, settings: GenerationSettings | None = None, grammar=None,
+               **overrides) -> RequestHandle:
+        """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed.
+        `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding)."""
         if settings is None:
             settings = self.settings(**overrides)
         elif overrides:
             settings = settings.replace(**overrides)
         prompt_ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt_ids]
         need = self.validate(prompt_ids, settings)
-        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config), need)
+        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config, grammar), need)
         with self._lock:
             if self._state != "running" or not self._thread.is_alive():
                 self.metrics.rejected.inc(reason="closed")

@@ -38,25 +38,29 @@ def validate(model, prompt_len: int, settings: GenerationSettings) -> None:
 
 
 def generate_batch(model, prompts, settings: GenerationSettings | list[GenerationSettings], on_event=None,
-                   max_batch: int | None = None) -> list[GenerationResult]:
+                   max_batch: int | None = None, grammars=None) -> list[GenerationResult]:
     """Generate for several prompts (lists or 1-D tensors of ids), each with its own settings.
 
     `settings`: `GenerationSettings`, or dicts of keyword settings (resolved against the model's
     defaults), one for all prompts or one per prompt.
-    `on_event(index, new_tokens, finished)` is called as tokens resolve (for streaming)."""
+    `on_event(index, new_tokens, finished)` is called as tokens resolve (for streaming).
+    `grammars`: one `clover.grammar.GrammarMatcher` (or None) per prompt, which its completion follows."""
     if isinstance(settings, (GenerationSettings, dict)):
         settings = [settings] * len(prompts)
     settings = [resolve_settings(model, **s) if isinstance(s, dict) else s for s in settings]
     if len(settings) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(settings)} settings")
+    grammars = list(grammars) if grammars is not None else [None] * len(prompts)
+    if len(grammars) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(grammars)} grammars")
     seqs = []
-    for prompt, s in zip(prompts, settings):
+    for prompt, s, grammar in zip(prompts, settings, grammars):
         prompt = prompt.tolist() if torch.is_tensor(prompt) else list(prompt)
         for t in prompt:
             if not isinstance(t, int) or not 0 <= t < model.config.vocab_size:
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {model.config.vocab_size}")
         validate(model, len(prompt), s)
-        seqs.append(Sequence(prompt, s, model.config))
+        seqs.append(Sequence(prompt, s, model.config, grammar))
     index = {seq.id: i for i, seq in enumerate(seqs)}
     decoder = Decoder(model, max_batch=max_batch)
     for seq in seqs:

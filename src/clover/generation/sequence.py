@@ -14,7 +14,8 @@ import torch
 
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, positions_to_fill
-from .settings import GenerationSettings
+from .constrained import BlockConstraint
+from .settings import GenerationSettings, GenerationSettingsError
 
 _ids = itertools.count()
 # |logit| / temperature above this may overflow float32 on the way through softmax.
@@ -61,7 +62,8 @@ class GenerationStats:
 class Sequence:
     """Decoding state of one request. Phases: prefill → (denoise ↔ commit | ar | denoise → verify) → done."""
 
-    def __init__(self, prompt, settings: GenerationSettings, config):
+    def __init__(self, prompt, settings: GenerationSettings, config, grammar=None):
+        """`grammar`: a `clover.grammar.GrammarMatcher` the response must follow (None: free)."""
         self.id = next(_ids)
         self.prompt = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
         self.settings = settings
@@ -90,6 +92,11 @@ class Sequence:
         # The last <think>/</think> among prompt + committed response: (is_think, position) or None.
         self._marker = None
         self._scan_markers(self.prompt, 0)
+        self.constraint = None
+        if grammar is not None:
+            if settings.speculative:
+                raise GenerationSettingsError("decoding self_speculative cannot follow a grammar yet: use low_confidence")
+            self.constraint = BlockConstraint(grammar, self.mask_id)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -153,6 +160,8 @@ class Sequence:
             self.block = [self.mask_id] * self.settings.block_size
             self._seed_is_mask = False
             self.phase = "denoise"
+            if self.constraint is not None:
+                self.constraint.new_block()
 
     # ---- controls ------------------------------------------------------------------------------
     def _think_distance(self, query_pos: int, extra: list[int]) -> int:
@@ -204,14 +213,22 @@ class Sequence:
         filled = [t for i, t in enumerate(self.block) if i not in undecided]
         queries = [self.position + i for i in masked]
         controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
+        if self.constraint is not None:
+            controlled = self.constraint.mask_frontier(controlled)
         tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
-        fill = positions_to_fill(confidence, s.threshold)
+        if self.constraint is None:
+            fill = positions_to_fill(confidence, s.threshold)
+        else:                                   # none confident: the frontier (row 0), valid by its mask
+            fill = confidence > s.threshold
+            fill[0] |= not bool(fill.any())
         self.draft_steps_done += 1
         if s.speculative and self.draft_steps_done >= s.draft_steps:
             fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
         for i, t, f in zip(masked, tokens.tolist(), fill.tolist()):
             if f:
                 self.block[i] = t
+        if self.constraint is not None:
+            self.constraint.settle(self.block, self.remaining)
         if not self.masked_positions():
             self.phase = "verify" if s.speculative else "commit"
 
@@ -224,6 +241,10 @@ class Sequence:
         if self._controls_on:
             histories = [self._history(extra[: seen_first + k]) for k in range(n)]
             logits = self._controlled(logits, queries, histories, extra)
+        if self.constraint is not None:        # autoregressive (self-speculative is refused with a grammar)
+            logits = self.constraint.mask_frontier(logits.float())
+            tokens, _ = self._candidates(logits)
+            return [self.constraint.choose(int(tokens[0]), self.remaining)]
         tokens, _ = self._candidates(logits.float())
         return tokens.tolist()
 

@@ -31,6 +31,7 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, ch
                        setting_param, settings_overrides, stop_strings)
 from .chat_tools import ChatOutput, prepare_chat
 from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion_top_k
+from .structured import StructuredOutput
 from .text import CONTENT, TextStream
 from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
 
@@ -66,6 +67,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     app.state.api_key = api_key
     metrics = engine.metrics
     created = int(time.time())
+    structured = StructuredOutput(tokenizer, engine.vocab_size)
 
     # ---- errors --------------------------------------------------------------------------------
     def error_response(err: APIError) -> JSONResponse:
@@ -121,9 +123,11 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
         return settings
 
-    def submit(prompt_ids, settings):
+    def submit(prompt_ids, settings, grammar=None):
         try:
-            return engine.submit(prompt_ids, settings)
+            if grammar is None:
+                return engine.submit(prompt_ids, settings)
+            return engine.submit(prompt_ids, settings, grammar=grammar)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
@@ -190,8 +194,16 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         prompt_ids, plan = await asyncio.to_thread(prepare_chat, tokenizer, req, thinking, kwargs)  # the model's template, tools
         output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
-        handle = submit(prompt_ids, settings)
-        text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=_inside_thinking(prompt_ids, tokenizer),
+        inside_thinking = _inside_thinking(prompt_ids, tokenizer)
+        grammar = None
+        constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
+        if constraint is not None:
+            if settings.speculative:
+                raise bad_request("structured output needs decoding low_confidence (or block_size 1)", "decoding",
+                                  "unsupported")
+            grammar = await asyncio.to_thread(structured.matcher, *constraint, settings)
+        handle = submit(prompt_ids, settings, grammar)
+        text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

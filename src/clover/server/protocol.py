@@ -136,11 +136,7 @@ def check_unsupported(req: _Common) -> None:
             raise bad_request(f"{name} is not supported; use dllm_repetition_penalty", name, "unsupported")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
-    if isinstance(req, ChatRequest):
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                              "unsupported")
-    else:
+    if not isinstance(req, ChatRequest):
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         if req.best_of not in (None, 1):

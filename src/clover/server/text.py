@@ -3,7 +3,8 @@
 `TextStream` is fed the ids of each engine event and returns text deltas for two channels,
 "reasoning" (inside `<think>` … `</think>`) and "content". Streaming and non-streaming responses use
 the same object — feed every event, then `flush()` — so the streamed text equals the non-streamed
-text by construction. Stop strings apply to the content channel: text is held back while it could
+text by construction. Stop strings apply to each channel's text (a match inside the thinking ends the
+response there too; a stop string does not match across `</think>`): text is held back while it could
 be the start of a stop string, and nothing after the first match is ever emitted.
 """
 
@@ -66,13 +67,14 @@ class TextStream:
         self._eos = set(eos_ids)
         self._vocab = tokenizer.vocab_size       # a model's (padded) vocabulary may be larger: no text
         self._stop = StopMatcher(stop or [])
+        self._stop_reasoning = StopMatcher(stop or [])
         self._newlines = ""            # reasoning newlines held back (dropped if </think> follows)
         self._strip_content = False    # strip the newlines that follow </think>
         self.n_tokens = 0              # ids fed up to a stop (the usage count: tokens returned)
 
     @property
     def stopped(self) -> bool:
-        return self._stop.stopped
+        return self._stop.stopped or self._stop_reasoning.stopped
 
     def feed(self, ids) -> dict[str, str]:
         out = {REASONING: "", CONTENT: ""}
@@ -84,6 +86,11 @@ class TextStream:
                 continue
             if t == self.think_end_id or t == self.think_id:
                 self._emit(out, self.channel, self._decoders[self.channel].flush())
+                if self.channel == REASONING:     # text held for a stop string is reasoning after all
+                    self._emit_reasoning(out, self._stop_reasoning.flush())
+                    self._stop_reasoning = StopMatcher(self._stop.stops)
+                if self.stopped:
+                    break
                 if t == self.think_end_id:
                     self._newlines = ""
                     self.channel, self._strip_content = CONTENT, True
@@ -97,6 +104,7 @@ class TextStream:
         out = {REASONING: "", CONTENT: ""}
         for channel in (REASONING, CONTENT):
             self._emit(out, channel, self._decoders[channel].flush())
+        self._emit_reasoning(out, self._stop_reasoning.flush())
         out[REASONING] += self._newlines
         self._newlines = ""
         out[CONTENT] += self._stop.flush()
@@ -106,10 +114,7 @@ class TextStream:
         if not text or self.stopped:
             return
         if channel == REASONING:
-            text = self._newlines + text
-            body = text.rstrip("\n")
-            self._newlines = text[len(body):]
-            out[REASONING] += body
+            self._emit_reasoning(out, self._stop_reasoning.feed(text))
             return
         if self._strip_content:
             text = text.lstrip("\n")
@@ -117,3 +122,12 @@ class TextStream:
                 return
             self._strip_content = False
         out[CONTENT] += self._stop.feed(text)
+
+    def _emit_reasoning(self, out: dict, text: str) -> None:
+        """Reasoning text past its stop matcher; trailing newlines held (dropped if `</think>` follows)."""
+        if not text:
+            return
+        text = self._newlines + text
+        body = text.rstrip("\n")
+        self._newlines = text[len(body):]
+        out[REASONING] += body

@@ -1,0 +1,65 @@
+"""One real agent framework, the OpenAI Agents SDK, driving `clover serve`'s chat completions on the
+demo model end to end: the SDK sends its strict tool schema, the server constrains the call's
+arguments, the SDK parses the call and runs the tool. The demo model was not trained on tool use, so
+the call is forced (tool_choice names the tool) and the run stops at the tool's result; what is
+asserted is that the framework ran the tool with arguments that follow its schema, not that the
+model chose well."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import clover
+from clover.engine import Engine, EngineOptions
+from clover.server.app import create_app
+from clover.tokenization import CloverTokenizer
+from test_server import Server
+
+agents = pytest.importorskip("agents")
+pytest.importorskip("llguidance")
+
+MODEL = "clover-demo"
+
+
+@pytest.fixture(scope="module")
+def server():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(clover.load(clover.DEMO_MODEL_DIR), EngineOptions(max_batch=2, max_queue=4))
+    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
+    yield srv
+    assert srv.stop()
+    torch.set_num_threads(threads)
+
+
+def test_agents_sdk_runs_a_tool_through_clover(server):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)                  # no trace export (nothing leaves the machine)
+    calls = []
+
+    @function_tool
+    def convert(value: float, unit: str, to: str) -> str:
+        """Convert a quantity from one unit to another."""
+        calls.append((value, unit, to))
+        return f"converted {value} {unit} to {to}"
+
+    async def run():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        agent = Agent(name="converter", instructions="Use the convert tool.", tools=[convert],
+                      model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="convert", max_tokens=192),
+                      tool_use_behavior="stop_on_first_tool")
+        return await Runner.run(agent, "Convert 5 km to miles.")
+
+    result = asyncio.run(run())
+    assert len(calls) == 1
+    value, unit, to = calls[0]
+    assert isinstance(value, float) and isinstance(unit, str) and isinstance(to, str)
+    assert result.final_output == f"converted {value} {unit} to {to}"
+    from agents.models.chatcmpl_converter import Converter
+    assert Converter.tool_to_openai(convert)["function"]["strict"] is True     # what the server enforced
