@@ -28,32 +28,40 @@ class _Weights(ctypes.Structure):
 
 
 def _codes_u8(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Stored codes [N, K'] → unsigned codes [N, K] uint8 (int8 weights offset by 128)."""
+    """Stored codes [..., N, K'] → unsigned codes [..., N, K] uint8 (int8 weights offset by 128)."""
     if bits == 8:
-        return (qweight.to(torch.int16) + 128).to(torch.uint8)
-    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
+        return qweight.view(torch.uint8) ^ 0x80                # q + 128 for two's-complement int8
+    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)
 
 
 def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes [N, K] (N a multiple of 32) → panel bytes [N/32, K·32·bits/8] (quant_gemm.c's layout)."""
-    N, K = u.shape
+    """Unsigned codes [c, N, K] (N a multiple of 32) → panel bytes [c, N/32, K·32·bits/8] (quant_gemm.c's layout)."""
+    c, N, K = u.shape
     P = N // PANEL
     if bits == 8:
-        return u.view(P, 2, HALF, K // 4, 4).permute(0, 3, 1, 2, 4).reshape(P, -1)
-    v = u.view(P, 2, HALF, K // 8, 2, 4)
-    byte = v[..., 0, :] | (v[..., 1, :] << 4)                  # [P, 2, 16, K/8, 4]
-    return byte.permute(0, 3, 1, 2, 4).reshape(P, -1)
+        return u.view(c, P, 2, HALF, K // 4, 4).permute(0, 1, 4, 2, 3, 5).reshape(c, P, -1)
+    v = u.view(c, P, 2, HALF, K // 8, 2, 4)
+    byte = v[..., 0, :] | (v[..., 1, :] << 4)                  # [c, P, 2, 16, K/8, 4]
+    return byte.permute(0, 1, 4, 2, 3, 5).reshape(c, P, -1)
 
 
 def _panel_scales(s: torch.Tensor) -> torch.Tensor:
-    """[N, K/G] (N a multiple of 32) → [N/32, K/G, 32]."""
-    return s.view(-1, PANEL, s.shape[-1]).transpose(1, 2)
+    """[c, N, K/G] (N a multiple of 32) → [c, N/32, K/G, 32]."""
+    c, N, groups = s.shape
+    return s.view(c, N // PANEL, PANEL, groups).transpose(2, 3)
+
+
+STEP_CODES = 1 << 24        # codes reordered per step: bounds packing's temporaries (~16 MB each)
 
 
 class QuantPanelWeight:
     """One quantized [N, K] matrix (or E stacked ones) in panel layout: `data` uint8, `scales` (and
     `mins`) fp16 [..., ceil(N/32), K/G, 32]. `rows`: an optional order of the output rows (the SwiGLU
-    interleave of the experts' gate/up); padded rows have zero scale."""
+    interleave of the experts' gate/up; −1 for a padding row, which gets zero scale).
+
+    Packing goes a slab at a time — several experts, or a band of 32-row panels of one large matrix —
+    so its temporaries stay ~16 MB however large the matrix (a 248k-row vocabulary projection), and
+    each step is a few large tensor ops rather than many small ones."""
 
     def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None):
         *lead, N, _ = qweight.shape
@@ -61,39 +69,57 @@ class QuantPanelWeight:
         K = qweight.shape[-1] * (2 if bits == 4 else 1)
         self.bits, self.group, self.in_features = bits, K // groups, K
         self.lead = lead
-        order = torch.arange(N) if rows is None else rows
-        self.out_features = len(order)
-        P = -(-len(order) // PANEL)
+        if rows is None and N % PANEL:
+            rows = torch.arange(N)
+        self.out_features = N if rows is None else len(rows)
+        P = -(-self.out_features // PANEL)
+        if rows is not None and len(rows) < P * PANEL:
+            rows = torch.cat([rows, rows.new_full((P * PANEL - len(rows),), -1)])
         stack = int(torch.tensor(lead).prod()) if lead else 1
         self.data = weight_buffer((stack, P, K * PANEL * bits // 8), dtype=torch.uint8)
-        self.scales = torch.zeros(stack, P, groups, PANEL, dtype=torch.float16)
-        self.mins = None if mins is None else torch.zeros(stack, P, groups, PANEL, dtype=torch.float16)
-        q2, s2 = qweight.reshape(stack, N, -1), scales.reshape(stack, N, groups)
-        m2 = None if mins is None else mins.reshape(stack, N, groups)
-        pad = P * PANEL - len(order)
-        for e in range(stack):                     # one entry at a time: temporaries of one matrix only
-            valid = order >= 0
-            src = order.clamp(min=0)
-            u = _codes_u8(q2[e][src], bits)
-            u[~valid] = 128 if bits == 8 else 0
-            s = s2[e][src].clone()
-            s[~valid] = 0
-            if pad:
-                u = torch.cat([u, u.new_full((pad, K), 128 if bits == 8 else 0)])
-                s = torch.cat([s, s.new_zeros(pad, groups)])
-            self.data[e].copy_(_panel_bytes(u, bits))
-            self.scales[e].copy_(_panel_scales(s))
-            if m2 is not None:
-                m = m2[e][src].clone()
-                m[~valid] = 0
-                if pad:
-                    m = torch.cat([m, m.new_zeros(pad, groups)])
-                self.mins[e].copy_(_panel_scales(m))
+        self.scales = torch.empty(stack, P, groups, PANEL, dtype=torch.float16)
+        self.mins = None if mins is None else torch.empty(stack, P, groups, PANEL, dtype=torch.float16)
+        q3, s3 = qweight.reshape(stack, N, -1), scales.reshape(stack, N, groups)
+        m3 = None if mins is None else mins.reshape(stack, N, groups)
+        band = max(1, STEP_CODES // (PANEL * K))                  # panels per step of one entry
+        if band >= P:
+            entries, band = max(1, STEP_CODES // (P * PANEL * K)), P
+        else:
+            entries = 1
+        for e0 in range(0, stack, entries):
+            e1 = min(stack, e0 + entries)
+            for p0 in range(0, P, band):
+                p1 = min(P, p0 + band)
+                self._pack_slab(q3[e0:e1], s3[e0:e1], None if m3 is None else m3[e0:e1], rows, e0, e1, p0, p1)
         shape = (*lead, P) if lead else (P,)
         self.data = self.data.view(*shape, -1)
         self.scales = self.scales.view(*shape, groups, PANEL)
         self.mins = None if self.mins is None else self.mins.view(*shape, groups, PANEL)
         self._struct = None
+
+    def _pack_slab(self, q, s, m, rows, e0, e1, p0, p1):
+        """Entries e0:e1, panels p0:p1 (their stored rows: q, s, m [c, N, ...])."""
+        r0, r1 = p0 * PANEL, p1 * PANEL
+        if rows is None:
+            uq, us, um = q[:, r0:r1], s[:, r0:r1], None if m is None else m[:, r0:r1]
+            pad = None
+        else:
+            order = rows[r0:r1]
+            src = order.clamp(min=0)
+            uq, us, um = q[:, src], s[:, src], None if m is None else m[:, src]
+            pad = order < 0
+        u = _codes_u8(uq, self.bits)
+        if pad is not None and pad.any():
+            u[:, pad] = 128 if self.bits == 8 else 0
+            us = us.clone()
+            us[:, pad] = 0
+            if um is not None:
+                um = um.clone()
+                um[:, pad] = 0
+        self.data[e0:e1, p0:p1].copy_(_panel_bytes(u, self.bits))
+        self.scales[e0:e1, p0:p1].copy_(_panel_scales(us))
+        if um is not None:
+            self.mins[e0:e1, p0:p1].copy_(_panel_scales(um))
 
     def struct(self) -> _Weights:
         """The C descriptor (weights.h); built once (the tensors never move)."""
