@@ -302,8 +302,9 @@ def reset_peak() -> bool:
         return False
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, threads: int | None = None) -> list[float]:
-    """GB/s of a pure read stream: `sum()` over an `nbytes` fp32 buffer (N bytes counted), per run."""
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> list[float]:
+    """GB/s of a pure read stream: `sum()` over an `nbytes` fp32 buffer (N bytes counted), per run, on
+    torch's current threads."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     t = timeit(lambda: x.sum(), warmup=2, repeats=repeats)
     del x
@@ -311,7 +312,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, threads: int | None 
 
 
 def bandwidth_probe(threads: int) -> dict:
-    return {"read_gbps": read_bandwidth(threads=threads),
+    return {"read_gbps": read_bandwidth(),
             "copy_gbps": measure_bandwidth(threads=threads, return_stats=True)["stats"]["all"]}
 
 
