@@ -18,7 +18,7 @@ import torch
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def model_outputs(model) -> dict:
+def model_outputs(model, new_tokens: int = 20) -> dict:
     """Causal and block logits, cached steps, and generations of every kind, on fixed inputs."""
     from clover.generation import GenerationSettings, generate_batch
 
@@ -39,7 +39,7 @@ def model_outputs(model) -> dict:
     seq.release()
 
     prompt = ids[0, :7].tolist()
-    common = dict(max_new_tokens=20, eos_token_id=[])
+    common = dict(max_new_tokens=new_tokens, eos_token_id=[])
     gens = {
         "low_confidence": dict(block_size=8, threshold=0.9),
         "autoregressive": dict(block_size=1),
@@ -56,13 +56,13 @@ def model_outputs(model) -> dict:
     return out
 
 
-def main(model_dir: str, out_path: str) -> None:
+def main(model_dir: str, out_path: str, new_tokens: int = 20) -> None:
     torch.set_num_threads(1)
     import clover
 
     model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
     with torch.inference_mode():
-        out = model_outputs(model)
+        out = model_outputs(model, new_tokens)
     sizes = {"bytes_read": model.shard_bytes_read,
              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
              "plan": repr(model.shard_plan)}
@@ -77,10 +77,10 @@ def main(model_dir: str, out_path: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+def _spawned(rank: int, world: int, port: int, model_dir: str, out_path: str, new_tokens: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    main(model_dir, out_path)
+    main(model_dir, out_path, new_tokens)
 
 
 def free_port() -> int:
@@ -89,15 +89,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_run(world: int, model_dir, out_path) -> dict:
+def spawn_run(world: int, model_dir, out_path, new_tokens: int = 20) -> dict:
     """Run `main` on `world` spawned processes; returns rank 0's outputs."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_spawned, args=(world, free_port(), str(model_dir), str(out_path)), nprocs=world,
+    mp.start_processes(_spawned, args=(world, free_port(), str(model_dir), str(out_path), new_tokens), nprocs=world,
                        start_method="spawn")
     return torch.load(out_path)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(SRC))
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:]))
