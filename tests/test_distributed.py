@@ -23,7 +23,7 @@ from clover.checkpoint import save_checkpoint
 from clover.distributed import ParallelGroup, ShardPlan
 from clover.distributed.loading import load_tensor_parallel
 from tiny_models import make_config, make_model
-from tp_worker import model_outputs, spawn_run
+from tp_worker import free_port, model_outputs, spawn_run
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -186,3 +186,26 @@ def test_cli_generate_under_torchrun_matches_one_process(capsys):
     got = json.loads(lines[0])
     assert got["completion_ids"] == want["completion_ids"]
     assert got["completion"] == want["completion"]
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_a_dead_or_silent_rank_is_an_error_within_the_timeout(tmp_path, mode):
+    """Two ranks started by hand (no launcher to tear them down): rank 1 exits, or sleeps, after
+    loading; rank 0's forward fails with RankFailure instead of waiting forever (timeout 4 s)."""
+    path = _save(tmp_path)
+    env = dict(_env(), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CLOVER_DIST_TIMEOUT="4")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(path), f"--fault={mode}"],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert "FAILED after" in out and "RankFailure" in out and "another rank died or did not answer within 4 s" in out
+    if mode == "hang":
+        seconds = float(out.split("FAILED after ")[1].split("s:")[0])
+        assert 3 <= seconds < 30

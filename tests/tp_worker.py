@@ -98,6 +98,32 @@ def spawn_run(world: int, model_dir, out_path, new_tokens: int = 20) -> dict:
     return torch.load(out_path)
 
 
+def fault_main(model_dir: str, mode: str) -> None:
+    """Rank 1 dies (`die`) or stops answering (`hang`) after loading; rank 0 runs a forward and
+    prints how it failed and after how long."""
+    import time
+
+    import clover
+
+    torch.set_num_threads(1)
+    model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
+    if model.parallel.rank != 0:
+        if mode == "die":
+            os._exit(3)
+        time.sleep(300)
+        return
+    start = time.monotonic()
+    try:
+        model(torch.tensor([[7, 8, 9]]))
+    except RuntimeError as exc:
+        print(f"FAILED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+        os._exit(1)
+    print("NO ERROR", flush=True)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(SRC))
-    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:]))
+    if sys.argv[2].startswith("--fault="):
+        fault_main(sys.argv[1], sys.argv[2].split("=", 1)[1])
+    else:
+        main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:]))

@@ -30,20 +30,35 @@ def launched_world_size() -> int:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
+class RankFailure(RuntimeError):
+    """A collective failed: another rank died, or did not answer within the process group's timeout."""
+
+
 @dataclass
 class ParallelGroup:
     """The ranks that hold one model's shards: this process's rank, how many there are, the torch
-    process group (None = the default one) and the device this rank computes on."""
+    process group (None = the default one), the device this rank computes on, and the collectives'
+    timeout (for the error message; the process group enforces it)."""
 
     rank: int
     world_size: int
     group: object = None
     device: torch.device = torch.device("cpu")
+    timeout_s: float | None = None
+
+    def _run(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except RuntimeError as exc:         # gloo/NCCL errors (DistBackendError is a RuntimeError)
+            waited = f" within {self.timeout_s:g} s" if self.timeout_s else ""
+            raise RankFailure(
+                f"tensor-parallel rank {self.rank} of {self.world_size}: {what} failed — another rank died or did "
+                f"not answer{waited} (CLOVER_DIST_TIMEOUT sets the timeout): {exc}") from exc
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (every rank gets the same bytes); returns `t`."""
         if self.world_size > 1:
-            dist.all_reduce(t, group=self.group)
+            self._run("an all-reduce", dist.all_reduce, t)
         return t
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +67,7 @@ class ParallelGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t, group=self.group)
+        self._run("an all-gather", dist.all_gather, parts, t)
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj, src: int = 0):
@@ -60,8 +75,8 @@ class ParallelGroup:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group,
-                                   device=self.device if self.device.type == "cuda" else None)
+        self._run("a broadcast", dist.broadcast_object_list, box, src=src,
+                  device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
     def gather_objects(self, obj) -> list:
@@ -69,12 +84,12 @@ class ParallelGroup:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._run("an all-gather", dist.all_gather_object, out, obj)
         return out
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._run("a barrier", dist.barrier)
 
 
 def init_from_env(device=None, backend: str | None = None, timeout_s: float | None = None) -> ParallelGroup:
@@ -88,6 +103,8 @@ def init_from_env(device=None, backend: str | None = None, timeout_s: float | No
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_available():
         raise RuntimeError("tensor parallelism needs torch.distributed, which this PyTorch build lacks")
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("CLOVER_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
         missing = [v for v in ENV_VARS if v not in os.environ]
         if missing:
@@ -95,11 +112,12 @@ def init_from_env(device=None, backend: str | None = None, timeout_s: float | No
                 "tensor_parallel needs a process group: launch with torchrun (e.g. `torchrun --nproc-per-node 2 "
                 f"-m clover generate ...`), which sets {', '.join(ENV_VARS)} (missing here: {', '.join(missing)}), "
                 "or call torch.distributed.init_process_group yourself first")
-        if timeout_s is None:
-            timeout_s = float(os.environ.get("CLOVER_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return ParallelGroup(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None, device=device)
+    else:
+        timeout_s = None                   # set by whoever initialised the group: not known here
+    return ParallelGroup(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None, device=device,
+                         timeout_s=timeout_s)
