@@ -138,6 +138,18 @@ def test_load_tensor_parallel_without_launcher_says_how(tmp_path, monkeypatch):
         clover.load(path, tensor_parallel=True, backend="cpu")
 
 
+def test_cli_under_a_launcher_refuses_what_is_not_sharded_yet(monkeypatch, capsys):
+    from clover.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["info"]) == 2
+    assert "only generate runs tensor-parallel" in capsys.readouterr().err
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["generate", "hi"]) == 2                      # WORLD_SIZE without torchrun's other variables
+    assert "launch with torchrun" in capsys.readouterr().err
+
+
 # ---- several processes ------------------------------------------------------------------------
 def test_two_ranks_match_one_process(tmp_path):
     """K/V heads, GDN heads, 7 experts (4 + 3) and the vocabulary split over 2 spawned ranks."""

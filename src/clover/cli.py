@@ -40,7 +40,10 @@ def _load(args, pack: bool = True):
     from clover.distributed.launch import launched_tensor_parallel
 
     if launched_tensor_parallel():          # torchrun started several ranks: each loads its shard
-        model = clover.load(path, dtype=dtype, backend="reference", tensor_parallel=True)
+        try:
+            model = clover.load(path, dtype=dtype, backend="reference", tensor_parallel=True)
+        except RuntimeError as exc:        # no process group (launched without torchrun), a rank lost
+            raise UserError(str(exc)) from None
     else:
         model = clover.load(path, dtype=dtype, backend="auto" if pack else "reference")
     if not (path / "tokenizer.json").exists():
@@ -415,9 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that run over several ranks when torchrun starts them (the others would each act alone).
+TENSOR_PARALLEL_COMMANDS = ("generate",)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    from clover.distributed.launch import launched_tensor_parallel
+
+    if launched_tensor_parallel() and argv and not argv[0].startswith("-") and argv[0] not in TENSOR_PARALLEL_COMMANDS:
+        print(f"clover {argv[0]}: error: under torchrun (WORLD_SIZE > 1) only "
+              f"{', '.join(TENSOR_PARALLEL_COMMANDS)} runs tensor-parallel so far; start `clover {argv[0]}` "
+              "as one process", file=sys.stderr)
+        return 2
     if argv and argv[0] in PASSTHROUGH:
         command = argv[0]
         try:
