@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -143,7 +146,7 @@ def test_cli_under_a_launcher_refuses_what_is_not_sharded_yet(monkeypatch, capsy
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["info"]) == 2
-    assert "only generate runs tensor-parallel" in capsys.readouterr().err
+    assert "runs tensor-parallel so far" in capsys.readouterr().err
     for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     assert main(["generate", "hi"]) == 2                      # WORLD_SIZE without torchrun's other variables
@@ -221,3 +224,77 @@ def test_a_dead_or_silent_rank_is_an_error_within_the_timeout(tmp_path, mode):
     if mode == "hang":
         seconds = float(out.split("FAILED after ")[1].split("s:")[0])
         assert 3 <= seconds < 30
+
+
+# ---- serving ----------------------------------------------------------------------------------
+def _start_server(cmd, env):
+    """A `clover serve` subprocess on a free port; (process, port) once /health answers."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("server did not start")
+
+
+def _stop(proc) -> str:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err
+
+
+def _ask(port: int) -> list:
+    """Four concurrent chats (batched on the server), a seeded sampled stream, a completion."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def chat(q):
+        r = client.chat.completions.create(model="clover-demo", messages=[{"role": "user", "content": q}],
+                                           max_tokens=40, extra_body={"block_size": 16})
+        m = r.choices[0].message
+        return m.content, (m.model_extra or {}).get("reasoning_content"), r.usage.completion_tokens
+
+    with ThreadPoolExecutor(4) as ex:
+        out = list(ex.map(chat, ["What is 17+25?", "Reverse: abc", "Sort: 3 1 2", "What is 5+8?"]))
+    stream = client.completions.create(model="clover-demo", prompt="12+30=", max_tokens=20, stream=True,
+                                       extra_body={"temperature": 0.8, "seed": 4})
+    out.append("".join(c.choices[0].text for c in stream if c.choices))
+    r = client.completions.create(model="clover-demo", prompt="Sort: 9 4 7", max_tokens=24,
+                                  extra_body={"decoding": "self_speculative", "block_size": 8})
+    out.append(r.choices[0].text)
+    return out
+
+
+def test_serve_on_two_ranks_answers_as_one_process():
+    """`torchrun --nproc-per-node 2 -m clover serve` (demo model, fp32) and a one-process `clover serve`
+    give the official openai client the same answers, batched and streamed; SIGTERM stops both ranks."""
+    pytest.importorskip("openai")
+    base = ["-m", "clover", "serve", "--dtype", "float32"]
+    one, one_port = _start_server([sys.executable, *base], _env())
+    try:
+        want = _ask(one_port)
+    finally:
+        _stop(one)
+    tp, tp_port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", *base], _env())
+    try:
+        got = _ask(tp_port)
+    finally:
+        err = _stop(tp)
+    assert got == want
+    # rank 0 told rank 1 to stop; neither lost the other on the way out
+    assert "went away" not in err and "could not tell the other ranks" not in err and "RankFailure" not in err, err[-3000:]

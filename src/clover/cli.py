@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that run over several ranks when torchrun starts them (the others would each act alone).
-TENSOR_PARALLEL_COMMANDS = ("generate",)
+TENSOR_PARALLEL_COMMANDS = ("generate", "serve")
 
 
 def main(argv=None) -> int:

@@ -45,15 +45,25 @@ class ParallelGroup:
     group: object = None
     device: torch.device = torch.device("cpu")
     timeout_s: float | None = None
+    failed: RankFailure | None = None     # the first collective that failed; every later one fails at once
 
-    def _run(self, what: str, fn, *args, **kwargs):
+    def run_collective(self, what: str, fn, *args, group=None, **kwargs):
+        """`fn(*args, group=…)`, a torch.distributed collective; its failure becomes a `RankFailure`
+        naming `what`, and after one failure every further collective raises at once (the group is
+        broken: waiting out the timeout again for each would only delay the error)."""
+        if self.failed is not None:
+            raise RankFailure(f"tensor-parallel rank {self.rank}: {what} not attempted, an earlier collective "
+                              f"failed: {self.failed}")
         try:
-            return fn(*args, group=self.group, **kwargs)
+            return fn(*args, group=self.group if group is None else group, **kwargs)
         except RuntimeError as exc:         # gloo/NCCL errors (DistBackendError is a RuntimeError)
             waited = f" within {self.timeout_s:g} s" if self.timeout_s else ""
-            raise RankFailure(
+            self.failed = RankFailure(
                 f"tensor-parallel rank {self.rank} of {self.world_size}: {what} failed — another rank died or did "
-                f"not answer{waited} (CLOVER_DIST_TIMEOUT sets the timeout): {exc}") from exc
+                f"not answer{waited} (CLOVER_DIST_TIMEOUT sets the timeout): {exc}")
+            raise self.failed from exc
+
+    _run = run_collective
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (every rank gets the same bytes); returns `t`."""
