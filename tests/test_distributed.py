@@ -298,3 +298,40 @@ def test_serve_on_two_ranks_answers_as_one_process():
     assert got == want
     # rank 0 told rank 1 to stop; neither lost the other on the way out
     assert "went away" not in err and "could not tell the other ranks" not in err and "RankFailure" not in err, err[-3000:]
+
+
+def _worker_pids(agent_pid: int) -> dict:
+    """rank → pid of the workers a torchrun agent started (from /proc)."""
+    out = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[int(rank)] = int(pid)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find torchrun's workers")
+def test_serve_with_a_silent_rank_fails_the_request_then_answers_503():
+    """Rank 1 stopped (SIGSTOP) under a 2-rank server with a 5 s timeout: the running request ends in
+    an error instead of hanging, then /health and new requests get 503."""
+    import httpx
+
+    env = dict(_env(), CLOVER_DIST_TIMEOUT="5")
+    agent, port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "clover", "serve", "--dtype", "float32"], env)
+    follower = _worker_pids(agent.pid)[1]
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "clover-demo", "prompt": "1+2=", "max_tokens": 8}
+    try:
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        os.kill(follower, signal.SIGSTOP)
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "RankFailure" in r.text and time.monotonic() - start < 30
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 503
+    finally:
+        os.kill(follower, signal.SIGKILL)
+        _stop(agent)

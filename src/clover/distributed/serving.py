@@ -8,10 +8,10 @@ and steps when rank 0 steps, so every forward is matched on every rank. Decision
 messages: the logits every rank receives are the same bytes (all-gathered), and a sampling request's
 seed travels with it.
 
-The control group has no timeout worth the name (followers wait there while the server is idle); a
-leader that dies closes its sockets, which ends the followers' wait with an error. A follower that
-dies or hangs makes rank 0's next forward raise `RankFailure` (within CLOVER_DIST_TIMEOUT); the engine
-then stops taking requests, so the HTTP front answers 503.
+Followers wait on the control group as long as the server stays idle; a leader that dies closes its
+sockets, which ends their wait with an error. A follower that dies or hangs makes rank 0's next step
+broadcast or forward raise `RankFailure` (within CLOVER_DIST_TIMEOUT); the engine then stops taking
+requests, so the HTTP front answers 503.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..engine import Engine, EngineOptions
 from ..generation.decoder import Decoder
 from ..generation.sequence import Sequence
+from .process_group import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("clover.distributed")
 
@@ -32,12 +33,15 @@ IDLE_TIMEOUT = timedelta(days=365)      # how long a follower may wait for the n
 
 
 class ControlChannel:
-    """Rank 0 → all ranks, in order: lists of decoder operations (a gloo group of its own, so an idle
-    server's followers can wait without tripping the forwards' timeout)."""
+    """Rank 0 → all ranks, in order: lists of decoder operations, on a gloo group of its own whose
+    timeout differs per rank (each rank's group object keeps its own): followers wait as long as the
+    server stays idle, while rank 0's send — which gloo completes only when every follower receives —
+    fails within the forwards' timeout when one does not."""
 
     def __init__(self, parallel):
         self.parallel = parallel
-        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        leader = timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S)
+        self.group = dist.new_group(backend="gloo", timeout=leader if parallel.rank == 0 else IDLE_TIMEOUT)
 
     def send(self, ops: list) -> None:
         self.parallel.run_collective("sending a step to the other ranks", dist.broadcast_object_list, [ops],
