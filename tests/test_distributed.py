@@ -176,13 +176,13 @@ def test_four_ranks_under_torchrun_match_one_process(tmp_path):
     path = _save(tmp_path, **UNEVEN)
     out = tmp_path / "out.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER),
-           str(path), str(out), "10"]
+           str(path), str(out), "8"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out)
     assert [r["plan"].split(",")[1] for r in got["ranks"]] == [" q_heads 0:1", " q_heads 1:2", " q_heads 2:3",
                                                                 " q_heads 3:4"]
-    _assert_same(got, _expected(path, 10))
+    _assert_same(got, _expected(path, 8))
 
 
 def test_cli_generate_under_torchrun_matches_one_process(capsys):
@@ -257,7 +257,7 @@ def _stop(proc) -> str:
 
 
 def _ask(port: int) -> list:
-    """Four concurrent chats (batched on the server), a seeded sampled stream, a completion."""
+    """Three concurrent chats (batched on the server), a seeded sampled stream, a self-speculative completion."""
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
@@ -268,8 +268,8 @@ def _ask(port: int) -> list:
         m = r.choices[0].message
         return m.content, (m.model_extra or {}).get("reasoning_content"), r.usage.completion_tokens
 
-    with ThreadPoolExecutor(4) as ex:
-        out = list(ex.map(chat, ["What is 17+25?", "Reverse: abc", "Sort: 3 1 2", "What is 5+8?"]))
+    with ThreadPoolExecutor(3) as ex:
+        out = list(ex.map(chat, ["What is 17+25?", "Reverse: abc", "Sort: 3 1 2"]))
     stream = client.completions.create(model="clover-demo", prompt="12+30=", max_tokens=20, stream=True,
                                        extra_body={"temperature": 0.8, "seed": 4})
     out.append("".join(c.choices[0].text for c in stream if c.choices))
