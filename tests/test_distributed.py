@@ -131,6 +131,15 @@ def test_plain_qwen_checkpoint_gets_block_defaults_per_rank(tmp_path):
     assert mix.shape == (2, 2) and bool((mix[:, 1] == float("-inf")).all()) and bool((mix[:, 0] == 0).all())
 
 
+def test_quantized_checkpoint_is_refused_by_name(tmp_path):
+    from clover.checkpoint import CheckpointError
+    from clover.quantization.convert import quantize_checkpoint
+
+    quantize_checkpoint(_save(tmp_path), tmp_path / "q8", bits=8, group_size=16)
+    with pytest.raises(CheckpointError, match="quantized checkpoints are not sharded yet"):
+        load_tensor_parallel(tmp_path / "q8", ParallelGroup(rank=0, world_size=2))
+
+
 def test_load_tensor_parallel_without_launcher_says_how(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

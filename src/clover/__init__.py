@@ -23,7 +23,8 @@ BACKENDS = ("auto", "cpu", "reference")
 
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
          flush_denormal: bool = True, tensor_parallel=False):
-    """Load a Clover (or Qwen3.5-MoE) model directory; `path=None` loads the bundled demo model.
+    """Load a Clover (or Qwen3.5-MoE) model directory, a GGUF file (llama.cpp's `qwen35moe` layout,
+    clover/gguf/) or a directory holding one; `path=None` loads the bundled demo model.
 
     `backend`: "auto" (default) gives the fastest path whose results equal the reference to bf16
     rounding: on CPU, bf16 weights (unless `dtype` asks for another precision) repacked for Clover's
@@ -36,10 +37,11 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     `flush_denormal=True`: flush denormal floats to zero in this thread and the threads it starts
     later (x86 runs denormal math ~100× slower; see `clover.runtime`).
     `tensor_parallel`: True (join the process group torchrun's environment describes: gloo on CPU,
-    NCCL on CUDA) or a `clover.distributed.ParallelGroup` — this process loads only its shard (heads,
-    experts and vocabulary rows; see clover/distributed/plan.py) and runs on the reference backend
-    in the stored dtype (or `dtype`): "auto" means "reference" there, "cpu" is refused. Every rank
-    must then make the same calls (forwards are collective)."""
+    NCCL on CUDA) or a `clover.distributed.ParallelGroup` (then its device is used) — this process
+    loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
+    safetensors checkpoint and runs on the reference backend in the stored dtype (or `dtype`): "auto"
+    means "reference" there, "cpu" is refused. Every rank must then make the same calls (forwards are
+    collective)."""
     from .checkpoint import load_model
 
     if pack is not None:
@@ -54,8 +56,9 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
+    gguf_file = _gguf_file(path)
     if tensor_parallel:
-        model = _load_tensor_parallel(path, dtype, device, backend, tensor_parallel)
+        model = _load_tensor_parallel(path, gguf_file, dtype, device, backend, tensor_parallel)
         _read_generation_defaults(model, path)
         return model
     on_cpu = torch.device(device).type == "cpu"
@@ -70,7 +73,13 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         from .layers.packed import packing_available
 
         packs = packing_available()
-    model = load_model(path, dtype=torch.bfloat16 if packs else dtype, device=device)
+    load_dtype = torch.bfloat16 if packs else dtype
+    if gguf_file is not None:
+        from .gguf import load_gguf
+
+        model = load_gguf(gguf_file, dtype=load_dtype, device=device)
+    else:
+        model = load_model(path, dtype=load_dtype, device=device)
     if packs:
         from .layers.packed import pack_for_cpu
 
@@ -80,7 +89,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
 
 def _read_generation_defaults(model, path: Path) -> None:
-    gen = path / "generation_config.json"
+    gen = path / "generation_config.json"          # a directory's (a GGUF file alone has none)
     if gen.exists():
         try:
             model.generation_defaults = json.loads(gen.read_text())
@@ -88,15 +97,27 @@ def _read_generation_defaults(model, path: Path) -> None:
             raise ValueError(f"{gen}: invalid JSON ({exc})") from None
 
 
-def _load_tensor_parallel(path: Path, dtype, device, backend: str, tensor_parallel):
+def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, tensor_parallel):
     from .distributed import ParallelGroup, init_from_env
     from .distributed.loading import load_tensor_parallel
 
     if backend == "cpu":
         raise ValueError("backend='cpu' (the native CPU kernels) is not sharded yet: under tensor_parallel use "
                          "backend='reference' (or 'auto', which means it there)")
+    if gguf_file is not None:
+        raise ValueError(f"{gguf_file}: GGUF files are not sharded yet; tensor_parallel needs a safetensors "
+                         "checkpoint directory")
     parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
     return load_tensor_parallel(path, parallel, dtype=dtype)
+
+
+def _gguf_file(path: Path):
+    """The GGUF file to load for `path` (a `.gguf` file, or a directory holding one and no safetensors)."""
+    if path.is_file() or not any(path.glob("*.safetensors")):
+        from .gguf.file import find_gguf
+
+        return find_gguf(path)
+    return None
 
 
 __all__ = ["load", "DEMO_MODEL_DIR", "__version__"]

@@ -22,6 +22,7 @@ import struct
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -44,6 +45,10 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 # bytes per element of every safetensors dtype, to check the layout of tensors we do not load too
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+# and the integer / half tensors of quantized checkpoints (quantization/format.py), read as stored
+QUANT_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F16": torch.float16}
+READ_DTYPES = {**DTYPES, **QUANT_DTYPES}
+QUANT_SUFFIXES = (".qweight", ".scales", ".mins")
 CHUNK_BYTES = 16 << 20   # bytes converted per step: bounds the temporaries of a dtype conversion
 
 
@@ -115,7 +120,7 @@ class _MappedFile:
     def copy_into(self, dest: torch.Tensor, key: str) -> None:
         """Fill the contiguous tensor `dest` with stored tensor `key`, converting dtype on the way."""
         meta = self.header[key]
-        src_dtype = DTYPES[meta["dtype"]]
+        src_dtype = READ_DTYPES[meta["dtype"]]
         item = src_dtype.itemsize
         flat = dest.view(-1)
         n = flat.numel()
@@ -184,14 +189,23 @@ def _canonical_key(key: str) -> str | None:
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", config: CloverConfig | None = None):
-    """Build a `CloverForCausalLM` from a model directory. `dtype=None` keeps the stored dtype."""
+class CheckpointPlan(NamedTuple):
+    """A checked checkpoint: the model built on the meta device (quantized where the files are), and
+    for each of its tensors where the bytes come from."""
+    model: Any
+    expected: dict
+    sources: dict
+    stored: dict
+    headers: dict
+    files: list
+    quant_buffers: dict
+
+
+def plan_checkpoint(path: Path, config: CloverConfig) -> CheckpointPlan:
+    """Index and check a model directory's safetensors against `config` without reading any weights:
+    raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
     from .model import CloverForCausalLM
 
-    path = Path(path)
-    config = config or CloverConfig.from_file(path)
-    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}")
     files = checkpoint_files(path)
 
     # Index every stored tensor: canonical key → (file, stored key, shape, dtype).
@@ -211,12 +225,11 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
                     f"{stored[name][0].name} and as {key!r} {meta['shape']} in {f.name}"
                 )
             stored[name] = (f, key, meta["shape"], meta["dtype"])
-    if dtype is None:
-        dtype = _stored_dtype(stored)
-
     with torch.device("meta"), _no_weight_init():
         model = CloverForCausalLM(config)
+    quant_buffers = _prepare_quantized(model, stored, config, path)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=True)}
+    expected.update({n: tuple(b.shape) for n, b in quant_buffers.items()})
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         stored.pop("lm_head.weight", None)   # transformers ignores it too when tied
@@ -226,28 +239,33 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     has_extras = any(CLOVER_EXTRAS.search(n) for n in stored)
     optional = set() if config.is_clover else {n for n in expected if CLOVER_EXTRAS.search(n)}
     missing, wrong = [], []
-    plan: dict[str, tuple] = {}
+    sources: dict[str, tuple] = {}
     for name, shape in expected.items():
         fused = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
         if name in stored:
             got = tuple(stored[name][2])
             if got != shape:
                 wrong.append(f"{name}: checkpoint {list(got)} vs model {list(shape)}")
-            plan[name] = ("stored",) + stored[name]
+            sources[name] = ("stored",) + stored[name]
         elif fused and int(name.split(".")[2]) in per_expert_layers:
             need = _per_expert_keys(name, config)
             missing += [f"{key} {list(want)}" for key, want in need if key not in stored]
-            plan[name] = ("per_expert", need)
+            sources[name] = ("per_expert", need)
         elif name in optional and not has_extras:
-            plan[name] = ("default",)
+            sources[name] = ("default",)
         else:
             missing.append(f"{name} {list(shape)}")
-    used = {key for source in plan.values() if source[0] == "per_expert" for key, _ in source[1]}
-    for name in sorted(used | {n for n, source in plan.items() if source[0] == "stored"}):
+    used = {key for source in sources.values() if source[0] == "per_expert" for key, _ in source[1]}
+    for name in sorted(used | {n for n, source in sources.items() if source[0] == "stored"}):
+        if name in quant_buffers and name.endswith(QUANT_SUFFIXES):
+            want = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16"}[quant_buffers[name].dtype]
+            if stored[name][3] != want:
+                wrong.append(f"{name}: checkpoint dtype {stored[name][3]}, expected {want} (quantized layout)")
+            continue
         if name in stored and stored[name][3] not in DTYPES:
             wrong.append(f"{name}: checkpoint dtype {stored[name][3]} {list(stored[name][2])}, "
                          f"expected a floating-point dtype ({', '.join(DTYPES)})")
-    unexpected = sorted(n for n in stored if n not in plan and n not in used)
+    unexpected = sorted(n for n in stored if n not in sources and n not in used)
     for name in used & set(stored):
         want = dict(_per_expert_keys_for(name, config))[name]
         if tuple(stored[name][2]) != want:
@@ -264,26 +282,53 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match config.json — " + " | ".join(problems))
 
+    return CheckpointPlan(model, expected, sources, stored, headers, files, quant_buffers)
+
+
+def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu"):
+    """Yield (name, tensor) for every tensor of a planned checkpoint, one at a time, floating-point ones in
+    `dtype` and quantized codes and scales as stored. Memory-mapped, converted chunk by chunk."""
     readers = {}
     try:
-        for f in files:
-            readers[f] = _MappedFile(f, headers[f])
-        for name, source in plan.items():
+        for f in plan.files:
+            readers[f] = _MappedFile(f, plan.headers[f])
+        for name, source in plan.sources.items():
             if source[0] == "default":
-                tensor = _clover_default(name, expected[name], dtype).to(device)
+                tensor = _clover_default(name, plan.expected[name], dtype).to(device)
             else:
-                tensor = torch.empty(expected[name], dtype=dtype, device=device)
+                quant = name in plan.quant_buffers and name.endswith(QUANT_SUFFIXES)
+                target = plan.quant_buffers[name].dtype if quant else dtype
+                tensor = torch.empty(plan.expected[name], dtype=target, device=device)
                 if source[0] == "per_expert":
-                    _merge_experts(tensor, source[1], stored, readers)
+                    _merge_experts(tensor, source[1], plan.stored, readers)
                 else:
                     _, f, key, _, _ = source
                     readers[f].copy_into(tensor, key)
-            _assign(model, name, tensor)
+            yield name, tensor
     finally:
         for r in readers.values():
             r.close()
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", config: CloverConfig | None = None):
+    """Build a `CloverForCausalLM` from a model directory. `dtype=None` keeps the stored dtype."""
+    path = Path(path)
+    config = config or CloverConfig.from_file(path)
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}")
+    plan = plan_checkpoint(path, config)
+    model, quant_buffers = plan.model, plan.quant_buffers
+    dtype = dtype or _stored_dtype(plan.stored)
+    for name, tensor in read_tensors(plan, dtype, device):
+        _assign(model, name, tensor)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if quant_buffers:
+        from .quantization.modules import QuantizedWeight
+
+        for module in model.modules():
+            if isinstance(module, QuantizedWeight):
+                module.compute_dtype = dtype          # what the reference paths dequantize to
     model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
     model.model.rotary.to(device)
     model.eval().requires_grad_(False)
@@ -356,7 +401,72 @@ def _clover_default(name: str, shape, dtype) -> torch.Tensor:
 def _assign(model, name: str, tensor: torch.Tensor) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
-    module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    if attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+_QUANT_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _prepare_quantized(model, stored: dict, config, path) -> dict[str, torch.Tensor]:
+    """Turn the meta model's matrices that the checkpoint stores quantized (a `.qweight` key) into
+    quantized modules, with each matrix's bits (int8 or uint8 codes), group size (from its scales'
+    shape) and offsets as stored; returns their buffers by name (what the checkpoint must provide)."""
+    from .quantization.format import QuantSpec
+    from .quantization.modules import QuantizedWeight, quantize_model
+
+    try:
+        QuantSpec.from_config(config.extra.get("quantization_config"))
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    owners = sorted(n[: -len(".qweight")] for n in stored if n.endswith(".qweight"))
+    if not owners:
+        return {}
+    specs, asymmetric, names = {}, set(), []
+    for owner in owners:
+        experts = _QUANT_EXPERTS.match(owner)
+        try:
+            module = model.get_submodule(experts.group(1) if experts else owner)
+        except AttributeError:
+            raise CheckpointError(f"{path}: quantized tensor {owner}.qweight belongs to no matrix of the model") from None
+        if experts:
+            K = getattr(module, experts.group(2)).shape[-1]
+        elif isinstance(module, torch.nn.Linear):
+            K = module.in_features
+        else:
+            raise CheckpointError(f"{path}: quantized tensor {owner}.qweight belongs to no matrix of the model")
+        qtag = stored[owner + ".qweight"][3]
+        scales = stored.get(owner + ".scales")
+        if qtag not in ("I8", "U8") or scales is None or not scales[2] or K % scales[2][-1]:
+            raise CheckpointError(
+                f"{path}: {owner}: a quantized matrix needs qweight I8 or U8 and scales whose last dimension divides "
+                f"its {K} inputs (got qweight {qtag}, scales {None if scales is None else scales[2]})")
+        try:
+            specs[owner] = QuantSpec(8 if qtag == "I8" else 4, K // scales[2][-1])
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {owner}: {exc}") from None
+        if owner + ".mins" in stored:
+            asymmetric.add(owner)
+        name = experts.group(1) if experts else owner
+        if name not in names:
+            names.append(name)
+    for name in names:
+        if name.endswith(".mlp.experts"):
+            missing = [p for p in ("gate_up_proj", "down_proj") if f"{name}.{p}" not in specs]
+            if missing:
+                raise CheckpointError(f"{path}: {name}: {missing[0]} is not quantized but its other matrix is "
+                                      "(Clover quantizes an experts stack as a whole)")
+    quantize_model(model, None, names=names, fill=False, asymmetric=asymmetric, specs=specs)
+    model.quantization = QuantSpec.from_config(config.extra.get("quantization_config")) or next(iter(specs.values()))
+    out = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, QuantizedWeight):
+            for bname, b in module.named_buffers(recurse=False):
+                if b is not None:
+                    out[f"{mname}.{bname}"] = b
+    return out
 
 
 # ---- writing ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -238,15 +239,23 @@ def cmd_chat(args) -> int:
 def cmd_info(args) -> int:
     model, tokenizer, path = _load(args, pack=False)            # unpacked: count every parameter
     c = model.config
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    expert = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    from clover.quantization.modules import QuantizedWeight
+
+    # a quantized matrix counts its logical weights (its codes are buffers, not parameters)
+    sizes = {n: p.numel() for n, p in {id(p): (n, p) for n, p in model.named_parameters()}.values()}
+    sizes.update({n: math.prod(m.shape) for n, m in model.named_modules() if isinstance(m, QuantizedWeight)})
+    total = sum(sizes.values())
+    expert = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
     active = total - expert + expert * c.num_experts_per_tok // c.num_experts
+    quant = getattr(model, "quantization", None)
     info = {
         "path": str(path), "model_type": c.model_type, "dtype": str(model.dtype).replace("torch.", ""),
         "layers": c.num_hidden_layers, "layer_types": list(c.layer_types), "hidden_size": c.hidden_size,
         "experts": f"{c.num_experts} routed (top-{c.num_experts_per_tok}) + 1 shared",
         "vocab_size": c.vocab_size, "context": c.max_position_embeddings,
         "parameters": total, "active_parameters_per_token": active,
+        "quantization": f"int{quant.bits}, group {quant.group_size}" if quant else "none",
+        "weight_bytes": _weight_bytes(model),
         "block_expert_top_p": c.block_expert_top_p, "generation_defaults": model.generation_defaults,
         "tokenizer_vocab": tokenizer.vocab_size,
     }
@@ -260,6 +269,13 @@ def cmd_info(args) -> int:
                 value = f"{value:,}"
             print(f"{key:<30} {value}")
     return 0
+
+
+def _weight_bytes(model) -> int:
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 # ---- eval-demo --------------------------------------------------------------------------------
@@ -346,6 +362,12 @@ def cmd_lm_eval(args, rest) -> int:
     return lm_eval_model.main(rest) or 0
 
 
+def cmd_quantize(args, rest) -> int:
+    from clover.quantization import convert
+
+    return convert.main(rest) or 0
+
+
 def cmd_bench(args, rest) -> int:
     import runpy
 
@@ -360,7 +382,7 @@ def cmd_bench(args, rest) -> int:
 
 
 PASSTHROUGH = {"train": cmd_train, "export": cmd_export, "serve": cmd_serve, "bench": cmd_bench,
-               "lm-eval": cmd_lm_eval}
+               "lm-eval": cmd_lm_eval, "quantize": cmd_quantize}
 
 
 def _version() -> str:
@@ -411,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, text in (("train", "train a small Clover on generated tasks (see `clover train --help`)"),
                        ("export", "write a transformers trust_remote_code model directory: SRC DST"),
+                       ("quantize", "write an int8/int4 weight-quantized copy of a model: SRC DST --bits 8|4"),
                        ("serve", "OpenAI-compatible HTTP server (see `clover serve --help`)"),
                        ("bench", "performance benchmarks (see `clover bench --help`)"),
                        ("lm-eval", "lm-evaluation-harness with `--model clover` registered (its own flags)")):
@@ -439,6 +462,8 @@ def main(argv=None) -> int:
         except (UserError, ValueError, FileNotFoundError) as exc:
             print(f"clover {command}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            return 130
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -267,6 +267,9 @@ def export(src: str | Path, dst: str | Path, dtype=None, max_shard_bytes: int | 
         raise ExportError(f"{dst} exists and is not empty (pass overwrite=True / --force to replace its contents)")
     torch_dtype = _parse_dtype(dtype)
     config = CloverConfig.from_file(src)
+    if config.extra.get("quantization_config") is not None:
+        raise ExportError(f"{src} is quantized ({config.extra['quantization_config']}); the transformers "
+                          "remote-code path reads bf16/fp32 weights: export the model before `clover quantize`")
     model = load_model(src, dtype=torch_dtype, config=config)
     dst.mkdir(parents=True, exist_ok=True)
     total = weights_nbytes(model)

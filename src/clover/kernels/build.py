@@ -23,13 +23,14 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c", "attention_cached.c")]
-HEADERS = [Path(__file__).with_name("bf16.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
+                                                          "attention_cached.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma")
 
 
 def cache_dir() -> Path:
@@ -100,13 +101,18 @@ def library() -> ctypes.CDLL | None:
     lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32,
                                               ptr, i32]
     lib.clover_panel_gemm_grouped.restype = i32
+    lib.clover_weights_gemm.argtypes = [ptr, ptr, i64, i32, i32, i32, i32, ptr, i64, i32, i32]
+    lib.clover_weights_gemm.restype = i32
+    lib.clover_weights_gemm_grouped.argtypes = [ptr, ptr, i64, i32, i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, i32,
+                                                ptr, i32]
+    lib.clover_weights_gemm_grouped.restype = i32
     f32 = ctypes.c_float
     lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \
         + [f32, f32, ptr, i64, i64, i32]
     lib.clover_gdn_short.restype = i32
     lib.clover_add_rmsnorm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i32]
     lib.clover_add_rmsnorm.restype = None
-    lib.clover_moe_block.argtypes = [i32, i32, i32, ptr] + [i32] * 6 + [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+    lib.clover_moe_block.argtypes = [i32, i32, i32, ptr] + [i32] * 6 + [ptr] * 9 + [i32]
     lib.clover_moe_block.restype = i32
     lib.clover_attention_cached.argtypes = [i32] * 6 + [ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr,
                                              i32, i64, ptr, i64, i32]

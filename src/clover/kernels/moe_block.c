@@ -23,11 +23,7 @@
 
 #include "bf16.h"
 
-int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
-                      void *C, long ldc, int c_fp32, int threads);
-int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
-                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
-                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads);
+#include "weights.h"
 
 #define MAX_TOP_K 64
 
@@ -127,13 +123,14 @@ static void *carve(char **at, size_t bytes) {
  * The rows are B sequences of T; the last block_len rows of sequence b are a noisy block, routed among
  * the experts its selection keeps when top_p[b] < 1 (top_p NULL: no selection). distinct (nullable,
  * [B]): how many experts sequence b's block rows route to with a positive weight.
- * w_in: panels of the stacked input maps [router E | shared gate Is | shared up Is | shared gate 1] × H;
- * gate_up / down: the experts' stacked panels (entry strides in elements; gate_up interleaved for the
- * SwiGLU epilogue, intermediate I padded to 16); shared_down: [H, Is] panels.
+ * w_in: the stacked input maps [router E | shared output gate 1 | shared gate Is | shared up Is] × H, or
+ * only the first two when shared_in (nullable) holds the other two (a quantized shared expert beside
+ * the bf16 router); gate_up / down: the experts' stacks (gate_up interleaved for the SwiGLU epilogue,
+ * intermediate I padded to 16); shared_down: [H, Is]. Any precision weights.h describes.
  * Returns 0, -1 out of memory, -2 bad shape or setting. */
 int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_experts, int H, int E, int k, int I,
-                     int Is, const uint16_t *x, const uint16_t *h, const uint16_t *w_in, const uint16_t *gate_up,
-                     long gate_up_stride, const uint16_t *down, long down_stride, const uint16_t *shared_down,
+                     int Is, const uint16_t *x, const uint16_t *h, const Weights *w_in, const Weights *shared_in,
+                     const Weights *gate_up, const Weights *down, const Weights *shared_down,
                      uint16_t *out_h, int64_t *distinct, int threads) {
     if (k < 1 || k > MAX_TOP_K || k > E || B < 1 || T < 1 || block_len < 0 || block_len > T) return -2;
     long N = (long)B * T, S = N * k;
@@ -163,7 +160,10 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
     uint16_t *act = carve(&at, 2 * S * I), *ys = carve(&at, 2 * S * H);
     uint16_t *act_s = carve(&at, 2 * N * Is), *shared = carve(&at, 2 * N * H);
 
-    if (clover_panel_gemm(x, H, 1, (int)N, H, w_in, n_in, y_in, n_in, 0, threads)) return -1;
+    /* columns of y_in: router logits E, shared output gate 1, shared gate Is, shared up Is */
+    if (clover_weights_gemm(w_in, x, H, 1, (int)N, H, shared_in ? E + 1 : n_in, y_in, n_in, 0, threads)) return -1;
+    if (shared_in && clover_weights_gemm(shared_in, x, H, 1, (int)N, H, 2 * Is, y_in + E + 1, n_in, 0, threads))
+        return -1;
     int par = N >= 64;                                    /* a block step's 32 rows: a parallel region costs more */
     #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (long n = 0; n < N; n++) softmax_row(E, y_in + n * n_in, probs + n * E);
@@ -236,19 +236,18 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
         }
 
     /* the experts' SwiGLU and routing weights happen in the grouped kernels' epilogues */
-    if (G && clover_panel_gemm_grouped(x, H, 1, G, offsets, group_ids, a_rows, H, gate_up, gate_up_stride, 2 * I,
-                                       act, I, 0, 1, 0, threads))
+    if (G && clover_weights_gemm_grouped(gate_up, x, H, 1, G, offsets, group_ids, a_rows, H, 2 * I, act, I, 0, 1, 0,
+                                         threads))
         return -1;
-    if (G && clover_panel_gemm_grouped(act, I, 1, G, offsets, group_ids, 0, I, down, down_stride, H, ys, H, 0, 0,
-                                       scale, threads))
+    if (G && clover_weights_gemm_grouped(down, act, I, 1, G, offsets, group_ids, 0, I, H, ys, H, 0, 0, scale, threads))
         return -1;
     #pragma omp parallel for schedule(static) num_threads(threads) if (par)
-    for (long n = 0; n < N; n++) swiglu(Is, y_in + n * n_in + E, y_in + n * n_in + E + Is, act_s + n * Is);
-    if (clover_panel_gemm(act_s, Is, 1, (int)N, Is, shared_down, H, shared, H, 0, threads)) return -1;
+    for (long n = 0; n < N; n++) swiglu(Is, y_in + n * n_in + E + 1, y_in + n * n_in + E + 1 + Is, act_s + n * Is);
+    if (clover_weights_gemm(shared_down, act_s, Is, 1, (int)N, Is, H, shared, H, 0, threads)) return -1;
 
     #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (long n = 0; n < N; n++) {
-        float g = bf16_to_f32(y_in[n * n_in + E + 2 * Is]);
+        float g = bf16_to_f32(y_in[n * n_in + E]);
         __m512 gate = _mm512_set1_ps(round_bf16(1.0f / (1.0f + expf(-g))));    /* torch.sigmoid on bf16 */
         const int *se = slot_expert + n * k, *pos = position + n * k;
         for (int c = 0; c < H; c += 16) {

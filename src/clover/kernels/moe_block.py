@@ -8,28 +8,40 @@ for benchmarks; the model adds it outside, in the next norm.) The PyTorch module
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .build import library
 
 
 def _moe_constants(moe):
-    """The packed panels the kernel reads, looked up once (a packed model is inference-only)."""
+    """The C descriptors of the packed matrices the kernel reads, built once (a packed model is
+    inference-only): the input maps (one stack, or the bf16 router part and the quantized shared
+    expert part), the experts' stacks and the shared expert's down projection."""
     consts = getattr(moe, "_kernel_constants", None)
     if consts is None:
+        from .quant_panels import weights_struct
+
         fused, panels = moe.fused_input, moe.experts.panels
         shared_down = getattr(moe.shared_expert.down_proj, "packed", None)
-        E = moe.num_experts
-        if fused is None or panels is None or shared_down is None or not hasattr(fused.packed, "panels"):
+        if fused is None or panels is None or shared_down is None or not _kernel_packed(fused.packed):
             raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu(kernels=True)")
+        E = moe.num_experts
         Is = shared_down.in_features
-        if fused.sizes != [E, Is, Is, 1]:
+        sizes = [sizes for _, _, sizes in fused.parts]
+        if fused.sizes != [E, 1, Is, Is] or sizes not in ([[E, 1, Is, Is]], [[E, 1], [Is, Is]]):
             raise ValueError("moe_block needs the router and shared expert stacked by pack_for_cpu")
         gate_up, down = panels
-        consts = (fused.packed.panels, gate_up.panels, down.panels, shared_down.panels,
-                  gate_up.out_features // 2, Is)
+        structs = [weights_struct(part[0]) for part in fused.parts]
+        structs += [weights_struct(gate_up), weights_struct(down), weights_struct(shared_down)]
+        consts = (structs, len(fused.parts) == 2, gate_up.out_features // 2, Is)
         moe._kernel_constants = consts
     return consts
+
+
+def _kernel_packed(packed) -> bool:
+    return hasattr(packed, "panels") or hasattr(packed, "struct")
 
 
 def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: torch.Tensor | None = None):
@@ -43,7 +55,9 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     B, T, H = x.shape
     if not 0 <= block_len <= T:
         raise ValueError(f"block_len {block_len} outside 0..{T}")
-    w_in, gate_up, down, shared_down, I, Is = _moe_constants(moe)
+    structs, split_input, I, Is = _moe_constants(moe)
+    w_in = structs[0]
+    shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
     top_p = None
     if block_len and block_top_p is not None:
         top_p = torch.as_tensor(block_top_p, dtype=torch.float32).reshape(-1).expand(B).contiguous()
@@ -53,11 +67,12 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     distinct = torch.empty(B, dtype=torch.int64) if block_len else None
     status = library().clover_moe_block(
         B, T, block_len, None if top_p is None else top_p.data_ptr(), moe.min_block_experts, H, moe.num_experts,
-        moe.top_k, I, Is, x.data_ptr(), None if h is None else h.data_ptr(), w_in.data_ptr(), gate_up.data_ptr(),
-        gate_up[0].numel(), down.data_ptr(), down[0].numel(), shared_down.data_ptr(), out.data_ptr(),
+        moe.top_k, I, Is, x.data_ptr(), None if h is None else h.data_ptr(), ctypes.byref(w_in),
+        None if shared_in is None else ctypes.byref(shared_in), ctypes.byref(gate_up), ctypes.byref(down),
+        ctypes.byref(shared_down), out.data_ptr(),
         None if distinct is None else distinct.data_ptr(), torch.get_num_threads())
     if status == -1:
-        raise MemoryError("moe_block: out of memory")
+        raise MemoryError("moe_block: a matrix product failed (out of memory, or a shape the kernels refuse)")
     if status != 0:
         raise ValueError(f"moe_block: unsupported top-k {moe.top_k} of {moe.num_experts} experts")
     return out, distinct
@@ -68,5 +83,5 @@ def packed_for_kernels(moe) -> bool:
     if "_kernel_constants" in moe.__dict__:          # looked up (and checked) before
         return True
     fused = moe.fused_input
-    return (fused is not None and moe.experts.panels is not None and hasattr(fused.packed, "panels")
+    return (fused is not None and moe.experts.panels is not None and _kernel_packed(fused.packed)
             and getattr(moe.shared_expert.down_proj, "packed", None) is not None)

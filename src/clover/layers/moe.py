@@ -56,6 +56,23 @@ class Experts(nn.Module):
         panels for the native kernels, or one oneDNN-packed matrix per expert."""
         from .packed import _pack
 
+        if self.quantized:
+            if not kernels:
+                raise ValueError("quantized experts pack for Clover's kernels only (oneDNN has no int4/int8 layout)")
+            from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
+
+            gu, dn = self.gate_up_proj, self.down_proj
+            gate_up = QuantPanelWeight(gu.qweight, gu.scales, gu.mins, gu.bits, rows=swiglu_rows(dn.shape[-1]))
+            self.gate_up_proj = None
+            del gu
+            down = QuantPanelWeight(dn.qweight, dn.scales, dn.mins, dn.bits)
+            self.down_proj = None
+            del dn
+            self.panels = (gate_up, down)
+            for part, packed in (("gate_up", gate_up), ("down", down)):
+                for key, tensor in packed.buffers().items():
+                    self.register_buffer(f"{part}_{key}", tensor)
+            return
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
         if kernels:
             from ..kernels.panels import pack_gate_up
@@ -80,6 +97,13 @@ class Experts(nn.Module):
             self.register_buffer(f"gate_up_packed_{e}", g)
             self.register_buffer(f"down_packed_{e}", d)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the expert matrices are stored quantized (quantization/modules.py), not yet packed."""
+        from ..quantization.modules import QuantizedWeight
+
+        return isinstance(self.gate_up_proj, QuantizedWeight)
+
     def _apply(self, fn, recurse=True):
         if self.panels is not None or self.packed is not None:
             from .packed import refuse_moving_packed
@@ -93,8 +117,12 @@ class Experts(nn.Module):
         in one call, every expert's down times the row's routing weight `scale` in one call: the
         gather, SwiGLU and weighting happen inside the kernels (see kernels/panels.py)."""
         from ..kernels.panels import grouped_linear
+        from ..kernels.quant_panels import QuantPanelWeight
+        from ..kernels.quant_panels import grouped_linear as quantized_grouped_linear
 
         gate_up, down = self.panels
+        if isinstance(gate_up, QuantPanelWeight):
+            grouped_linear = quantized_grouped_linear
         hidden = grouped_linear(x, gate_up, offsets, ids, same_row, rows=rows, swiglu=True)
         return grouped_linear(hidden, down, offsets, ids, scale=scale)
 
@@ -201,13 +229,14 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.fused_input = None     # packing (layers/packed.py) stacks `input_projections` here
 
-    # everything that reads the layer's input: router, shared expert's gate and up, its output gate
-    input_projections = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
+    # everything that reads the layer's input: router, shared expert's output gate, its gate and up
+    # (the two routing maps first: they stay in bf16 when the shared expert is quantized)
+    input_projections = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")
 
     def _router_and_shared(self, flat):
         """flat [N, H] → (router probabilities [N, E], gated shared-expert output [N, H])."""
         if self.fused_input is not None:
-            logits, gate, up, shared_gate = self.fused_input(flat)
+            logits, shared_gate, gate, up = self.fused_input(flat)
             shared = self.shared_expert.down_proj(F.silu(gate) * up)
             return router_probs(logits), torch.sigmoid(shared_gate) * shared
         return self.gate(flat), torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

@@ -44,11 +44,39 @@ def _pack(weight: torch.Tensor, kernels: bool):
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
+def _quantized(module) -> bool:
+    from ..quantization.modules import QuantizedLinear
+
+    return isinstance(module, QuantizedLinear)
+
+
+def _pack_quantized(linears: list):
+    """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels."""
+    from ..kernels.quant_panels import QuantPanelWeight
+
+    first = linears[0]
+    mins = None if first.mins is None else torch.cat([m.mins for m in linears])
+    return QuantPanelWeight(torch.cat([m.qweight for m in linears]), torch.cat([m.scales for m in linears]), mins,
+                            first.bits)
+
+
+def _kind(module):
+    """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form."""
+    if _quantized(module):
+        return ("quantized", module.bits, module.group_size, module.mins is not None)
+    weight = getattr(module, "weight", None)
+    return ("bf16",) if weight is not None and weight.dtype == torch.bfloat16 else None
+
+
 def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     from ..kernels.panels import linear
+    from ..kernels.quant_panels import QuantPanelWeight
+    from ..kernels.quant_panels import linear as quantized_linear
 
+    if isinstance(packed, QuantPanelWeight):
+        return quantized_linear(x, packed, bias)
     return linear(x, packed, bias)
 
 
@@ -74,39 +102,62 @@ class PackedWeights(nn.Module):
         return super()._apply(fn, recurse)
 
     def _register_packed(self, name: str, packed) -> None:
-        """Keep the tensor behind a packed weight (panels or oneDNN's layout) as buffer `name`."""
+        """Keep the tensors behind a packed weight (panels, quantized panels or oneDNN's layout) as
+        buffer `name` (quantized: `name_qdata`, `name_qscales`, `name_qmins`)."""
+        if hasattr(packed, "buffers"):
+            for key, tensor in packed.buffers().items():
+                self.register_buffer(f"{name}_{key}", tensor)
+            return
         self.register_buffer(name, packed.panels if hasattr(packed, "panels") else packed)
 
 
 class FusedProjection(PackedWeights):
     """Several linear maps of the same input stacked into one packed matrix. Decode multiplies one
     row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
-    stacked rows reads the same bytes once and returns the pieces as views."""
+    stacked rows reads the same bytes once and returns the pieces as views. Maps of different
+    precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
+    each."""
 
     def __init__(self, linears: list, kernels: bool):
         super().__init__()
-        self.sizes = [m.weight.shape[0] for m in linears]
-        stacked = torch.cat([m.weight.detach() for m in linears])
-        self.packed = _pack(stacked, kernels)
-        self._register_packed("weight_packed", self.packed)
-        biases = [getattr(m, "bias", None) for m in linears]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([torch.zeros(n, dtype=stacked.dtype) if b is None else b.detach()
-                              for b, n in zip(biases, self.sizes)])
-        self.register_buffer("bias", bias)
+        self.sizes = [m.out_features if _quantized(m) else m.weight.shape[0] for m in linears]
+        self.parts = []                                    # (packed, bias, sizes) per run of one kind
+        start = 0
+        while start < len(linears):
+            end = start + 1
+            while end < len(linears) and _kind(linears[end]) == _kind(linears[start]):
+                end += 1
+            run = linears[start:end]
+            if _quantized(run[0]):
+                packed = _pack_quantized(run)
+            else:
+                packed = _pack(torch.cat([m.weight.detach() for m in run]), kernels)
+            biases = [getattr(m, "bias", None) for m in run]
+            bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat([torch.zeros(n, dtype=torch.bfloat16) if b is None else b.detach()
+                                  for b, n in zip(biases, self.sizes[start:end])])
+            index = len(self.parts)
+            self._register_packed("weight_packed" if index == 0 else f"weight_packed_{index}", packed)
+            self.register_buffer("bias" if index == 0 else f"bias_{index}", bias)
+            self.parts.append((packed, bias, self.sizes[start:end]))
+            start = end
+        self.packed = self.parts[0][0]
 
     def forward(self, x):
-        return packed_linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
+        if len(self.parts) == 1:
+            return packed_linear(x, self.packed, self.parts[0][1]).split(self.sizes, dim=-1)
+        return [piece for packed, bias, sizes in self.parts for piece in packed_linear(x, packed, bias).split(sizes, -1)]
 
 
 class PackedLinear(PackedWeights):
-    """`nn.Linear` whose weight lives in a packed layout (panels or oneDNN's blocked one)."""
+    """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels, quantized
+    panels or oneDNN's blocked one)."""
 
-    def __init__(self, linear: nn.Linear, kernels: bool):
+    def __init__(self, linear: nn.Module, kernels: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight, kernels)
+        self.packed = _pack_quantized([linear]) if _quantized(linear) else _pack(linear.weight, kernels)
         self._register_packed("weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
@@ -132,12 +183,14 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
     from .moe import Experts
 
     count = _fuse_input_projections(model, kernels)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight
     # Collect names, not modules: a list of the modules themselves would keep every replaced
     # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
     names = [name for name, m in model.named_modules()
              if (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
-             or (isinstance(m, Experts) and m.gate_up_proj is not None and m.gate_up_proj.dtype == torch.bfloat16)]
+             or (kernels and _quantized(m))
+             or (isinstance(m, Experts) and m.gate_up_proj is not None
+                 and ((kernels and m.quantized) or (not m.quantized and m.gate_up_proj.dtype == torch.bfloat16)))]
     for qualified in names:
         parent_name, _, name = qualified.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -169,7 +222,8 @@ def _fuse_input_projections(model, kernels: bool) -> int:
         if module.fused_input is not None:
             continue
         linears = [module.get_submodule(n) for n in names]
-        if any(m.weight.dtype != torch.bfloat16 for m in linears):
+        kinds = [_kind(m) for m in linears]
+        if None in kinds or (not kernels and any(k[0] == "quantized" for k in kinds)):
             continue
         module.fused_input = FusedProjection(linears, kernels)
         del linears

@@ -1,0 +1,272 @@
+"""GGML tensor encodings → Clover's weights: floats as floats, quantized blocks as Clover's integer codes.
+
+Every decoder takes the raw bytes of whole rows, `[R, nblocks, block_bytes]` uint8, and returns a
+`Codes` in Clover's quantized layout (clover/quantization/format.py) with the scales (and mins) still
+in float32 — the exact products of the block's fp16 super-scale and its integer sub-scales. Rounding
+them to fp16, as Clover stores them, is the only inexact step, and only for the K-quants:
+
+    type   Clover form                         exact?
+    Q8_0   int8,  group 32, symmetric          yes (d is fp16 already, codes copied)
+    Q4_0   int4,  group 32, symmetric          yes (w = d·(u − 8): Clover's int4 form, nibbles repacked)
+    Q4_1   int4,  group 32, mins               yes (d and m are fp16 already)
+    Q5_0   int8,  group 32, symmetric          yes (code q − 16)
+    Q5_1   int8,  group 32, mins               yes
+    Q4_K   int4,  group 32, mins               s = fp16(d·sc), m = fp16(−dmin·mn)
+    Q5_K   int8,  group 32, mins               same as Q4_K
+    Q6_K   int8,  group 16, symmetric          s = fp16(d·sc)
+
+For the K-quants d·sc is exact in float32 (an 11-bit by 6- or 8-bit product), and its rounding to
+fp16 is off by at most half an fp16 unit: |ŝ − s| ≤ max(2⁻¹¹·|s|, 2⁻²⁵) (the second term where s is
+an fp16 subnormal, below 6.1e-5), the same for m; a weight w = s·q + m is then off by at most
+|q|·|ŝ − s| + |m̂ − m|. Products beyond fp16's range (|s| > 65504) raise.
+
+The layouts follow the `gguf` package's reference decoders (gguf/quants.py, `dequantize_blocks`),
+which the tests compare against; the codes here are produced directly, with no float round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK_K = 256
+FP16_MAX = 65504.0
+
+
+@dataclass
+class Codes:
+    """Decoded rows in Clover's stored layout: qweight [R, K] int8 or [R, K/2] uint8 nibbles (input 2j
+    in the low nibble of byte j), scales/mins float32 [R, K/group]."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    group_size: int
+
+
+@dataclass(frozen=True)
+class GGMLFormat:
+    """One GGML tensor type: its block shape and how Clover reads it."""
+
+    name: str
+    block: int            # elements per block
+    block_bytes: int
+    bits: int | None      # Clover code width (None for float types)
+    group_size: int | None
+    asymmetric: bool
+    exact: bool           # whether the Clover form equals the GGUF values exactly
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def row_bytes(self, K: int) -> int:
+        return K // self.block * self.block_bytes
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from the last axis of 2 bytes → float32 (one value per leading index)."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
+
+
+def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """u [R, K] (0…15, uint8) → Clover's int4 bytes [R, K/2]."""
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def _repack_halves(qs: torch.Tensor) -> torch.Tensor:
+    """GGML's half-split nibbles → Clover's pairwise nibbles, for runs of bytes whose low nibbles hold
+    elements 0…n−1 and high nibbles elements n…2n−1 (Q4_0's 16 bytes, each 32-byte run of Q4_K).
+    Clover byte k holds elements 2k, 2k+1: the low nibbles of bytes 2k, 2k+1 for k < n/2, their high
+    nibbles after. uint8 shifts drop the bits pushed out, so each half is two operations."""
+    w = qs.contiguous().view(torch.int16)           # byte pairs (2k, 2k+1) as one little-endian word
+    low = (w & 0x0F) | ((w >> 4) & 0xF0)           # low nibbles of both bytes
+    high = ((w >> 4) & 0x0F) | ((w >> 8) & 0xF0)   # high nibbles of both bytes
+    return torch.cat([low, high], dim=-1).to(torch.uint8)
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] → element values [..., 2n]: low nibbles (elements 0…n−1), then high nibbles."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def _q8_0(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    d = _f16(b[..., 0:2])                                                    # [R, nb]
+    q = b[..., 2:34].contiguous().view(torch.int8)                           # [R, nb, 32]
+    return Codes(q.reshape(R, nb * 32), d, None, 8, 32)
+
+
+def _q4_0(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    d = _f16(b[..., 0:2])
+    return Codes(_repack_halves(b[..., 2:18]).reshape(R, nb * 16), d, None, 4, 32)
+
+
+def _q4_1(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    return Codes(_repack_halves(b[..., 4:20]).reshape(R, nb * 16), d, m, 4, 32)
+
+
+def _high_bits_32(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1: 4 bytes = 32 bits, bit j is element j's fifth bit. → [..., 32] (0 or 1)."""
+    return torch.cat([(qh >> j) & 1 for j in range(8)], dim=-1).reshape(*qh.shape[:-1], 8, 4).transpose(-1, -2) \
+        .reshape(*qh.shape[:-1], 32)
+
+
+def _q5_0(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    d = _f16(b[..., 0:2])
+    q = _low_high(b[..., 6:22]) | (_high_bits_32(b[..., 2:6]) << 4)        # 0…31
+    return Codes((q - 16).view(torch.int8).reshape(R, nb * 32), d, None, 8, 32)   # uint8 wraps to q − 16
+
+
+def _q5_1(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    q = _low_high(b[..., 8:24]) | (_high_bits_32(b[..., 4:8]) << 4)
+    return Codes(q.view(torch.int8).reshape(R, nb * 32), d, m, 8, 32)
+
+
+def _k_scales(s: torch.Tensor):
+    """Q4_K/Q5_K's 12 scale bytes → 8 six-bit scales and 8 six-bit mins per super-block (float32).
+    Bytes 0–3 / 4–7 hold scales / mins 0–3 in their low 6 bits and the top 2 bits of scales / mins
+    4–7; bytes 8–11 hold the low 4 bits of scales 4–7 (low nibble) and mins 4–7 (high nibble)."""
+    a, m, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = torch.cat([a & 63, (hi & 0xF) | ((a >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 63, (hi >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scales.to(torch.float32), mins.to(torch.float32)
+
+
+def _k_factors(b: torch.Tensor):
+    """d·sc and −dmin·mn per 32-element sub-block [R, nb·8] (exact in float32)."""
+    R, nb, _ = b.shape
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    scales = (d.unsqueeze(-1) * sc).reshape(R, nb * 8)
+    mins = (dmin.unsqueeze(-1) * mn).neg_().reshape(R, nb * 8)
+    return scales, mins
+
+
+def _q4_k(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    scales, mins = _k_factors(b)
+    # 128 bytes = 4 runs of 32: run i holds sub-block 2i in its low nibbles, 2i+1 in its high ones
+    qs = _repack_halves(b[..., 16:144].reshape(R, nb, 4, 32))
+    return Codes(qs.reshape(R, nb * 128), scales, mins, 4, 32)
+
+
+def _q5_k(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    scales, mins = _k_factors(b)
+    qh = b[..., 16:48]                                                        # bit j of byte l: sub-block j, element l
+    runs = b[..., 48:176].reshape(R, nb, 4, 32)
+    q = torch.empty(R, nb, 8, 32, dtype=torch.uint8)
+    for j in range(8):
+        low = runs[:, :, j // 2] & 0xF if j % 2 == 0 else runs[:, :, j // 2] >> 4
+        q[:, :, j] = low | (((qh >> j) & 1) << 4)
+    return Codes(q.view(torch.int8).reshape(R, nb * QK_K), scales, mins, 8, 32)
+
+
+def _q6_k(b: torch.Tensor) -> Codes:
+    R, nb, _ = b.shape
+    ql = b[..., 0:128].reshape(R, nb, 2, 2, 32)                              # half, run, element
+    qh = b[..., 128:192].reshape(R, nb, 2, 32)
+    sc = b[..., 192:208].contiguous().view(torch.int8).to(torch.float32)     # [R, nb, 16]
+    d = _f16(b[..., 208:210])
+    # each half of 128 elements, in quarters of 32: low 4 bits from the low nibbles of run 0, run 1,
+    # then the high nibbles of run 0, run 1; top 2 bits from bit pairs 0, 2, 4, 6 of the half's qh
+    q = torch.empty(R, nb, 2, 4, 32, dtype=torch.uint8)
+    for t in range(4):
+        run = ql[:, :, :, t % 2]
+        low = run & 0xF if t < 2 else run >> 4
+        q[:, :, :, t] = low | (((qh >> (2 * t)) & 3) << 4)
+    q.sub_(32)                                                                # uint8 wraps: q − 32 as int8
+    scales = (d.unsqueeze(-1) * sc).reshape(R, nb * 16)
+    return Codes(q.view(torch.int8).reshape(R, nb * QK_K), scales, None, 8, 16)
+
+
+FORMATS = {
+    "F32": GGMLFormat("F32", 1, 4, None, None, False, True),
+    "F16": GGMLFormat("F16", 1, 2, None, None, False, True),
+    "BF16": GGMLFormat("BF16", 1, 2, None, None, False, True),
+    "Q8_0": GGMLFormat("Q8_0", 32, 34, 8, 32, False, True),
+    "Q4_0": GGMLFormat("Q4_0", 32, 18, 4, 32, False, True),
+    "Q4_1": GGMLFormat("Q4_1", 32, 20, 4, 32, True, True),
+    "Q5_0": GGMLFormat("Q5_0", 32, 22, 8, 32, False, True),
+    "Q5_1": GGMLFormat("Q5_1", 32, 24, 8, 32, True, True),
+    "Q4_K": GGMLFormat("Q4_K", QK_K, 144, 4, 32, True, False),
+    "Q5_K": GGMLFormat("Q5_K", QK_K, 176, 8, 32, True, False),
+    "Q6_K": GGMLFormat("Q6_K", QK_K, 210, 8, 16, False, False),
+}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def decode_codes(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> Codes:
+    """Raw bytes of R whole rows of K elements ([R · row_bytes] or [R, row_bytes] uint8) → Codes."""
+    blocks = raw.reshape(-1, K // fmt.block, fmt.block_bytes)
+    return _DECODERS[fmt.name](blocks)
+
+
+def decode_float(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> torch.Tensor:
+    """Raw bytes of whole rows → values [R, K]: float types in their own dtype (a view of the bytes
+    where they are aligned: the caller converts once, into the destination), quantized types
+    dequantized to float32 (s·q (+ m))."""
+    if not fmt.quantized:
+        item = _FLOATS[fmt.name].itemsize
+        if raw.storage_offset() % item:
+            raw = raw.clone()                 # unaligned in the file: realign this chunk only
+        return raw.view(_FLOATS[fmt.name]).reshape(-1, K)
+    c = decode_codes(fmt, raw, K)
+    return codes_to_float(c)
+
+
+def codes_to_float(c: Codes) -> torch.Tensor:
+    """What the GGUF block means, in float32, from unrounded scales (gguf's own dequantize)."""
+    R = c.qweight.shape[0]
+    if c.bits == 4:
+        q = torch.stack([c.qweight & 0xF, c.qweight >> 4], dim=-1).reshape(R, -1).to(torch.float32)
+        if c.mins is None:
+            q = q - 8
+    else:
+        q = c.qweight.to(torch.float32)
+    q = q.reshape(R, c.scales.shape[1], c.group_size)
+    w = q * c.scales.unsqueeze(-1)
+    if c.mins is not None:
+        w = w + c.mins.unsqueeze(-1)
+    return w.reshape(R, -1)
+
+
+def to_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
+    """Scales/mins rounded to Clover's fp16 (raises if a value does not fit)."""
+    if values.numel() and float(values.abs().max()) > FP16_MAX:
+        raise ValueError(f"{what}: a scale of {float(values.abs().max()):.4g} exceeds fp16's range")
+    return values.to(torch.float16)
+
+
+def promote(c: Codes, bits: int, group_size: int, asymmetric: bool) -> Codes:
+    """The same weights in a wider Clover form (more bits, smaller groups, with mins) — exact.
+    Used when two GGUF tensors that Clover stores as one matrix (an expert's gate and up) differ."""
+    if bits < c.bits or c.group_size % group_size or (c.mins is not None and not asymmetric):
+        raise ValueError(f"cannot widen int{c.bits}/group {c.group_size} to int{bits}/group {group_size}")
+    qweight, scales, mins = c.qweight, c.scales, c.mins
+    if c.bits == 4 and (bits == 8 or asymmetric):
+        u = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
+        if mins is None and asymmetric:
+            mins = -8 * scales                                               # s·(u − 8) = s·u − 8s
+        if bits == 8:
+            qweight = (u.to(torch.int8) - (8 if mins is None else 0))
+        else:
+            qweight = _pack_nibbles(u)
+    if asymmetric and mins is None:
+        mins = torch.zeros_like(scales)
+    k = c.group_size // group_size
+    if k > 1:
+        scales = scales.repeat_interleave(k, dim=-1)
+        mins = None if mins is None else mins.repeat_interleave(k, dim=-1)
+    return Codes(qweight, scales, mins, bits, group_size)

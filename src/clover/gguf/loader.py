@@ -1,0 +1,266 @@
+"""Loading a GGUF file into a `CloverForCausalLM`: checked first, then filled tensor by tensor.
+
+Quantized GGUF tensors are converted once, at load, into Clover's own quantized layout (format.py
+of clover.quantization): each matrix Clover can quantize (every linear map but the router and the
+shared expert's output gate, the untied lm_head, the routed experts) becomes a `QuantizedLinear` /
+`QuantizedWeight` with the GGUF type's Clover form (blocks.py). Everything else — embeddings, norms,
+the router, convolutions, float-typed matrices — is dequantized or cast to the model's dtype.
+A matrix whose value heads must be reordered by whole groups is dequantized when a head is not a
+whole number of groups (never for Qwen3.5-MoE's 128-wide heads).
+
+Streaming: each tensor is read in chunks of rows from the memory-mapped file straight into its
+destination buffer, and the chunk's file pages are released; nothing holds a second copy of the
+model. Every problem (missing or unexpected tensors, wrong shapes, unsupported types) is reported
+before anything is read, naming each tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import _clover_default, _no_weight_init
+from ..quantization.format import QuantSpec
+from ..quantization.modules import KEPT, QuantizedLinear, QuantizedWeight
+from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, promote, to_fp16
+from .config import read_config
+from .file import GGUFError, GGUFFile, TensorInfo
+from .names import Entry, plan, skipped, squeezed
+
+CHUNK_BYTES = 16 << 20    # raw bytes decoded per step: bounds the temporaries of a conversion
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu"):
+    """Build a `CloverForCausalLM` from a GGUF file. `dtype=None`: bfloat16 when the file's matrices
+    are BF16 or quantized, else their float type (F16 → float16, F32 → float32)."""
+    from ..model import CloverForCausalLM
+
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or torch.float64, got {dtype}")
+    started = time.perf_counter()
+    with GGUFFile(path) as f:
+        config = read_config(f)
+        entries = plan(config, set(f.tensors))
+        defaults = _check(f, config, entries)
+        if dtype is None:
+            dtype = _default_dtype(f, entries)
+        with torch.device("meta"), _no_weight_init():
+            model = CloverForCausalLM(config)
+        quantized = _install_quantized(model, f, entries, dtype, device)
+        for entry in entries:
+            if entry.param in defaults:
+                shape = model.get_parameter(entry.param).shape
+                _assign(model, entry.param, _clover_default(entry.param, shape, dtype).to(device))
+            elif entry.param in quantized:
+                _fill_quantized(f, entry, quantized[entry.param])
+            else:
+                tensor = torch.empty(entry.layout.shape, dtype=dtype, device=device)
+                _fill_float(f, entry, tensor)
+                _assign(model, entry.param, tensor)
+        read_bytes = sum(f.tensors[s.name].nbytes for e in entries if e.param not in defaults for s in e.sources)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
+    model.model.rotary.to(device)
+    model.eval().requires_grad_(False)
+    model.source_path = Path(path)
+    specs = {m.spec for m in quantized.values()}
+    model.quantization = specs.pop() if len(specs) == 1 else None
+    model.gguf_types = {e.param: "+".join(sorted({f.tensors[s.name].type_name for s in e.sources}))
+                        for e in entries if e.param not in defaults}
+    model.gguf_load_stats = {"bytes": read_bytes, "seconds": time.perf_counter() - started,
+                             "quantized_matrices": len(quantized)}
+    return model
+
+
+# ---- checks -------------------------------------------------------------------------------------
+def _check(f: GGUFFile, config, entries: list[Entry]) -> set[str]:
+    """Raise `GGUFError` listing every problem; returns the Clover parameters left at their defaults
+    (block-mode tensors of a plain Qwen3.5-MoE file)."""
+    missing, wrong, unsupported, defaults, used = [], [], [], set(), set()
+    for entry in entries:
+        for src in entry.sources:
+            info = f.tensors.get(src.name)
+            if info is None:
+                if entry.optional and not config.is_clover:
+                    defaults.add(entry.param)
+                else:
+                    missing.append(f"{src.name} {list(src.shape)} (for {entry.param})")
+                continue
+            used.add(src.name)
+            if squeezed(info.shape) != squeezed(src.shape):
+                wrong.append(f"{src.name}: file {list(info.shape)} vs model {list(src.shape)}")
+            fmt = FORMATS.get(info.type_name)
+            if fmt is None:
+                unsupported.append(f"{info.describe()} (Clover reads {', '.join(FORMATS)})")
+            elif info.shape and info.shape[-1] % fmt.block:
+                wrong.append(f"{src.name}: {info.shape[-1]} columns are not whole {fmt.name} blocks of {fmt.block}")
+    unexpected = sorted(n for n in f.tensors if n not in used and not skipped(n, config.num_hidden_layers))
+    problems = []
+    for label, items in (("missing tensors", missing), ("wrong shapes", wrong),
+                         ("unsupported tensor types", unsupported),
+                         ("unexpected tensors", [f.tensors[n].describe() for n in unexpected])):
+        if items:
+            shown = "; ".join(items[:8]) + (f" … ({len(items)} in all)" if len(items) > 8 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise GGUFError(f"{f.path}: the GGUF file does not match its own metadata — " + " | ".join(problems))
+    return defaults
+
+
+def _default_dtype(f: GGUFFile, entries: list[Entry]) -> torch.dtype:
+    types = {f.tensors[s.name].type_name for e in entries for s in e.sources
+             if s.name in f.tensors and len(f.tensors[s.name].shape) >= 2}
+    if "BF16" in types or any(FORMATS[t].quantized for t in types if t in FORMATS):
+        return torch.bfloat16
+    return torch.float16 if "F16" in types else torch.float32
+
+
+# ---- quantized modules --------------------------------------------------------------------------
+def _quantizable_modules(model) -> dict[str, tuple[str, object]]:
+    """Clover parameter name → (module name, module) for the matrices Clover stores quantized."""
+    from ..layers.moe import Experts
+
+    tied = model.config.tie_word_embeddings
+    out = {}
+    for name, m in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(m, nn.Linear) and leaf not in KEPT and not (tied and name == "lm_head"):
+            out[f"{name}.weight"] = (name, m)
+        elif isinstance(m, Experts):
+            out[f"{name}.gate_up_proj"] = (name, m)
+            out[f"{name}.down_proj"] = (name, m)
+    return out
+
+
+def _target_form(f: GGUFFile, entry: Entry):
+    """(bits, group, asymmetric) all of the entry's stored tensors convert to exactly, or None when
+    it stays in float (a float type, or value heads that do not fall on whole groups)."""
+    fmts = [FORMATS[f.tensors[s.name].type_name] for s in entry.sources]
+    if not all(fmt.quantized for fmt in fmts):
+        return None
+    bits = max(fmt.bits for fmt in fmts)
+    group = min(fmt.group_size for fmt in fmts)
+    asym = any(fmt.asymmetric for fmt in fmts)
+    if entry.layout.col_perm is not None and entry.layout.col_perm[0] % group:
+        return None
+    return bits, group, asym
+
+
+def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, QuantizedWeight]:
+    """Replace the meta-device matrices whose stored tensors are quantized by empty quantized modules
+    on `device`; returns Clover parameter name → the module whose buffers the file fills."""
+    candidates = _quantizable_modules(model)
+    out = {}
+    for entry in entries:
+        if entry.param not in candidates:
+            continue
+        form = _target_form(f, entry)
+        if form is None:
+            continue
+        bits, group, asym = form
+        spec = QuantSpec(bits, group)
+        module_name, module = candidates[entry.param]
+        parent_name, _, leaf = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, nn.Linear):
+            new = QuantizedLinear(module.in_features, module.out_features, spec, bias=module.bias is not None,
+                                  mins=asym, dtype=dtype, device=device)
+            setattr(parent, leaf, new)
+        else:
+            part = entry.param.rpartition(".")[2]
+            new = QuantizedWeight(entry.layout.shape, spec, mins=asym, dtype=dtype, device=device)
+            delattr(module, part)
+            setattr(module, part, new)
+        out[entry.param] = new
+    return out
+
+
+# ---- filling ------------------------------------------------------------------------------------
+def _row_chunks(f: GGUFFile, info: TensorInfo, fmt: GGMLFormat):
+    """(first row, raw bytes of rows) chunks of a stored tensor viewed as [rows, K]."""
+    K = info.shape[-1] if info.shape else 1
+    rows = info.nbytes // fmt.row_bytes(K) if K else 0
+    step = max(1, CHUNK_BYTES // max(1, fmt.row_bytes(K)))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        lo, hi = r0 * fmt.row_bytes(K), r1 * fmt.row_bytes(K)
+        yield r0, r1, K, f.raw(info, lo, hi)
+        f.release(info, lo, hi)
+
+
+def _put_rows(dest: torch.Tensor, src_rows, r0: int, r1: int, values: torch.Tensor) -> None:
+    """dest[rows of source rows r0:r1] = values (`src_rows`: source row → destination row, or None)."""
+    if src_rows is None:
+        dest[r0:r1].copy_(values)
+    else:
+        dest.index_copy_(0, src_rows[r0:r1].to(dest.device), values.to(dest.device, dest.dtype))
+
+
+def _fill_float(f: GGUFFile, entry: Entry, tensor: torch.Tensor) -> None:
+    """Decode / cast each stored tensor of `entry` into the float parameter `tensor`."""
+    layout = entry.layout
+    for src in entry.sources:
+        info = f.tensors[src.name]
+        fmt = FORMATS[info.type_name]
+        one_d = len(squeezed(info.shape)) <= 1
+        K = 1 if one_d else info.shape[-1]
+        dest = tensor.view(-1, K)
+        try:
+            for r0, r1, Ks, raw in _row_chunks(f, info, fmt):
+                values = decode_float(fmt, raw, Ks)
+                if one_d:                         # a vector: its entries are the rows
+                    values = values.reshape(-1, 1)
+                    r0, r1 = 0, values.shape[0]
+                if layout.value is not None:
+                    values = layout.value(values.to(torch.float32))
+                    if not torch.isfinite(values).all():
+                        raise GGUFError(f"{f.path}: tensor {src.name}: undoing the converter's transform "
+                                        f"({layout.value_name}) gives non-finite values")
+                values = layout.apply_cols(values, layout.col_perm[0]) if layout.col_perm else values
+                _put_rows(dest, src.rows, r0, r1, values)
+        except ValueError as exc:
+            raise GGUFError(f"{f.path}: tensor {info.describe()}: {exc}") from None
+
+
+def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
+    """Convert each stored tensor of `entry` into the buffers of the quantized `module`."""
+    layout = entry.layout
+    qweight = module.qweight.view(-1, module.qweight.shape[-1])
+    scales = module.scales.view(-1, module.scales.shape[-1])
+    mins = None if module.mins is None else module.mins.view(-1, module.mins.shape[-1])
+    for src in entry.sources:
+        info = f.tensors[src.name]
+        fmt = FORMATS[info.type_name]
+        try:
+            for r0, r1, K, raw in _row_chunks(f, info, fmt):
+                c = decode_codes(fmt, raw, K)
+                if (c.bits, c.group_size, c.mins is not None) != (module.bits, module.group_size, mins is not None):
+                    c = promote(c, module.bits, module.group_size, mins is not None)
+                if layout.col_perm is not None:
+                    head = layout.col_perm[0]
+                    c = Codes(layout.apply_cols(c.qweight, head // (2 if c.bits == 4 else 1)),
+                              layout.apply_cols(c.scales, head // c.group_size),
+                              None if c.mins is None else layout.apply_cols(c.mins, head // c.group_size),
+                              c.bits, c.group_size)
+                _put_rows(qweight, src.rows, r0, r1, c.qweight)
+                _put_rows(scales, src.rows, r0, r1, to_fp16(c.scales, "scales"))
+                if mins is not None:
+                    _put_rows(mins, src.rows, r0, r1, to_fp16(c.mins, "mins"))
+        except ValueError as exc:
+            raise GGUFError(f"{f.path}: tensor {info.describe()}: {exc}") from None
+
+
+def _assign(model, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._buffers:                 # a quantized linear's bias
+        module._buffers[attr] = tensor
+    else:
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+__all__ = ["load_gguf"]

@@ -1,0 +1,329 @@
+/* Matrix products with int8 / int4 weights (group-wise fp16 scales) and int8-quantized inputs.
+ *
+ * Why integer dot products: dequantizing int4 weights to fp32 in registers costs ~4 vector
+ * instructions per 16 weights before the fused multiply-add, which caps a one-row product (decode)
+ * well below the machine's read bandwidth on two cores. With the inputs quantized too (int8 per group
+ * of `group` inputs, absmax scaling, round to nearest even), AVX-512 VNNI's `vpdpbusd` multiplies 64
+ * byte pairs and sums them in fours into 16 int32 lanes in one instruction: the weight codes are the
+ * unsigned operand (int8 weights stored as q + 128, int4 codes 0…15), the input codes the signed one.
+ * Per group and output column, with input codes a (scale α, sum Σa) and weight codes u:
+ *     Σ_k w_k·x_k ≈ α·s·(Σ u·a − z·Σa) [+ α·m·Σa]
+ * z = 128 for int8, 8 for symmetric int4, 0 with offsets (mins: w = s·u + m). The integer part is exact;
+ * each group's term is added to an fp32 accumulator. clover/kernels/quant_panels.py has the reference
+ * (the same arithmetic in PyTorch) and the layout.
+ *
+ * Panel layout (32 output columns, two halves of 16; per group, in input order):
+ *   int8: per 4 inputs 128 bytes: half h, column j, input i at byte 64h + 4j + i;
+ *   int4: per 8 inputs 128 bytes: byte 64h + 4j + i holds input i (low nibble) and input 4 + i (high).
+ * So one 64-byte load is 16 columns × 4 (or 8) inputs, and the input codes of those 4 inputs are one
+ * broadcast 32-bit word. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "epilogue.h"
+#include "weights.h"
+
+#define PANEL 32
+#define QROWS 6             /* 4 zmm accumulators per row (two int32, two fp32) + weights + scales <= 32 */
+#define AHEAD_ONE_ROW 4096  /* prefetch distance in bytes: one row streams from DRAM */
+#define AHEAD_ROWS 1024     /* several rows: the panel is reused from L1/L2 */
+
+int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
+                      void *C, long ldc, int c_fp32, int threads);
+int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
+                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
+                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads);
+
+typedef struct { int row, rows; long offset; } QBlock;    /* offset: bytes into the packed inputs */
+
+/* A block of R rows, quantized and laid out for the kernel:
+ *   words [K/4][R] int32 (4 input codes each), then per group [groups][R] of: the int32 start value
+ *   −z·Σa, the fp32 scale α, the fp32 offset term α·Σa. */
+static long block_bytes(int rows, int K, int group) {
+    long b = (long)rows * K + (long)rows * (K / group) * 12;
+    return (b + 63) / 64 * 64;
+}
+
+static inline __m512 load_input16(const char *src, int a_bf16, long k) {
+    if (a_bf16) return load_bf16_16((const uint16_t *)src + k, 0xFFFF);
+    return _mm512_loadu_ps((const float *)src + k);
+}
+
+static void pack_block_q(const void *A, long lda, int a_bf16, int K, int group, int zero, QBlock b, char *dst,
+                         const int64_t *a_rows) {
+    int R = b.rows, groups = K / group;
+    int32_t *words = (int32_t *)dst;
+    int32_t *start = (int32_t *)(dst + (long)R * K);
+    float *alpha = (float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int r = 0; r < R; r++) {
+        long row = a_rows ? a_rows[b.row + r] : (long)(b.row + r);
+        const char *src = (const char *)A + row * lda * (a_bf16 ? 2 : 4);
+        for (int g = 0; g < groups; g++) {
+            long k0 = (long)g * group;
+            __m512 mx = _mm512_setzero_ps();
+            for (int j = 0; j < group; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load_input16(src, a_bf16, k0 + j), sign));
+            float amax = _mm512_reduce_max_ps(mx);
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512 vinv = _mm512_set1_ps(inv);
+            __m512i sum = _mm512_setzero_si512();
+            for (int j = 0; j < group; j += 16) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_input16(src, a_bf16, k0 + j), vinv));
+                sum = _mm512_add_epi32(sum, q);
+                int32_t packed[4];
+                _mm_storeu_si128((__m128i *)packed, _mm512_cvtsepi32_epi8(q));
+                for (int w = 0; w < 4; w++) words[((k0 + j) / 4 + w) * R + r] = packed[w];
+            }
+            int total = _mm512_reduce_add_epi32(sum);
+            float a = amax / 127.0f;
+            start[g * R + r] = -zero * total;
+            alpha[g * R + r] = a;
+            offset[g * R + r] = a * (float)total;
+        }
+    }
+}
+
+static inline __m512 half_scales(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
+
+/* R rows times one panel of BITS-bit codes. */
+#define DEFINE_QKERNEL(R, BITS)                                                                       \
+static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_t *W, const uint16_t *S,  \
+                                 const uint16_t *Mn, char *C, long ldc_bytes, int ncols, int c_fp32,      \
+                                 const Epilogue *ep, long row0) {                                         \
+    int groups = K / group;                                                                               \
+    const int32_t *words = (const int32_t *)blk;                                                          \
+    const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
+    const float *alpha = (const float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;   \
+    const long ahead = R == 1 ? AHEAD_ONE_ROW : AHEAD_ROWS;                                               \
+    const __m512i low = _mm512_set1_epi8(0x0F);                                                           \
+    __m512 facc[2 * R];                                                                                   \
+    for (int i = 0; i < 2 * R; i++) facc[i] = _mm512_setzero_ps();                                        \
+    for (int g = 0; g < groups; g++) {                                                                    \
+        __m512i iacc[2 * R];                                                                              \
+        for (int r = 0; r < R; r++) iacc[2 * r] = iacc[2 * r + 1] = _mm512_set1_epi32(start[g * R + r]); \
+        const int32_t *wg = words + (long)g * (group / 4) * R;                                            \
+        if (BITS == 8) {                                                                                  \
+            for (int t = 0; t < group / 4; t++) {                                                         \
+                _mm_prefetch((const char *)W + ahead, _MM_HINT_T0);                                       \
+                _mm_prefetch((const char *)W + ahead + 64, _MM_HINT_T0);                                  \
+                __m512i w0 = _mm512_loadu_si512((const void *)W), w1 = _mm512_loadu_si512((const void *)(W + 64)); \
+                W += 128;                                                                                 \
+                _Pragma("GCC unroll 6")                                                                   \
+                for (int r = 0; r < R; r++) {                                                             \
+                    __m512i a = _mm512_set1_epi32(wg[t * R + r]);                                         \
+                    iacc[2 * r] = _mm512_dpbusd_epi32(iacc[2 * r], w0, a);                                \
+                    iacc[2 * r + 1] = _mm512_dpbusd_epi32(iacc[2 * r + 1], w1, a);                        \
+                }                                                                                         \
+            }                                                                                             \
+        } else {                                                                                          \
+            for (int o = 0; o < group / 8; o++) {                                                         \
+                _mm_prefetch((const char *)W + ahead, _MM_HINT_T0);                                       \
+                _mm_prefetch((const char *)W + ahead + 64, _MM_HINT_T0);                                  \
+                __m512i v0 = _mm512_loadu_si512((const void *)W), v1 = _mm512_loadu_si512((const void *)(W + 64)); \
+                W += 128;                                                                                 \
+                __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low); \
+                __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low); \
+                _Pragma("GCC unroll 6")                                                                   \
+                for (int r = 0; r < R; r++) {                                                             \
+                    __m512i alo = _mm512_set1_epi32(wg[(2 * o) * R + r]);                                 \
+                    __m512i ahi = _mm512_set1_epi32(wg[(2 * o + 1) * R + r]);                             \
+                    iacc[2 * r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[2 * r], l0, alo), h0, ahi);  \
+                    iacc[2 * r + 1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[2 * r + 1], l1, alo), h1, ahi); \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        __m512 s0 = half_scales(S + g * PANEL), s1 = half_scales(S + g * PANEL + 16);                     \
+        for (int r = 0; r < R; r++) {                                                                     \
+            __m512 a = _mm512_set1_ps(alpha[g * R + r]);                                                  \
+            facc[2 * r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[2 * r]), a), s0, facc[2 * r]); \
+            facc[2 * r + 1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[2 * r + 1]), a), s1,    \
+                                              facc[2 * r + 1]);                                           \
+        }                                                                                                 \
+        if (Mn) {                                                                                         \
+            __m512 m0 = half_scales(Mn + g * PANEL), m1 = half_scales(Mn + g * PANEL + 16);               \
+            for (int r = 0; r < R; r++) {                                                                 \
+                __m512 t = _mm512_set1_ps(offset[g * R + r]);                                             \
+                facc[2 * r] = _mm512_fmadd_ps(m0, t, facc[2 * r]);                                        \
+                facc[2 * r + 1] = _mm512_fmadd_ps(m1, t, facc[2 * r + 1]);                                \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int r = 0; r < R; r++)                                                                           \
+        store_row(C + r * ldc_bytes, ncols, c_fp32, facc[2 * r], facc[2 * r + 1], ep, row0 + r);          \
+}
+DEFINE_QKERNEL(1, 8) DEFINE_QKERNEL(2, 8) DEFINE_QKERNEL(3, 8) DEFINE_QKERNEL(4, 8) DEFINE_QKERNEL(5, 8)
+DEFINE_QKERNEL(6, 8)
+DEFINE_QKERNEL(1, 4) DEFINE_QKERNEL(2, 4) DEFINE_QKERNEL(3, 4) DEFINE_QKERNEL(4, 4) DEFINE_QKERNEL(5, 4)
+DEFINE_QKERNEL(6, 4)
+
+typedef void (*qkernel_fn)(const char *, int, int, const uint8_t *, const uint16_t *, const uint16_t *, char *, long,
+                           int, int, const Epilogue *, long);
+static const qkernel_fn QKERNELS8[QROWS + 1] = {0, qkernel_8_1, qkernel_8_2, qkernel_8_3, qkernel_8_4, qkernel_8_5,
+                                                qkernel_8_6};
+static const qkernel_fn QKERNELS4[QROWS + 1] = {0, qkernel_4_1, qkernel_4_2, qkernel_4_3, qkernel_4_4, qkernel_4_5,
+                                                qkernel_4_6};
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+/* Rows [m0, m1) in blocks of at most QROWS (a tail split evenly); returns the count. */
+static int plan_blocks(int m0, int m1, long *offset, int K, int group, QBlock *out) {
+    int n = 0;
+    for (int m = m0; m < m1;) {
+        int rows = m1 - m;
+        if (rows > QROWS) rows = rows >= 2 * QROWS ? QROWS : (rows + 1) / 2;
+        out[n++] = (QBlock){m, rows, *offset};
+        *offset += block_bytes(rows, K, group);
+        m += rows;
+    }
+    return n;
+}
+
+static __thread char *qscratch;
+static __thread long qscratch_bytes;
+static __thread QBlock *qplan;
+static __thread long qplan_blocks;
+
+static int qreserve(long bytes, long blocks) {
+    if (bytes > qscratch_bytes) {
+        free(qscratch);
+        qscratch = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        qscratch_bytes = qscratch ? bytes : 0;
+    }
+    if (blocks > qplan_blocks) {
+        free(qplan);
+        qplan = malloc((size_t)blocks * sizeof(QBlock));
+        qplan_blocks = qplan ? blocks : 0;
+    }
+    return qscratch != 0 && qplan != 0;
+}
+
+static inline int work_chunk(int items, int threads) {
+    int chunk = items / (16 * (threads > 0 ? threads : 1));
+    return chunk < 1 ? 1 : chunk;
+}
+
+static int zero_point(const Weights *w) { return w->bits == 8 ? 128 : (w->mins ? 0 : 8); }
+
+static int valid(const Weights *w, int K) {
+    return (w->bits == 8 || w->bits == 4) && w->group >= 16 && w->group % 16 == 0 && K % w->group == 0;
+}
+
+#define SERIAL_PACK_BYTES (1L << 16)
+#define ROW_CHUNK_BYTES (3L << 18)   /* packed inputs per chunk of rows: ~768 KB, beside a panel in L2 */
+
+static void run_panel(const qkernel_fn *kernels, const QBlock *blk, int first, int last, const char *buf,
+                      const Weights *w, const uint8_t *W, const uint16_t *S, const uint16_t *Mn, int K, char *C,
+                      long ldc_bytes, int ncols, int c_fp32, const Epilogue *ep) {
+    for (int i = first; i < last; i++)
+        kernels[blk[i].rows](buf + blk[i].offset, K, w->group, W, S, Mn, C + (long)blk[i].row * ldc_bytes, ldc_bytes,
+                             ncols, c_fp32, ep, blk[i].row);
+}
+
+static int quant_gemm(const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N, void *C, long ldc,
+                      int c_fp32, int threads) {
+    if (!valid(w, K)) return -2;
+    const qkernel_fn *kernels = w->bits == 8 ? QKERNELS8 : QKERNELS4;
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(panels, threads), zero = zero_point(w);
+    long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize;
+    long panel_bytes = (long)K * PANEL * w->bits / 8, panel_scales = (long)(K / w->group) * PANEL;
+    int mc = (int)(ROW_CHUNK_BYTES / K) / QROWS * QROWS;
+    if (mc < QROWS) mc = QROWS;
+    int rows = imin(mc, M);
+    if (!qreserve(block_bytes(QROWS, K, w->group) * ((rows + QROWS - 1) / QROWS + 1), rows)) return -1;
+    QBlock *blk = qplan;
+    char *buf = qscratch;
+    const uint8_t *W = (const uint8_t *)w->data;
+    for (int m0 = 0; m0 < M; m0 += mc) {
+        long offset = 0;
+        int blocks = plan_blocks(m0, imin(M, m0 + mc), &offset, K, w->group, blk);
+        for (int i = 0; i < blocks; i++) blk[i].row -= m0;
+        const char *A0 = (const char *)A + (long)m0 * lda * (a_bf16 ? 2 : 4);
+        int serial = offset <= SERIAL_PACK_BYTES;
+        if (serial)
+            for (int i = 0; i < blocks; i++) pack_block_q(A0, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, 0);
+        #pragma omp parallel num_threads(threads)
+        {
+            if (!serial) {
+                #pragma omp for schedule(static)
+                for (int i = 0; i < blocks; i++)
+                    pack_block_q(A0, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, 0);
+            }
+            #pragma omp for schedule(dynamic, chunk)
+            for (int p = 0; p < panels; p++) {
+                char *Cp = (char *)C + (long)m0 * ldc_bytes + (long)p * PANEL * esize;
+                run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, w->scales + p * panel_scales,
+                          w->mins ? w->mins + p * panel_scales : 0, K, Cp, ldc_bytes, imin(PANEL, N - p * PANEL),
+                          c_fp32, 0);
+            }
+        }
+    }
+    return 0;
+}
+
+static int quant_gemm_grouped(const Weights *w, const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
+                              const int64_t *ids, const int64_t *a_rows, int K, int N, void *C, long ldc, int c_fp32,
+                              int swiglu, const float *scale, int threads) {
+    if (!valid(w, K) || ((swiglu || scale) && c_fp32) || (swiglu && N % PANEL)) return -2;
+    const qkernel_fn *kernels = w->bits == 8 ? QKERNELS8 : QKERNELS4;
+    Epilogue epilogue = {swiglu, scale}, *ep = (swiglu || scale) ? &epilogue : 0;
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads), zero = zero_point(w);
+    long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize;
+    long panel_bytes = (long)K * PANEL * w->bits / 8, panel_scales = (long)(K / w->group) * PANEL;
+    long rows = offsets[G] - offsets[0];
+    /* blocks: at most rows/QROWS + 2 per group (each group's tail may split in two) */
+    if (!qreserve(block_bytes(QROWS, K, w->group) * (rows / QROWS + 2L * G + 1), rows + 2L * G)) return -1;
+    int *first = malloc((size_t)(G + 1) * sizeof(int));
+    if (!first) return -1;
+    QBlock *blk = qplan;
+    char *buf = qscratch;
+    long offset = 0;
+    int blocks = 0;
+    for (int g = 0; g < G; g++) {
+        first[g] = blocks;
+        blocks += plan_blocks((int)offsets[g], (int)offsets[g + 1], &offset, K, w->group, blk + blocks);
+    }
+    first[G] = blocks;
+    int serial = offset <= SERIAL_PACK_BYTES;
+    for (int i = 0; serial && i < blocks; i++)
+        pack_block_q(A, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, a_rows);
+    const uint8_t *W = (const uint8_t *)w->data;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (!serial) {
+            #pragma omp for schedule(static)
+            for (int i = 0; i < blocks; i++)
+                pack_block_q(A, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, a_rows);
+        }
+        #pragma omp for schedule(dynamic, chunk)
+        for (int item = 0; item < G * panels; item++) {
+            int g = item / panels, p = item % panels;
+            const uint8_t *We = W + ids[g] * w->stride + p * panel_bytes;
+            const uint16_t *Se = w->scales + ids[g] * w->sstride + p * panel_scales;
+            const uint16_t *Me = w->mins ? w->mins + ids[g] * w->sstride + p * panel_scales : 0;
+            char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
+            run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, Se, Me, K, Cp, ldc_bytes,
+                      imin(PANEL, N - p * PANEL), c_fp32, ep);
+        }
+    }
+    free(first);
+    return 0;
+}
+
+int clover_weights_gemm(const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N, void *C,
+                        long ldc, int c_fp32, int threads) {
+    if (w->bits == 16)
+        return clover_panel_gemm(A, lda, a_bf16, M, K, (const uint16_t *)w->data, N, C, ldc, c_fp32, threads);
+    return quant_gemm(w, A, lda, a_bf16, M, K, N, C, ldc, c_fp32, threads);
+}
+
+int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
+                                const int64_t *ids, const int64_t *a_rows, int K, int N, void *C, long ldc,
+                                int c_fp32, int swiglu, const float *scale, int threads) {
+    if (w->bits == 16)
+        return clover_panel_gemm_grouped(A, lda, a_bf16, G, offsets, ids, a_rows, K, (const uint16_t *)w->data,
+                                         w->stride / 2, N, C, ldc, c_fp32, swiglu, scale, threads);
+    return quant_gemm_grouped(w, A, lda, a_bf16, G, offsets, ids, a_rows, K, N, C, ldc, c_fp32, swiglu, scale, threads);
+}

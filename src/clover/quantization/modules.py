@@ -1,0 +1,131 @@
+"""Quantized weights inside the model: the modules a quantized checkpoint loads into.
+
+`QuantizedWeight` holds one stored matrix (or expert stack) as `qweight` / `scales` / `mins` buffers
+(format.py); indexing it (`w[e]`) or `dequantize()` gives float weights, so the PyTorch reference
+paths (`Experts._expert`, `reference_experts`) run unchanged on a quantized model. `QuantizedLinear`
+is the `nn.Linear` stand-in; its forward dequantizes on every call: the definition the CPU kernels are
+tested against (kernels/quant_panels.py), not a fast path. `quantize_model` turns a built model's
+matrices into these modules — on the meta device before a quantized checkpoint is read, or on real
+weights (tests, `clover quantize` of an in-memory model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .format import QuantSpec, dequantize, quantize
+
+
+class QuantizedWeight(nn.Module):
+    """A [..., N, K] matrix stored quantized (format.py): buffers qweight, scales and optional mins."""
+
+    def __init__(self, shape, spec: QuantSpec, mins: bool = False, dtype=torch.bfloat16, device=None):
+        super().__init__()
+        self.shape = tuple(shape)
+        self.bits, self.group_size = spec.bits, spec.group_size
+        self.compute_dtype = dtype           # what dequantize() returns by default (the model's dtype)
+        shapes = spec.shapes(self.shape)
+        self.register_buffer("qweight", torch.empty(shapes["qweight"], dtype=spec.qweight_dtype, device=device))
+        self.register_buffer("scales", torch.empty(shapes["scales"], dtype=torch.float16, device=device))
+        self.register_buffer("mins", torch.empty(shapes["scales"], dtype=torch.float16, device=device)
+                             if mins else None)
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size)
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.mins, self.bits, dtype or self.compute_dtype)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """Entry `index` of a stacked matrix (an expert), dequantized."""
+        mins = None if self.mins is None else self.mins[index]
+        return dequantize(self.qweight[index], self.scales[index], mins, self.bits, self.compute_dtype)
+
+    def fill(self, weight: torch.Tensor) -> "QuantizedWeight":
+        """Quantize float `weight` into this module's buffers (symmetric form)."""
+        stored = quantize(weight, self.spec)
+        self.qweight.copy_(stored["qweight"])
+        self.scales.copy_(stored["scales"])
+        self.mins = None
+        return self
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}" + (
+            ", asymmetric" if self.mins is not None else "")
+
+
+class QuantizedLinear(QuantizedWeight):
+    """`nn.Linear` with a quantized weight; forward = F.linear with the dequantized weight (reference)."""
+
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, bias: bool = False, mins: bool = False,
+                 dtype=torch.bfloat16, device=None):
+        super().__init__((out_features, in_features), spec, mins, dtype, device)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+
+    def forward(self, x):
+        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+# Matrices that stay in the model's precision: the router and the shared expert's output gate decide
+# routing and are tiny (a [1, H] map); embeddings are a table lookup, not a product.
+KEPT = ("shared_expert_gate",)
+
+
+def quantizable(model, spec: QuantSpec) -> list[str]:
+    """Names of the matrices `quantize_model` converts: every nn.Linear but the kept ones (and the
+    lm_head when it is tied to the embeddings), and each layer's routed experts, where K fits the group."""
+    from ..layers.moe import Experts
+
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    names = []
+    for name, m in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(m, nn.Linear) and leaf not in KEPT and not (tied and m is model.lm_head):
+            if spec.fits(m.in_features):
+                names.append(name)
+        elif isinstance(m, Experts) and isinstance(m.gate_up_proj, torch.Tensor):
+            if spec.fits(m.gate_up_proj.shape[-1]) and spec.fits(m.down_proj.shape[-1]):
+                names.append(name)
+    return names
+
+
+def quantize_model(model, spec: QuantSpec | None, names=None, fill: bool = True, asymmetric=frozenset(),
+                   specs=None) -> list[str]:
+    """Replace the matrices `names` (default: `quantizable(model, spec)`) by quantized modules, in place.
+    `fill`: quantize the current weights (else the buffers are left empty: a model on the meta device
+    about to load a quantized checkpoint). `asymmetric`: names whose stored form carries `mins`.
+    `specs`: per-matrix overrides of `spec`, by module name (experts: `….experts.gate_up_proj` /
+    `….experts.down_proj`), for checkpoints that mix precisions (GGUF's Q4_K_M). Returns the names converted."""
+    specs = specs or {}
+    from ..layers.moe import Experts
+
+    names = quantizable(model, spec) if names is None else list(names)
+    for qualified in names:
+        parent_name, _, leaf = qualified.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, leaf)
+        if isinstance(old, Experts):
+            for part in ("gate_up_proj", "down_proj"):
+                weight = getattr(old, part)
+                key = f"{qualified}.{part}"
+                q = QuantizedWeight(weight.shape, specs.get(key, spec), mins=key in asymmetric, dtype=weight.dtype,
+                                    device=weight.device)
+                if fill:
+                    q.fill(weight)
+                delattr(old, part)
+                setattr(old, part, q)
+            continue
+        new = QuantizedLinear(old.in_features, old.out_features, specs.get(qualified, spec), bias=old.bias is not None,
+                              mins=qualified in asymmetric, dtype=old.weight.dtype, device=old.weight.device)
+        if fill:
+            new.fill(old.weight)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        setattr(parent, leaf, new)
+        del old
+    model.quantization = spec if spec is not None else next(iter(specs.values()), None)
+    return names

@@ -1,0 +1,381 @@
+"""GGUF files (clover/gguf): round trips on files written here the way llama.cpp's converter writes them
+(tests/gguf_files.py), block conversions against the `gguf` package's own dequantizer, the tokenizer,
+and bad files.
+
+Tolerances (stated once):
+- BF16 file: every parameter equals the original rounded to bf16 (relative 2⁻⁸; F32-stored norms /
+  A_log exact to fp32 rounding of the converter's +1 / −exp); causal and block logits of the model
+  loaded in float32 equal the original's with the BF16-stored matrices rounded to bf16, to 1e-5 of
+  the largest logit (what is left: fp32 rounding of the +1 / −exp transforms).
+- Q8_0 / Q4_0 files: the converted codes dequantize bit-exactly to gguf's dequantize; parameters within
+  relative Frobenius error 1% (int8) / 15% (int4) of the original; logits of the model loaded in float32
+  equal (to 1e-5 of the largest logit) those of the original with every tensor replaced by gguf's
+  dequantize of what the file stores; the library's bf16 load within 2× what bf16 compute costs that
+  reference (+1% of the largest logit).
+- K-quant mix: the same comparison within 1% of the largest logit: Clover's fp16 scales move each
+  weight by ≤ 2⁻¹¹ relative, which these random models amplify ~10× (they turn the ~0.3% error of
+  int8 weights into ~3% of the logits).
+- K-quants: codes with unrounded scales equal gguf's dequantize bit-exactly; with Clover's fp16
+  scales within |q|·ε(s) + ε(m), ε(x) = max(2⁻¹¹|x|, 2⁻²⁵) (fp16 rounding, blocks.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+import clover  # noqa: E402
+from clover.gguf import GGUFError, load_gguf, load_tokenizer, read_config  # noqa: E402
+from clover.gguf.blocks import FORMATS, codes_to_float, decode_codes, to_fp16  # noqa: E402
+from clover.quantization import QuantizedWeight, QuantSpec, dequantize  # noqa: E402
+from gguf_files import CORPUS, qwen_tokenizer, write_gguf  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+
+TOKENIZER = qwen_tokenizer()
+IDS = TOKENIZER.get_vocab(with_added_tokens=True)
+
+
+def tiny(seed=0, **overrides):
+    """A tiny random Clover model whose vocabulary is TOKENIZER's (+2 padding ids, as llama.cpp pads)."""
+    kw = dict(vocab_size=TOKENIZER.get_vocab_size() + 2, mask_token_id=IDS["<|mask|>"], eos_token_id=[IDS["<|im_end|>"]],
+              pad_token_id=IDS["<|endoftext|>"], think_token_id=IDS["<think>"], think_end_token_id=IDS["</think>"])
+    kw.update(overrides)
+    return make_model("base", seed=seed, **kw)
+
+
+# Value heads: 2 key heads × 2 (base), 1 × 3 with tied embeddings; K multiples of 32 for Q8_0/Q4_0.
+VARIANTS = {"base": {}, "kv13_tied": dict(linear_num_key_heads=1, linear_num_value_heads=3, tie_word_embeddings=True)}
+Q32 = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_value_head_dim=32)
+
+
+def loaded_value(model, name: str) -> torch.Tensor:
+    """Parameter `name` of a loaded model in float32 (quantized matrices dequantized)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if isinstance(mod, QuantizedWeight) and attr == "weight":
+        return mod.dequantize(torch.float32)
+    value = getattr(mod, attr)
+    return value.dequantize(torch.float32) if isinstance(value, QuantizedWeight) else value.float()
+
+
+def params(model):
+    return {n: p for n, p in model.named_parameters() if not n.startswith("model.rotary")}
+
+
+def inputs(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size - 2, (2, 11), generator=g)
+
+
+def max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+F32_IN_FILE = ("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight", "linear_attn.conv1d.weight",
+               "block_mix_logits")
+
+
+def as_written(model, qtype: T, fallback: T = T.F16, types: dict | None = None):
+    """The original model with each parameter replaced by what the file holds for it, computed on
+    Clover's side with the `gguf` package's own quantize / dequantize: the converter keeps vectors,
+    norms, the router, the shared expert's gate, conv1d and `ssm_block_mix` (no `.weight`) in F32,
+    stores the rest in `qtype` (or `types[Clover suffix]`) when rows are whole blocks, else `fallback`.
+    The converter's reorders move whole rows, or column chunks of one value head (a multiple of the
+    block here), so blocks quantize the same in either layout."""
+    from gguf_files import encode
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in params(ref).items():
+            if p.squeeze().dim() < 2 or name.endswith(F32_IN_FILE):
+                continue
+            kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), qtype)
+            for kind in (kind, fallback, T.F16):
+                if p.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+                    break
+            if kind == T.F16:
+                p.copy_(p.half().float())
+            else:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(encode(p, kind), kind).copy()).reshape(p.shape))
+    return ref
+
+
+def bf16_bound(ref, ids) -> float:
+    """What bf16 compute costs on this model: 2× the deviation of `ref` run in bf16 (+1% of the logits)."""
+    want = ref(ids)
+    return 2 * max_diff(copy.deepcopy(ref).to(torch.bfloat16)(ids), want) + 1e-2 * want.abs().max().item()
+
+
+# ---- float round trips --------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_bf16_round_trip(tmp_path, variant):
+    model = tiny(**VARIANTS[variant])
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, T.BF16, tokenizer=TOKENIZER)
+    assert read_config(path) == model.config
+    loaded = load_gguf(path)                                        # default dtype: bf16
+    assert loaded.dtype == torch.bfloat16 and loaded.quantization is None
+    for name, p in params(model).items():
+        got = loaded_value(loaded, name)
+        want = p.detach().to(torch.bfloat16).float()
+        assert got.shape == p.shape, name
+        assert torch.allclose(got, want, rtol=2**-8, atol=1e-6), (name, max_diff(got, want))
+    if variant == "kv13_tied":
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+    exact = load_gguf(path, dtype=torch.float32)
+    ref = as_written(model, T.BF16)
+    ids = inputs(model)
+    assert max_diff(exact(ids), ref(ids)) <= 1e-5 * ref(ids).abs().max().item()
+    prefix, block = ids[:, :6], ids[:, 6:].clone()
+    block[:, 2:] = model.config.mask_token_id
+    want = ref.block_logits(prefix, block)
+    assert max_diff(exact.block_logits(prefix, block), want) <= 1e-5 * want.abs().max().item()
+
+
+def test_plain_qwen_file_has_block_mode_off(tmp_path):
+    """Without Clover's tensors the file is a Qwen3.5-MoE: right conv 0, block readout off (as checkpoint.py)."""
+    model = tiny()
+    path = tmp_path / "plain.gguf"
+    write_gguf(path, model, T.F32, tokenizer=TOKENIZER, include_clover=False)
+    loaded = load_gguf(path)
+    assert loaded.config.model_type == "qwen3_5_moe_text" and loaded.dtype == torch.float32
+    gdn = loaded.model.layers[0].linear_attn
+    assert not gdn.conv1d_right.weight.any()
+    assert torch.equal(gdn.block_mix_logits[:, 1], torch.full_like(gdn.block_mix_logits[:, 1], float("-inf")))
+    ids = inputs(model)
+    assert max_diff(loaded(ids), model(ids)) < 1e-5
+
+
+def test_clover_load_file_and_directory(tmp_path):
+    model = tiny()
+    (tmp_path / "d").mkdir()
+    write_gguf(tmp_path / "d" / "m.gguf", model, T.F16, tokenizer=TOKENIZER)
+    ids = inputs(model)
+    for target in (tmp_path / "d" / "m.gguf", tmp_path / "d"):
+        loaded = clover.load(target, backend="reference")
+        assert loaded.dtype == torch.float16
+        assert max_diff(loaded.float()(ids), model(ids)) < 5e-2
+    fast = clover.load(tmp_path / "d")                            # backend auto: bf16, packed where available
+    assert fast.dtype == torch.bfloat16
+    assert torch.isfinite(fast(ids)).all()
+    write_gguf(tmp_path / "d" / "other.gguf", model, T.F16, tokenizer=TOKENIZER)
+    with pytest.raises(GGUFError, match="2 GGUF files"):
+        clover.load(tmp_path / "d", backend="reference")
+
+
+def test_mtp_blocks_are_skipped(tmp_path):
+    model = tiny()
+    path = tmp_path / "mtp.gguf"
+    write_gguf(path, model, T.F32, tokenizer=TOKENIZER, mtp_blocks=1)
+    loaded = load_gguf(path)
+    assert loaded.config.num_hidden_layers == model.config.num_hidden_layers
+    assert max_diff(loaded(inputs(model)), model(inputs(model))) < 1e-5
+
+
+# ---- quantized round trips ----------------------------------------------------------------------
+@pytest.mark.parametrize("qtype,bits,rel", [(T.Q8_0, 8, 0.01), (T.Q4_0, 4, 0.15)])
+def test_quantized_round_trip(tmp_path, qtype, bits, rel):
+    model = tiny(**Q32)
+    path = tmp_path / "q.gguf"
+    types = write_gguf(path, model, qtype, tokenizer=TOKENIZER)
+    loaded = load_gguf(path, dtype=torch.float32)
+    layer0, layer1 = loaded.model.layers[0], loaded.model.layers[1]
+    for module in (layer0.linear_attn.in_proj_qkv, layer0.linear_attn.out_proj, layer1.self_attn.q_proj,
+                   layer0.mlp.experts.gate_up_proj, layer0.mlp.experts.down_proj, layer0.mlp.shared_expert.down_proj,
+                   loaded.lm_head):
+        assert isinstance(module, QuantizedWeight) and (module.bits, module.group_size) == (bits, 32)
+        assert module.mins is None
+    assert loaded.quantization == QuantSpec(bits, 32)
+    assert isinstance(layer0.mlp.gate.weight, torch.nn.Parameter)                 # the router stays float
+    assert types["token_embd.weight"] == qtype and types["blk.0.ffn_gate_inp.weight"] == T.F32
+
+    for name, p in params(model).items():
+        got = loaded_value(loaded, name)
+        err = ((got - p).norm() / p.norm().clamp_min(1e-12)).item()
+        assert err < (1e-6 if p.squeeze().dim() < 2 or name.endswith(F32_IN_FILE) else rel), (name, err)
+    ids = inputs(model)
+    ref = as_written(model, qtype)
+    want = ref(ids)
+    scale = want.abs().max().item()
+    assert max_diff(loaded(ids), want) <= 1e-5 * scale
+    lib = clover.load(path, backend="reference")                   # the library path: bf16 compute
+    assert lib.dtype == torch.bfloat16 and max_diff(lib(ids), want) <= bf16_bound(ref, ids)
+
+
+def test_mixed_expert_types_are_promoted(tmp_path):
+    """gate Q4_0 and up Q8_0 make one int8 gate_up matrix (exact widening); down stays Q4_0's int4."""
+    model = tiny(**Q32)
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, model, T.Q4_0, tokenizer=TOKENIZER, types={"ffn_up_exps.weight": T.Q8_0})
+    loaded = load_gguf(path, dtype=torch.float32)
+    experts = loaded.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.bits == 8 and experts.down_proj.bits == 4
+    want = torch.tensor(gguf.quants.dequantize(
+        gguf.quants.quantize(model.model.layers[0].mlp.experts.gate_up_proj[:, :32].numpy(), T.Q4_0), T.Q4_0))
+    assert torch.equal(experts.gate_up_proj.dequantize(torch.float32)[:, :32], want)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_block_conversion_is_exact(name):
+    """Clover's dequantize of the converted codes (fp16 scales) = gguf's dequantize, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(24, 96, generator=g) * torch.logspace(-3, 1, 24)[:, None]).numpy()
+    raw = gguf.quants.quantize(x, T[name])
+    want = torch.from_numpy(gguf.quants.dequantize(raw, T[name]).copy())
+    c = decode_codes(FORMATS[name], torch.from_numpy(raw.copy()), 96)
+    got = dequantize(c.qweight, to_fp16(c.scales, ""), None if c.mins is None else to_fp16(c.mins, ""), c.bits)
+    assert torch.equal(got, want)
+    assert c.qweight.dtype == (torch.uint8 if c.bits == 4 else torch.int8)
+
+
+def _random_k_blocks(name: str, rows: int, g: np.random.Generator) -> np.ndarray:
+    """Random valid blocks: random bytes with fp16 super-scales of realistic sizes (1e-6 … 1e-2)."""
+    nbytes = FORMATS[name].block_bytes
+    raw = g.integers(0, 256, size=(rows, nbytes), dtype=np.uint8)
+    d = (10 ** g.uniform(-6, -2, size=rows)).astype(np.float16).view(np.uint8).reshape(rows, 2)
+    dmin = (10 ** g.uniform(-6, -2, size=rows)).astype(np.float16).view(np.uint8).reshape(rows, 2)
+    if name == "Q6_K":
+        raw[:, 208:210] = d
+    else:
+        raw[:, 0:2], raw[:, 2:4] = d, dmin
+    return raw
+
+
+def _eps(x: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(x.abs() * 2.0**-11, torch.full_like(x, 2.0**-25))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("source", ["random_blocks", "encoded_weights"])
+def test_k_quant_conversion(name, source):
+    from gguf_files import K_ENCODERS
+
+    rng = np.random.default_rng(5)
+    if source == "random_blocks":
+        raw = _random_k_blocks(name, 4 * 3, rng).reshape(4, -1)                  # 4 rows of 768 values
+    else:
+        x = (rng.standard_normal((4, 768)) * 0.05).astype(np.float32)
+        raw = K_ENCODERS[T[name]](x.reshape(-1, 256)).reshape(4, -1)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, T[name]).copy())
+    c = decode_codes(FORMATS[name], torch.from_numpy(raw), 768)
+    assert torch.equal(codes_to_float(c), want)                                   # exact codes and factors
+    scales, mins = to_fp16(c.scales, ""), None if c.mins is None else to_fp16(c.mins, "")
+    got = dequantize(c.qweight, scales, mins, c.bits)
+    codes = c.qweight.to(torch.float32) if c.bits == 8 else torch.stack(
+        [c.qweight & 0xF, c.qweight >> 4], -1).reshape(4, -1).float()
+    G = c.group_size
+    bound = codes.abs().reshape(4, -1, G) * _eps(c.scales)[..., None]
+    if c.mins is not None:
+        bound = bound + _eps(c.mins)[..., None]
+    assert ((got - want).abs().reshape(4, -1, G) <= bound * (1 + 1e-6)).all()
+    assert (c.bits, G, c.mins is not None) == {"Q4_K": (4, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}[name]
+
+
+def test_k_quant_model(tmp_path):
+    """A Q4_K_M-like mix (Q4_K, Q6_K for down/output, Q5_K for attn_v, Q8_0 where rows are not whole
+    256-blocks) loads into Clover's int4/int8 forms and runs on the reference backend."""
+    model = tiny(seed=2, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                 linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "k.gguf"
+    types = write_gguf(path, model, T.Q4_K, tokenizer=TOKENIZER, fallback=T.Q8_0,
+                       types={"ffn_down_exps.weight": T.Q6_K, "output.weight": T.Q6_K, "attn_v.weight": T.Q5_K})
+    assert types["blk.0.ssm_out.weight"] == T.Q8_0 and types["blk.0.ffn_gate_exps.weight"] == T.Q4_K
+    loaded = load_gguf(path, dtype=torch.float32)
+    assert loaded.quantization is None                                            # mixed forms
+    experts = loaded.model.layers[0].mlp.experts
+    assert (experts.gate_up_proj.bits, experts.gate_up_proj.group_size, experts.gate_up_proj.mins is not None) == (4, 32, True)
+    assert (experts.down_proj.bits, experts.down_proj.group_size) == (8, 16)
+    assert loaded.model.layers[1].self_attn.v_proj.mins is not None
+    for name, p in params(model).items():
+        got = loaded_value(loaded, name)
+        err = ((got - p).norm() / p.norm().clamp_min(1e-12)).item()
+        assert err < (1e-6 if p.squeeze().dim() < 2 or name.endswith(F32_IN_FILE) else 0.2), (name, err)
+    ids = inputs(model)
+    ref = as_written(model, T.Q4_K, T.Q8_0, {"experts.down_proj": T.Q6_K, "lm_head.weight": T.Q6_K,
+                                              "v_proj.weight": T.Q5_K})
+    want = ref(ids)
+    scale = want.abs().max().item()
+    assert max_diff(loaded(ids), want) <= 1e-2 * scale          # fp16 rounding of the K-quant scales
+    lib = clover.load(path, backend="reference")
+    assert max_diff(lib(ids), want) <= bf16_bound(ref, ids) + 1e-2 * scale
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+def test_tokenizer_round_trip(tmp_path):
+    path = tmp_path / "t.gguf"
+    write_gguf(path, tiny(), T.F32, tokenizer=TOKENIZER)
+    tok = load_tokenizer(path)
+    texts = CORPUS[:5] + ["<|im_start|>user\nhi<|im_end|>", "<think>\nplan</think>done", "e\u0301 ﬁ 12345",
+                          "unseen wörds ✓ 😀"]
+    for text in texts:
+        assert tok.encode(text) == TOKENIZER.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(tok.encode(text)) == TOKENIZER.decode(TOKENIZER.encode(text).ids, skip_special_tokens=False)
+    assert tok.decode(tok.encode("<|im_start|>a<|im_end|>"), skip_special_tokens=True) == "a"
+    messages = [{"role": "user", "content": "What is 17+25?"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == "<|im_start|>user\nWhat is 17+25?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.template_tokens["eos_token"] == "<|im_end|>"
+    assert tok.think_token_id == IDS["<think>"] and tok.mask_token_id == IDS["<|mask|>"]
+
+
+# ---- bad files ----------------------------------------------------------------------------------
+def _bad(tmp_path, **kw):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, tiny(), T.F32, tokenizer=TOKENIZER, **kw)
+    return path
+
+
+def test_unknown_architecture(tmp_path):
+    with pytest.raises(GGUFError, match="general.architecture is 'qwen3next'"):
+        load_gguf(_bad(tmp_path, arch="qwen3next"))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    with pytest.raises(GGUFError, match=r"missing tensors: blk\.2\.ssm_out\.weight \[32, 48\]"):
+        load_gguf(_bad(tmp_path, skip=("blk.2.ssm_out.weight",)))
+
+
+def test_wrong_shape_is_named(tmp_path):
+    def wrong(w):
+        w.add_tensor("blk.1.attn_k.weight", np.zeros((16, 32), np.float32))
+    with pytest.raises(GGUFError, match=r"wrong shapes: blk\.1\.attn_k\.weight: file \[16, 32\] vs model \[32, 32\]"):
+        load_gguf(_bad(tmp_path, skip=("blk.1.attn_k.weight",), extra=wrong))
+
+
+def test_unsupported_type_is_named(tmp_path):
+    def q2k(w):
+        w.add_tensor("blk.1.attn_v.weight", np.zeros((32, 84), np.uint8), raw_dtype=T.Q2_K)
+    path = tmp_path / "bad.gguf"
+    model = tiny(hidden_size=256)
+    write_gguf(path, model, T.F32, tokenizer=TOKENIZER, skip=("blk.1.attn_v.weight",), extra=q2k)
+    with pytest.raises(GGUFError, match=r"unsupported tensor types: blk\.1\.attn_v\.weight \[32, 256\] Q2_K"):
+        load_gguf(path)
+
+
+def test_unexpected_tensor_and_missing_key(tmp_path):
+    def stray(w):
+        w.add_tensor("blk.0.attn_q.weight", np.zeros((128, 32), np.float32))
+    with pytest.raises(GGUFError, match=r"unexpected tensors: blk\.0\.attn_q\.weight"):
+        load_gguf(_bad(tmp_path, extra=stray))
+    bad = tmp_path / "nokey.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        load_gguf(bad)
+
+
+def test_non_finite_transform_is_named(tmp_path):
+    """ssm_a must be −exp(A_log) < 0; a value the inverse cannot undo (here NaN) is reported by name."""
+    model = tiny()
+    with torch.no_grad():
+        model.model.layers[0].linear_attn.A_log.fill_(float("nan"))
+    path = tmp_path / "nan.gguf"
+    write_gguf(path, model, T.F32, tokenizer=TOKENIZER)
+    with pytest.raises(GGUFError, match=r"blk\.0\.ssm_a"):
+        load_gguf(path)

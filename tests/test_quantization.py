@@ -1,0 +1,336 @@
+"""Weight-only int8/int4 quantization: the stored format, the native kernels against their reference
+arithmetic, quantized models against bf16 ones, `clover quantize` checkpoints and their loading."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from clover.quantization import QuantSpec, dequantize, quantize, quantize_model
+from clover.quantization.convert import QuantizeError, quantize_checkpoint
+from tiny_models import make_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# a tiny model whose every matrix has a multiple of 32 inputs (so all of them quantize at group 32)
+SHAPE = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def kernels_available() -> bool:
+    from clover.kernels import available
+
+    return available()
+
+
+needs_kernels = pytest.mark.skipif(not kernels_available(), reason="native kernels need AVX-512 BF16/VNNI and a C compiler")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---- the stored format ---------------------------------------------------------------------------
+def test_int4_layout_by_hand():
+    """A hand-checked group: scale max|w|/7 in fp16, codes u = round(w/s) + 8, input 2j in byte j's low nibble."""
+    w = torch.zeros(1, 16)
+    w[0, :4] = torch.tensor([0.7, -0.7, 0.1, 0.35])
+    stored = quantize(w, QuantSpec(4, 16))
+    assert stored["scales"].dtype == torch.float16 and float(stored["scales"]) == pytest.approx(0.1, rel=1e-3)
+    q = stored["qweight"][0]
+    assert q.dtype == torch.uint8 and q.shape == (8,)
+    assert int(q[0]) & 0xF == 15 and int(q[0]) >> 4 == 1        # 0.7 → +7 → 15, −0.7 → −7 → 1
+    assert int(q[1]) & 0xF == 9 and int(q[1]) >> 4 == 12         # 0.1 → 1 → 9, 0.35 → 3.5 → 4 (half to even) → 12
+    assert all(int(b) == 0x88 for b in q[2:])                    # zeros → code 8
+
+
+@pytest.mark.parametrize("bits,bound", [(8, 0.006), (4, 0.11)])
+def test_round_trip_error(bits, bound):
+    """Gaussian weights: int8 absmax groups of 32 lose ~0.5% (relative L2), int4 ~10%."""
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    stored = quantize(w, QuantSpec(bits, 32))
+    back = dequantize(stored["qweight"], stored["scales"], None, bits)
+    assert rel(back, w) < bound
+    assert rel(back, w) > bound / 4                              # it did quantize
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="bits"):
+        QuantSpec(3, 32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        QuantSpec(4, 24)
+    with pytest.raises(ValueError, match="quant_method"):
+        QuantSpec.from_config({"quant_method": "gptq", "bits": 4})
+
+
+# ---- kernels against their reference arithmetic ---------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_quantized_linear_kernel_matches_reference(bits, group, offsets):
+    """quant_gemm.c against `reference_linear` (its arithmetic in float64: inputs rounded to int8 per group,
+    exact integer dots, per-group fp32 scaling): equal to fp32 rounding for 1…13 rows, bf16 and fp32
+    inputs, N not a multiple of the panel; and within the input rounding (~0.5%) of the weight-only product."""
+    from clover.kernels.quant_panels import QuantPanelWeight, linear, reference_linear
+
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    N, K = 70, 256
+    stored = quantize(torch.randn(N, K, generator=g) * 0.05, QuantSpec(bits, group))
+    mins = (torch.randn(N, K // group, generator=g) * 0.01).half() if offsets else None
+    packed = QuantPanelWeight(stored["qweight"], stored["scales"], mins, bits)
+    weight = dequantize(stored["qweight"], stored["scales"], mins, bits).double()
+    for M in (1, 2, 5, 6, 7, 13):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        want = reference_linear(x, stored["qweight"], stored["scales"], mins, bits)
+        for inputs in (x, x.float()):
+            got = linear(inputs, packed)
+            assert got.dtype == inputs.dtype and got.shape == (M, N)
+            tol = 1e-5 if inputs.dtype == torch.float32 else 8e-3        # bf16 output: one rounding
+            assert (got.double() - want).abs().max() <= tol * want.abs().max(), (M, inputs.dtype)
+        assert rel(linear(x.float(), packed), x.double() @ weight.T) < 0.02
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_grouped_kernel_matches_reference(bits):
+    """The experts' grouped form: rows routed to different stacked matrices, the gathered-rows and
+    one-row inputs, the SwiGLU epilogue over interleaved gate/up panels and the routing-weight scale,
+    each against the reference arithmetic composed in PyTorch."""
+    import torch.nn.functional as F
+
+    from clover.kernels.quant_panels import QuantPanelWeight, grouped_linear, reference_linear, swiglu_rows
+
+    g = torch.Generator().manual_seed(7)
+    E, I, K = 5, 32, 64
+    gate_up = quantize(torch.randn(E, 2 * I, K, generator=g) * 0.1, QuantSpec(bits, 32))
+    packed = QuantPanelWeight(gate_up["qweight"], gate_up["scales"], None, bits, rows=swiglu_rows(I))
+    plain = QuantPanelWeight(gate_up["qweight"], gate_up["scales"], None, bits)
+    x = torch.randn(9, K, generator=g).bfloat16()
+    ids = torch.tensor([0, 2, 4])
+    offsets = torch.tensor([0, 4, 5, 11])
+    rows = torch.tensor([0, 3, 5, 8, 1, 2, 2, 4, 6, 7, 8])
+    scale = torch.rand(11, generator=g)
+
+    def ref(expert, inputs):
+        return reference_linear(inputs, gate_up["qweight"][expert], gate_up["scales"][expert], None, bits)
+
+    got = grouped_linear(x, plain, offsets, ids, rows=rows)
+    want = torch.cat([ref(int(e), x[rows[int(offsets[i]):int(offsets[i + 1])]]) for i, e in enumerate(ids)])
+    assert (got.double() - want).abs().max() <= 8e-3 * want.abs().max()
+
+    act = grouped_linear(x, packed, offsets, ids, rows=rows, swiglu=True, scale=None)
+    bf = want.bfloat16()
+    want_act = (F.silu(bf[:, :I]) * bf[:, I:]).double()
+    assert act.shape == (11, I) and rel(act, want_act) < 0.01
+
+    one = grouped_linear(x[:1], plain, torch.tensor([0, 1, 2, 3]), ids, same_row=True, scale=scale[:3])
+    want_one = torch.cat([ref(int(e), x[:1]) for e in ids]).bfloat16().double() * scale[:3, None].bfloat16().double()
+    assert rel(one, want_one) < 0.01
+
+
+@needs_kernels
+def test_quantized_kernel_rejects_bad_shapes():
+    from clover.kernels.quant_panels import QuantPanelWeight, linear
+
+    stored = quantize(torch.randn(32, 64), QuantSpec(8, 32))
+    packed = QuantPanelWeight(stored["qweight"], stored["scales"], None, 8)
+    with pytest.raises(ValueError, match="expects 64"):
+        linear(torch.randn(2, 48), packed)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        linear(torch.randn(2, 64, dtype=torch.float64), packed)
+
+
+# ---- quantized models ----------------------------------------------------------------------------
+def _logits(model, ids):
+    with torch.inference_mode():
+        out = model(ids)
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+@pytest.mark.parametrize("bits,bound", [(8, 0.04), (4, 0.25)])
+def test_quantized_model_logits_near_bf16(bits, bound):
+    """Every quantizable matrix of a random tiny model quantized (experts, attention, GDN, shared expert,
+    lm_head): logits stay within the stated relative L2 error of the bf16 model's — int8 4%, int4 25%
+    (random weights are the hard case: trained ones are smoother). The router and the shared expert's
+    output gate keep bf16."""
+    from clover.quantization.modules import QuantizedLinear, QuantizedWeight
+
+    base = make_model("base", seed=3, dtype=torch.bfloat16, **SHAPE)
+    ids = torch.randint(0, base.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(base)
+    names = quantize_model(model, QuantSpec(bits, 32))
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.experts.gate_up_proj, QuantizedWeight) and isinstance(model.lm_head, QuantizedLinear)
+    assert isinstance(mlp.shared_expert.down_proj, QuantizedLinear)
+    assert not isinstance(mlp.shared_expert_gate, QuantizedLinear) and mlp.gate.weight.dtype == torch.bfloat16
+    assert any("linear_attn.in_proj_qkv" in n for n in names) and any("self_attn.o_proj" in n for n in names)
+    err = rel(_logits(model, ids), _logits(base, ids))
+    assert err < bound
+    assert err > bound / 50                                      # it did quantize
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_quantized_model_matches_its_reference(bits):
+    """pack_for_cpu on a quantized model: every matrix runs the quantized kernels (the fused MoE block
+    included); logits within the inputs' int8 rounding of the dequantizing reference, and the MoE block
+    kernel bit-equal to the PyTorch module on the same packed weights."""
+    from clover.kernels.moe_block import moe_block
+    from clover.layers.packed import pack_for_cpu
+
+    model = make_model("base", seed=5, dtype=torch.bfloat16, **SHAPE)
+    quantize_model(model, QuantSpec(bits, 32))
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(2))
+    want = _logits(model, ids)
+    packed = copy.deepcopy(model)
+    assert pack_for_cpu(packed, kernels=True) > 0
+    assert type(packed.backend).__name__ == "Backend" and packed.backend.name == "cpu"
+    assert rel(_logits(packed, ids), want) < 0.05
+    moe = packed.model.layers[1].mlp
+    assert len(moe.fused_input.parts) == 2                         # bf16 router part + quantized shared expert
+    x = torch.randn(2, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.inference_mode():
+        got, distinct = moe_block(moe, x, 4, torch.tensor([0.7, 1.0]))
+        ref, ref_distinct = moe(x, 4, torch.tensor([0.7, 1.0]))
+    assert torch.equal(got, ref) and torch.equal(distinct, ref_distinct)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    from clover.checkpoint import save_checkpoint
+
+    model = make_model("base", seed=9, dtype=torch.bfloat16, **SHAPE)
+    path = tmp_path_factory.mktemp("bf16")
+    save_checkpoint(model, model.config, path)
+    return path, model
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_checkpoint_round_trip(bf16_dir, tmp_path, bits):
+    """`quantize_checkpoint` streams the files; loading its output (reference backend) gives buffers
+    bit-identical to quantizing the model in memory, so equal logits; config.json records the
+    quantization; sharding with an index works; tokenizer and other files are carried along."""
+    import clover
+    from clover.quantization.modules import QuantizedWeight
+
+    src, model = bf16_dir
+    (src / "tokenizer_config.json").write_text("{}")
+    dst = quantize_checkpoint(src, tmp_path / "q", bits, 32, progress=False, max_shard_bytes=20_000)
+    raw = json.loads((dst / "config.json").read_text())
+    assert raw["quantization_config"] == {"quant_method": "clover", "bits": bits, "group_size": 32}
+    assert (dst / "model.safetensors.index.json").exists() and (dst / "tokenizer_config.json").exists()
+    loaded = clover.load(dst, backend="reference")
+    expected = copy.deepcopy(model)
+    quantize_model(expected, QuantSpec(bits, 32))
+    mine = dict(expected.named_buffers())
+    count = 0
+    for name, buf in loaded.named_buffers():
+        if name.rpartition(".")[0] and isinstance(loaded.get_submodule(name.rpartition(".")[0]), QuantizedWeight):
+            assert torch.equal(buf, mine[name]), name
+            count += 1
+    assert count > 20
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_logits(loaded, ids), _logits(expected, ids))
+    fast = clover.load(dst)                                        # auto: packed for the kernels where they build
+    assert rel(_logits(fast, ids), _logits(expected, ids)) < 0.05
+
+
+def test_quantize_refuses_and_leaves_nothing(bf16_dir, tmp_path, monkeypatch):
+    """An existing destination is refused; a failure midway leaves no destination and no temporary."""
+    import clover.quantization.convert as convert
+
+    src, _ = bf16_dir
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    with pytest.raises(QuantizeError, match="not empty"):
+        quantize_checkpoint(src, busy, 4, progress=False)
+    assert (busy / "x").read_text() == "keep"
+    with pytest.raises(QuantizeError, match="is the source"):
+        quantize_checkpoint(src, src, 4, progress=False)
+
+    calls = []
+
+    def failing(tensor, spec):
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return real(tensor, spec)
+
+    real = convert._quantized
+    monkeypatch.setattr(convert, "_quantized", failing)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(src, tmp_path / "out", 4, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
+    dst = tmp_path / "twice"
+    monkeypatch.setattr(convert, "_quantized", real)
+    quantize_checkpoint(src, dst, 8, progress=False)
+    with pytest.raises(QuantizeError, match="already quantized"):
+        quantize_checkpoint(dst, tmp_path / "again", 4, progress=False)
+
+
+def test_corrupt_quantized_checkpoints_name_the_tensor(bf16_dir, tmp_path):
+    """A quantized checkpoint with a wrongly typed code tensor, a missing scale, or a scale shape that does
+    not divide the inputs raises CheckpointError naming the matrix."""
+    from safetensors.torch import load_file, save_file
+
+    from clover.checkpoint import CheckpointError, load_model
+
+    src, _ = bf16_dir
+    good = quantize_checkpoint(src, tmp_path / "good", 4, progress=False)
+    tensors = load_file(good / "model.safetensors")
+    key = "model.layers.1.self_attn.o_proj"
+
+    def broken(name, change):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((good / "config.json").read_text())
+        t = dict(tensors)
+        change(t)
+        save_file(t, str(d / "model.safetensors"))
+        return d
+
+    cases = {
+        "dtype": (lambda t: t.__setitem__(f"{key}.qweight", t[f"{key}.qweight"].to(torch.int16)), "qweight I8 or U8"),
+        "scales": (lambda t: t.pop(f"{key}.scales"), key),
+        "groups": (lambda t: t.__setitem__(f"{key}.scales", torch.ones(64, 3, dtype=torch.float16)), key),
+        "codes": (lambda t: t.__setitem__(f"{key}.qweight", t[f"{key}.qweight"][:, :8].contiguous()), key),
+    }
+    for name, (change, needle) in cases.items():
+        with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
+            load_model(broken(name, change))
+
+
+def test_int4_demo_model_keeps_its_accuracy(tmp_path):
+    """The issue's bar: int4 (group 32) on the trained demo model stays within 3 points of the shipped
+    weights on eval-demo's 120 held-out problems (20 per task), autoregressive and LowConfidence 0.95.
+    Both run the fast path (bf16 panels vs int4 panels) where the kernels build."""
+    import clover
+    from clover import DEMO_MODEL_DIR
+    from clover.tokenization import CloverTokenizer
+    from clover.training.evaluate import evaluate
+
+    q = quantize_checkpoint(DEMO_MODEL_DIR, tmp_path / "int4", 4, 32, progress=False)
+    tokenizer = CloverTokenizer.from_dir(DEMO_MODEL_DIR)
+    modes = ["autoregressive", "low_confidence_0.95"]
+    base = evaluate(clover.load(DEMO_MODEL_DIR), tokenizer, per_task=20, modes=modes)
+    quant = evaluate(clover.load(q), tokenizer, per_task=20, modes=modes)
+    for mode in modes:
+        a, b = base[mode]["_all"]["accuracy"], quant[mode]["_all"]["accuracy"]
+        assert base[mode]["_all"]["n"] == 120
+        assert abs(a - b) <= 0.03, (mode, a, b)
+
+
+def test_export_refuses_a_quantized_model(bf16_dir, tmp_path):
+    """transformers' loader would silently re-initialise the quantized matrices: refuse with a reason."""
+    from clover.hf.export import ExportError, export
+
+    src, _ = bf16_dir
+    q = quantize_checkpoint(src, tmp_path / "q", 8, progress=False)
+    with pytest.raises(ExportError, match="quantized"):
+        export(q, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
