@@ -306,6 +306,13 @@ def test_k_quant_model(tmp_path):
     assert max_diff(loaded(ids), want) <= 1e-2 * scale          # fp16 rounding of the K-quant scales
     lib = clover.load(path, backend="reference")
     assert max_diff(lib(ids), want) <= bf16_bound(ref, ids) + 1e-2 * scale
+    from clover.kernels import available
+
+    if available():            # the default backend: every form of the mix on the quantized kernels
+        fast = clover.load(path)
+        assert fast.packed == "clover-kernels"
+        got, ref_logits = fast(ids).float(), lib(ids).float()
+        assert ((got - ref_logits).norm() / ref_logits.norm()).item() < 0.05   # the inputs' int8 rounding
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------
@@ -379,3 +386,20 @@ def test_non_finite_transform_is_named(tmp_path):
     write_gguf(path, model, T.F32, tokenizer=TOKENIZER)
     with pytest.raises(GGUFError, match=r"blk\.0\.ssm_a"):
         load_gguf(path)
+
+
+def test_cli_generates_from_a_quantized_gguf(tmp_path, capsys):
+    """`clover generate --model FILE.gguf` takes the model and its tokenizer from the one file (Q8_0, the
+    quantized kernels where they build), and `clover.load_tokenizer` reads the file's vocabulary."""
+    import json
+
+    from clover.cli import main
+
+    model = tiny(seed=3, **Q32)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, T.Q8_0, tokenizer=TOKENIZER, fallback=T.F16)
+    tok = clover.load_tokenizer(path)
+    assert tok.encode("hello world") == TOKENIZER.encode("hello world").ids
+    assert main(["generate", "hello", "--model", str(path), "--max-new-tokens", "8", "--no-think", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 1 <= len(out["completion_ids"]) <= 8 and out["finish_reason"] in ("eos", "length")

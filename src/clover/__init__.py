@@ -111,6 +111,23 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
     return load_tensor_parallel(path, parallel, dtype=dtype)
 
 
+def load_tokenizer(path=None):
+    """The tokenizer (and chat template) of a model: its directory's tokenizer files, or a GGUF file's
+    own vocabulary; `path=None`: the demo model's."""
+    from .tokenization import CloverTokenizer
+
+    path = Path(path) if path is not None else DEMO_MODEL_DIR
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if not (path.is_dir() and (path / "tokenizer.json").exists()) and _gguf_file(path) is not None:
+        from .gguf import load_tokenizer as gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (and is not a GGUF file)")
+    return CloverTokenizer.from_dir(path)
+
+
 def _gguf_file(path: Path):
     """The GGUF file to load for `path` (a `.gguf` file, or a directory holding one and no safetensors)."""
     if path.is_file() or not any(path.glob("*.safetensors")):
@@ -120,4 +137,4 @@ def _gguf_file(path: Path):
     return None
 
 
-__all__ = ["load", "DEMO_MODEL_DIR", "__version__"]
+__all__ = ["load", "load_tokenizer", "DEMO_MODEL_DIR", "__version__"]

@@ -32,11 +32,11 @@ def _load(args, pack: bool = True):
     import torch
 
     import clover
-    from clover.tokenization import CloverTokenizer
 
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
-    if not (path / "config.json").exists():
-        raise UserError(f"no model at {path} (expected a directory with config.json)")
+    gguf = path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+    if not gguf and not (path / "config.json").exists():
+        raise UserError(f"no model at {path} (expected a directory with config.json, or a .gguf file)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     from clover.distributed.launch import launched_tensor_parallel
 
@@ -47,9 +47,9 @@ def _load(args, pack: bool = True):
             raise UserError(str(exc)) from None
     else:
         model = clover.load(path, dtype=dtype, backend="auto" if pack else "reference")
-    if not (path / "tokenizer.json").exists():
+    if not gguf and not (path / "tokenizer.json").exists():
         raise UserError(f"{path} has no tokenizer.json")
-    return model, CloverTokenizer.from_dir(path), path
+    return model, clover.load_tokenizer(path), path
 
 
 def _add_decoding_args(p):

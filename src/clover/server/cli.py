@@ -101,15 +101,14 @@ def build(args):
     import torch
 
     import clover
-    from clover.engine import Engine, EngineOptions
+    from clover.engine import Engine
     from clover.server.app import create_app
-    from clover.tokenization import CloverTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
     model = _load_model(args)
-    tokenizer = CloverTokenizer.from_dir(args.tokenizer or path)
+    tokenizer = clover.load_tokenizer(args.tokenizer or path)
     if getattr(model, "parallel", None) is not None:      # rank 0 of several: the followers mirror its steps
         from clover.distributed.serving import ControlChannel, LeaderEngine
 
