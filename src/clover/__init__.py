@@ -22,7 +22,7 @@ BACKENDS = ("auto", "cpu", "reference")
 
 
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
-         flush_denormal: bool = True):
+         flush_denormal: bool = True, tensor_parallel=False):
     """Load a Clover (or Qwen3.5-MoE) model directory, a GGUF file (llama.cpp's `qwen35moe` layout,
     clover/gguf/) or a directory holding one; `path=None` loads the bundled demo model.
 
@@ -35,7 +35,13 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     `dtype`: None (auto: bf16 for the packed CPU paths, else as stored), torch.float32, torch.bfloat16
     or torch.float64. `pack`: the older switch (True = "auto", False = "reference").
     `flush_denormal=True`: flush denormal floats to zero in this thread and the threads it starts
-    later (x86 runs denormal math ~100× slower; see `clover.runtime`)."""
+    later (x86 runs denormal math ~100× slower; see `clover.runtime`).
+    `tensor_parallel`: True (join the process group torchrun's environment describes: gloo on CPU,
+    NCCL on CUDA) or a `clover.distributed.ParallelGroup` (then its device is used) — this process
+    loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
+    safetensors checkpoint and runs on the reference backend in the stored dtype (or `dtype`): "auto"
+    means "reference" there, "cpu" is refused. Every rank must then make the same calls (forwards are
+    collective)."""
     from .checkpoint import load_model
 
     if pack is not None:
@@ -51,6 +57,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
     gguf_file = _gguf_file(path)
+    if tensor_parallel:
+        model = _load_tensor_parallel(path, gguf_file, dtype, device, backend, tensor_parallel)
+        _read_generation_defaults(model, path)
+        return model
     on_cpu = torch.device(device).type == "cpu"
     if backend == "cpu":
         from .kernels import available
@@ -74,13 +84,31 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         from .layers.packed import pack_for_cpu
 
         pack_for_cpu(model, kernels=True if backend == "cpu" else None)
+    _read_generation_defaults(model, path)
+    return model
+
+
+def _read_generation_defaults(model, path: Path) -> None:
     gen = path / "generation_config.json"          # a directory's (a GGUF file alone has none)
     if gen.exists():
         try:
             model.generation_defaults = json.loads(gen.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{gen}: invalid JSON ({exc})") from None
-    return model
+
+
+def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, tensor_parallel):
+    from .distributed import ParallelGroup, init_from_env
+    from .distributed.loading import load_tensor_parallel
+
+    if backend == "cpu":
+        raise ValueError("backend='cpu' (the native CPU kernels) is not sharded yet: under tensor_parallel use "
+                         "backend='reference' (or 'auto', which means it there)")
+    if gguf_file is not None:
+        raise ValueError(f"{gguf_file}: GGUF files are not sharded yet; tensor_parallel needs a safetensors "
+                         "checkpoint directory")
+    parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
+    return load_tensor_parallel(path, parallel, dtype=dtype)
 
 
 def load_tokenizer(path=None):

@@ -38,7 +38,15 @@ def _load(args, pack: bool = True):
     if not gguf and not (path / "config.json").exists():
         raise UserError(f"no model at {path} (expected a directory with config.json, or a .gguf file)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = clover.load(path, dtype=dtype, backend="auto" if pack else "reference")
+    from clover.distributed.launch import launched_tensor_parallel
+
+    if launched_tensor_parallel():          # torchrun started several ranks: each loads its shard
+        try:
+            model = clover.load(path, dtype=dtype, backend="reference", tensor_parallel=True)
+        except RuntimeError as exc:        # no process group (launched without torchrun), a rank lost
+            raise UserError(str(exc)) from None
+    else:
+        model = clover.load(path, dtype=dtype, backend="auto" if pack else "reference")
     if not gguf and not (path / "tokenizer.json").exists():
         raise UserError(f"{path} has no tokenizer.json")
     return model, clover.load_tokenizer(path), path
@@ -74,22 +82,47 @@ def _settings_from_args(args) -> dict:
 
 # ---- generate ---------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
+    from clover.distributed import launch
+
+    # Under torchrun only rank 0 reads, tokenizes and writes; the other ranks run the same forwards.
+    leader = launch.launched_rank() == 0
+    prompt = _read_prompt(args.prompt) if leader else None
+    model, tokenizer, _ = _load(args)
+    parallel = getattr(model, "parallel", None)
+    ok = False
+    try:
+        code = _generate(args, model, tokenizer, prompt, parallel, leader)
+        ok = True
+        return code
+    finally:
+        launch.shutdown(parallel, wait_for_others=ok)
+
+
+def _generate(args, model, tokenizer, prompt, parallel, leader: bool) -> int:
+    from clover.distributed import launch
     from clover.generation.api import generate_batch, resolve_settings
     from clover.tokenization import IncrementalDecoder
 
-    prompt = _read_prompt(args.prompt)
-    model, tokenizer, _ = _load(args)
-    messages = [{"role": "user", "content": prompt}]
-    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                               enable_thinking=not args.no_think)
-    settings = resolve_settings(model, **_settings_from_args(args))
+    prompt_ids = None
+    if leader:
+        messages = [{"role": "user", "content": prompt}]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   enable_thinking=not args.no_think)
+    overrides = _settings_from_args(args)
+    if parallel is not None:
+        prompt_ids = parallel.broadcast_object(prompt_ids)
+        sampling = overrides.get("do_sample", bool(model.generation_defaults.get("do_sample")))
+        seed = launch.shared_seed(parallel, overrides.get("seed", model.generation_defaults.get("seed")), sampling)
+        if seed is not None:
+            overrides["seed"] = seed
+    settings = resolve_settings(model, **overrides)
     decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
-    stream = not args.json
+    stream = not args.json and leader
     if stream and not args.no_think:
         sys.stdout.write("<think>\n")
 
     # A long prompt's prefill can take a while before any text appears: say so on stderr.
-    announce = len(prompt_ids) >= PREFILL_NOTICE_TOKENS
+    announce = leader and len(prompt_ids) >= PREFILL_NOTICE_TOKENS
     first = []
 
     def on_event(_, tokens, finished):
@@ -105,6 +138,10 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     (result,) = generate_batch(model, [prompt_ids], settings, on_event=on_event)
     seconds = time.perf_counter() - start
+    if parallel is not None:
+        launch.check_same_tokens(parallel, result.tokens)
+    if not leader:
+        return 0
     if stream:
         sys.stdout.write(decoder.flush() + "\n")
         s = result.stats
@@ -404,9 +441,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that run over several ranks when torchrun starts them (the others would each act alone).
+TENSOR_PARALLEL_COMMANDS = ("generate", "serve")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    from clover.distributed.launch import launched_tensor_parallel
+
+    if launched_tensor_parallel() and argv and not argv[0].startswith("-") and argv[0] not in TENSOR_PARALLEL_COMMANDS:
+        print(f"clover {argv[0]}: error: under torchrun (WORLD_SIZE > 1) only "
+              f"{', '.join(TENSOR_PARALLEL_COMMANDS)} runs tensor-parallel so far; start `clover {argv[0]}` "
+              "as one process", file=sys.stderr)
+        return 2
     if argv and argv[0] in PASSTHROUGH:
         command = argv[0]
         try:

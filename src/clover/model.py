@@ -96,6 +96,9 @@ class CloverForCausalLM(nn.Module):
     # take, not memory spent at load.
     default_pool_bytes = 2 << 30
     default_pool_sequences = 16
+    # Under tensor parallelism (clover.distributed) the config with this rank's head counts, from which
+    # the state pool is sized; None: the pool holds the whole model's state.
+    shard_config = None
 
     def state_pool(self) -> StatePool:
         """The model's one state pool (K/V pages, GDN slots, prefix cache), made on first use."""
@@ -109,15 +112,16 @@ class CloverForCausalLM(nn.Module):
         """(Re)build the state pool for `memory_bytes` of caches and `max_sequences` running at once.
         Sequences of the old pool keep working on it; new ones use the new pool."""
         devices = [layer.input_layernorm.weight.device for layer in self.model.layers]
+        config = self.shard_config or self.config     # a tensor-parallel rank holds only its heads' state
         max_sequences = max_sequences or self.default_pool_sequences
         if memory_bytes is None:
             # at least the GDN slots of max_sequences plus 64K tokens of K/V (the real model's slots alone
             # take ~3 GB for 16 sequences); untouched pool memory stays virtual
             slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
-            floor = (slots * StatePool.bytes_per_slot(self.config, self.dtype)
-                     + 2048 * StatePool.bytes_per_page(self.config, self.dtype))
+            floor = (slots * StatePool.bytes_per_slot(config, self.dtype)
+                     + 2048 * StatePool.bytes_per_page(config, self.dtype))
             memory_bytes = max(self.default_pool_bytes, floor)
-        pool = StatePool.for_budget(self.config, self.dtype, memory_bytes, max_sequences=max_sequences,
+        pool = StatePool.for_budget(config, self.dtype, memory_bytes, max_sequences=max_sequences,
                                     prefix_slots=prefix_slots, devices=devices)
         self.__dict__["_state_pool"] = pool
         return pool

@@ -101,22 +101,69 @@ def build(args):
     import torch
 
     import clover
-    from clover.engine import Engine, EngineOptions
+    from clover.engine import Engine
     from clover.server.app import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = clover.load(path, dtype=dtype, device=args.device)   # the fast path: bf16 + native kernels on CPU
+    model = _load_model(args)
     tokenizer = clover.load_tokenizer(args.tokenizer or path)
-    budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
-    engine = Engine(model, EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget))
+    if getattr(model, "parallel", None) is not None:      # rank 0 of several: the followers mirror its steps
+        from clover.distributed.serving import ControlChannel, LeaderEngine
+
+        engine = LeaderEngine(model, engine_options(args), channel=ControlChannel(model.parallel))
+    else:
+        engine = Engine(model, engine_options(args))
     app = create_app(engine, tokenizer, served_name(args), max_body_bytes=args.max_body_bytes,
                      shutdown_timeout=args.graceful_timeout, max_block_size=args.max_block_size,
                      api_key=args.api_key or os.environ.get("CLOVER_API_KEY") or None,
                      allowed_hosts=args.allowed_hosts, body_timeout=args.body_timeout)
     return app, engine
+
+
+def _load_model(args):
+    """The model: the fast path (bf16 + native kernels on CPU) in one process; this rank's shard on the
+    reference backend when torchrun started several."""
+    import torch
+
+    import clover
+    from clover.distributed.launch import launched_tensor_parallel
+
+    path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    if launched_tensor_parallel():
+        try:
+            return clover.load(path, dtype=dtype, device=args.device, backend="reference", tensor_parallel=True)
+        except RuntimeError as exc:
+            raise ServeError(str(exc)) from None
+    return clover.load(path, dtype=dtype, device=args.device)
+
+
+def engine_options(args):
+    from clover.engine import EngineOptions
+
+    budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
+    return EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget)
+
+
+def run_follower(args) -> int:
+    """A rank other than 0 under torchrun: load this rank's shard, then run rank 0's steps until it stops."""
+    import torch
+    import torch.distributed as dist
+
+    from clover.distributed.serving import ControlChannel, follow
+
+    check_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = _load_model(args)
+    try:
+        return follow(model, engine_options(args), ControlChannel(model.parallel))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def served_name(args) -> str:
@@ -127,8 +174,12 @@ def served_name(args) -> str:
 
 
 def run_serve(args) -> int:
+    from clover.distributed.launch import launched_rank, launched_tensor_parallel
+
     from .limits import DrainingServer, install_repeat_filter, uvicorn_config
 
+    if launched_tensor_parallel() and launched_rank() != 0:
+        return run_follower(args)
     check_args(args)
     sock = bind_socket(args.host, args.port)        # before the (slow) model load: a busy port fails now
     try:
@@ -146,9 +197,13 @@ def run_serve(args) -> int:
         try:
             DrainingServer(config, app.state.begin_drain).run(sockets=[sock])
         finally:
-            engine.shutdown(graceful=False)
+            engine.shutdown(graceful=False)       # under torchrun this also stops the other ranks
     finally:
         sock.close()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

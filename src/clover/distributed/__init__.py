@@ -1,0 +1,17 @@
+"""Tensor + expert parallel inference over torch.distributed (one model sharded over N processes).
+
+    torchrun --nproc-per-node 2 -m clover generate "What is 17+25?" --model DIR
+    model = clover.load(DIR, tensor_parallel=True)        # in each process torchrun started
+
+Modules: `process_group` (the group from torchrun's environment: gloo on CPU, NCCL on CUDA, with a
+timeout), `plan` (which slice of every weight a rank holds), `layers` (the sharded modules and
+`shard_model`), `loading` (each rank reads only its slices from the safetensors files). Every rank
+runs the same forwards over its shard and receives the full logits, so the generation loop runs
+unchanged — and identically — on every rank; see docs/ARCHITECTURE.md ("Tensor and expert parallel").
+Runs on the PyTorch reference backend only (the native CPU kernels are not sharded yet).
+"""
+
+from .plan import ShardPlan, even_split
+from .process_group import ParallelGroup, RankFailure, init_from_env, launched_world_size
+
+__all__ = ["ShardPlan", "ParallelGroup", "RankFailure", "init_from_env", "launched_world_size", "even_split"]

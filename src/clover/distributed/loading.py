@@ -1,0 +1,113 @@
+"""Sharded loading: each rank reads only its own slices of the safetensors files.
+
+The checkpoint is checked exactly as one process checks it (`checkpoint.plan_checkpoint`: missing,
+unexpected or wrongly shaped tensors against the full model raise `CheckpointError`, reading only the
+headers); the model is built on the meta device from the full config, `shard_model` swaps in this
+rank's modules, and every parameter is then filled from `safe_open(...).get_slice(key)[rows]` (or
+`[:, cols]`), so a rank never materialises a weight it does not hold — not even one expert's. Both
+expert layouts (fused, and per expert, where only this rank's experts' tensors are read) and the
+`model.language_model.` prefix load; Clover's block parameters default as in checkpoint.py when a
+plain Qwen3.5-MoE checkpoint lacks them. Quantized checkpoints are refused for now.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint import CheckpointError, _clover_default, _no_weight_init, _stored_dtype, plan_checkpoint
+from ..config import CloverConfig
+from .layers import shard_model
+from .plan import ShardPlan, Slicing
+from .process_group import ParallelGroup
+
+
+def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch.dtype | None = None):
+    """This rank's shard of the model in directory `path` (a `CloverForCausalLM` whose modules are the
+    sharded ones of `layers.py`), on `parallel.device`. `dtype=None` keeps the stored dtype.
+    `model.shard_bytes_read` says how many weight bytes this rank read."""
+    from ..model import CloverForCausalLM
+
+    path = Path(path)
+    config = CloverConfig.from_file(path)
+    shards = ShardPlan(config, parallel.rank, parallel.world_size)
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}")
+    checked = plan_checkpoint(path, config)          # the full model's checks; reads headers only
+    if checked.quant_buffers:
+        raise CheckpointError(f"{path}: quantized checkpoints are not sharded yet; tensor_parallel needs "
+                              "floating-point weights")
+    dtype = dtype or _stored_dtype(checked.stored)
+    device = parallel.device
+    with torch.device("meta"), _no_weight_init():
+        model = CloverForCausalLM(config)
+        shard_model(model, shards, parallel)
+    model.shard_bytes_read = 0
+    with ExitStack() as opened:
+        handles = {}
+
+        def tensor_slice(f, key):
+            if f not in handles:
+                handles[f] = opened.enter_context(safe_open(str(f), framework="pt"))
+            return handles[f].get_slice(key)
+
+        for name, param in model.named_parameters(remove_duplicate=True):
+            tensor = torch.zeros(param.shape, dtype=dtype, device=device)
+            slicing = shards.slicing(name)
+            source = checked.sources[name]
+            if source[0] == "default":
+                tensor.copy_(_local_default(name, checked.expected[name], slicing, dtype))
+            elif source[0] == "per_expert":
+                model.shard_bytes_read += _read_experts(tensor, shards, source[1], checked.stored, tensor_slice)
+            else:
+                _, f, key, _, _ = source
+                model.shard_bytes_read += _read_into(tensor, tensor_slice(f, key), slicing)
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name)._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
+    model.model.rotary.to(device)
+    model.eval().requires_grad_(False)
+    model.source_path = path
+    return model
+
+
+def _read_into(dest: torch.Tensor, stored_slice, slicing: Slicing | None) -> int:
+    """Copy this rank's part of one stored tensor into `dest` (the rows/columns of `slicing`, one
+    after another; the rest of `dest` stays zero). Returns the bytes read."""
+    if slicing is None:
+        part = stored_slice[:]
+        dest.copy_(part)
+        return part.numel() * part.element_size()
+    at, nbytes = 0, 0
+    for a, b in slicing.ranges:
+        part = stored_slice[a:b] if slicing.dim == 0 else stored_slice[:, a:b]
+        dest.narrow(slicing.dim, at, b - a).copy_(part)
+        at += b - a
+        nbytes += part.numel() * part.element_size()
+    return nbytes
+
+
+def _read_experts(dest: torch.Tensor, shards: ShardPlan, keys, stored, tensor_slice) -> int:
+    """A fused expert tensor of this rank's experts from per-expert weights (`keys`: every expert's
+    (key, shape) in fused order, as `plan_checkpoint` lists them); only this rank's are opened."""
+    nbytes = 0
+    parts = len(keys) // shards.config.num_experts          # 2 (gate, up) for gate_up_proj, 1 for down_proj
+    rows = dest.shape[1] // parts
+    for i, e in enumerate(shards.experts):
+        for j in range(parts):
+            f, stored_key = stored[keys[e * parts + j][0]][:2]
+            nbytes += _read_into(dest[i, j * rows:(j + 1) * rows], tensor_slice(f, stored_key), None)
+    return nbytes
+
+
+def _local_default(name: str, full_shape, slicing: Slicing | None, dtype) -> torch.Tensor:
+    """This rank's part of a Clover block parameter a plain Qwen3.5-MoE checkpoint lacks."""
+    full = _clover_default(name, full_shape, dtype)
+    if slicing is None:
+        return full
+    return torch.cat([full.narrow(slicing.dim, a, b - a) for a, b in slicing.ranges], dim=slicing.dim)

@@ -1,0 +1,155 @@
+"""`clover serve` over several ranks: rank 0 serves HTTP and schedules, the others follow its steps.
+
+Rank 0 runs the ordinary server and `Engine`, whose decoder is a `MirroredDecoder`: every request it
+admits or cancels is recorded, and before each `Decoder.step()` the records go to the other ranks in
+one broadcast on a control group. Each follower keeps its own `Decoder` over its own shard and state
+pool (sized from the same options), applies the same additions and cancellations in the same order,
+and steps when rank 0 steps, so every forward is matched on every rank. Decisions need no further
+messages: the logits every rank receives are the same bytes (all-gathered), and a sampling request's
+seed travels with it.
+
+Followers wait on the control group as long as the server stays idle; a leader that dies closes its
+sockets, which ends their wait with an error. A follower that dies or hangs makes rank 0's next step
+broadcast or forward raise `RankFailure` (within CLOVER_DIST_TIMEOUT); the engine then stops taking
+requests, so the HTTP front answers 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..engine import Engine, EngineOptions
+from ..generation.decoder import Decoder
+from ..generation.sequence import Sequence
+from .process_group import DEFAULT_TIMEOUT_S
+
+log = logging.getLogger("clover.distributed")
+
+IDLE_TIMEOUT = timedelta(days=365)      # how long a follower may wait for the next step
+
+
+class ControlChannel:
+    """Rank 0 → all ranks, in order: lists of decoder operations, on a gloo group of its own whose
+    timeout differs per rank (each rank's group object keeps its own): followers wait as long as the
+    server stays idle, while rank 0's send — which gloo completes only when every follower receives —
+    fails within the forwards' timeout when one does not."""
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+        leader = timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S)
+        self.group = dist.new_group(backend="gloo", timeout=leader if parallel.rank == 0 else IDLE_TIMEOUT)
+
+    def send(self, ops: list) -> None:
+        self.parallel.run_collective("sending a step to the other ranks", dist.broadcast_object_list, [ops],
+                                     src=0, group=self.group)
+
+    def receive(self) -> list:
+        box = [None]
+        self.parallel.run_collective("waiting for rank 0's next step", dist.broadcast_object_list, box, src=0,
+                                     group=self.group)
+        return box[0]
+
+
+class MirroredDecoder:
+    """Rank 0's `Decoder`, whose additions and cancellations reach the followers with the next step."""
+
+    def __init__(self, decoder: Decoder, channel: ControlChannel, replaces_another: bool):
+        self._inner = decoder
+        self._channel = channel
+        self._ops: list = [("reset",)] if replaces_another else []
+
+    def add(self, seq: Sequence) -> None:
+        self._inner.add(seq)                 # raises for a request the pool can never hold: not sent
+        seed = seq.generator.initial_seed() if seq.generator is not None else None
+        self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed))
+
+    def cancel(self, seq: Sequence) -> None:
+        self._inner.cancel(seq)
+        self._ops.append(("cancel", seq.id))
+
+    def step(self):
+        ops, self._ops = self._ops + [("step",)], []
+        self._channel.send(ops)
+        return self._inner.step()
+
+    def __getattr__(self, name):             # idle, running, pool, …: the real decoder's
+        return getattr(self._inner, name)
+
+
+class LeaderEngine(Engine):
+    """The engine on rank 0: its decoders mirror themselves to the followers; once a collective has
+    failed (a rank lost) it takes no more requests (503) and tells the followers to stop."""
+
+    def __init__(self, model, options: EngineOptions | None = None, *, channel: ControlChannel, start: bool = True):
+        self._channel = channel
+        self._decoders = 0
+        super().__init__(model, options, start=start)
+
+    def _new_decoder(self):
+        decoder = MirroredDecoder(super()._new_decoder(), self._channel, replaces_another=self._decoders > 0)
+        self._decoders += 1
+        return decoder
+
+    def _step(self) -> None:
+        super()._step()
+        failed = self.model.parallel.failed
+        if failed is not None and self._state == "running":
+            log.error("a tensor-parallel rank is lost; the engine takes no more requests: %s", failed)
+            with self._lock:
+                self._state = "draining"
+                self._wake.notify_all()
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = 30.0) -> None:
+        super().shutdown(graceful, timeout)
+        if not self._thread.is_alive() and self._channel is not None:
+            channel, self._channel = self._channel, None
+            try:
+                channel.send([("stop",)])
+            except RuntimeError as exc:       # a follower already gone
+                log.warning("could not tell the other ranks to stop: %s", exc)
+
+
+def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
+    """A follower rank's serving loop: the decoder operations rank 0 sends, applied in order, until
+    it says stop (or goes away). SIGTERM is ignored: rank 0 shuts the group down gracefully."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    model.configure_state_pool(options.max_cache_bytes, options.max_batch)     # as Engine.__init__ does
+
+    def new_decoder():
+        return Decoder(model, max_batch=options.max_batch, step_tokens=options.step_tokens,
+                       prefix_cache=options.prefix_cache, decode_prefill_tokens=options.decode_prefill_tokens)
+
+    decoder, seqs = new_decoder(), {}
+    while True:
+        try:
+            ops = channel.receive()
+        except RuntimeError as exc:
+            log.error("rank 0 went away: %s", exc)
+            return 1
+        for op in ops:
+            kind = op[0]
+            if kind == "add":
+                _, leader_id, prompt, settings, seed = op
+                seq = Sequence(prompt, settings, model.config)
+                if seed is not None:
+                    seq.generator.manual_seed(seed)
+                decoder.add(seq)
+                seqs[leader_id] = seq
+            elif kind == "cancel":
+                seq = seqs.pop(op[1], None)
+                if seq is not None:
+                    decoder.cancel(seq)
+            elif kind == "reset":
+                decoder, seqs = new_decoder(), {}
+            elif kind == "step":
+                try:
+                    decoder.step()
+                except Exception:                # rank 0's step fails the same way and sends a reset
+                    log.exception("decoder step failed on this rank")
+                seqs = {k: s for k, s in seqs.items() if not s.done}
+            elif kind == "stop":
+                return 0

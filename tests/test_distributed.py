@@ -1,0 +1,346 @@
+"""Tensor + expert parallel (clover.distributed) on CPU with gloo: 2 and 4 ranks against one process.
+
+Each multi-process test saves a tiny random model, runs `tp_worker.model_outputs` on every rank of a
+sharded load (spawned processes, or a real `torchrun`), and compares rank 0's results with the same
+function run here on the one-process model: logits within fp32 rounding, generated tokens identical.
+The models cover GDN and attention layers, experts that do not divide by the ranks, K/V and GDN key
+heads fewer than the ranks, an uneven vocabulary split, tied embeddings and per-expert checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import clover
+from clover.checkpoint import save_checkpoint
+from clover.distributed import ParallelGroup, ShardPlan
+from clover.distributed.loading import load_tensor_parallel
+from tiny_models import make_config, make_model
+from tp_worker import free_port, model_outputs, spawn_run
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+WORKER = Path(__file__).with_name("tp_worker.py")
+# 7 experts (not divisible by 2 or 4), vocabulary 98 (uneven over 4), shared expert 22 (uneven over 4);
+# 2 K/V heads and 2 GDN key heads: split over 2 ranks, replicated over 4
+UNEVEN = dict(num_experts=7, vocab_size=98, shared_expert_intermediate_size=22)
+
+
+def _save(tmp_path, variant="base", layout="fused", prefix="model.", **overrides) -> Path:
+    model = make_model(variant, **overrides)
+    save_checkpoint(model, model.config, tmp_path / "model", layout=layout, prefix=prefix)
+    return tmp_path / "model"
+
+
+def _expected(path: Path, new_tokens: int) -> dict:
+    model = clover.load(path, dtype=torch.float32, backend="reference")
+    with torch.inference_mode():
+        return model_outputs(model, new_tokens)
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got["ranks_agree"], "the ranks generated different tokens"
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        else:
+            assert got[key] == value, key
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, world, words", [
+    (dict(num_attention_heads=6, num_key_value_heads=2), 4, "num_attention_heads (6) divisible by 4"),
+    (dict(num_attention_heads=6, num_key_value_heads=3), 2, "num_key_value_heads (3) divisible by 2"),
+    (dict(num_attention_heads=12, num_key_value_heads=3), 4, "multiple of 3"),
+    (dict(linear_num_value_heads=6, linear_num_key_heads=2), 4, "linear_num_value_heads (6) divisible by 4"),
+])
+def test_plan_names_what_cannot_be_split(overrides, world, words):
+    config = make_config("base", **overrides)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        ShardPlan(config, 0, world)
+
+
+def test_plan_local_shapes():
+    """4 ranks: one query head, one (replicated) K/V head, one GDN value head under a replicated key
+    head, experts 2/2/2/1, shared expert 6/6/5/5, vocabulary 25 per rank (the last 2 rows padding)."""
+    config = make_config("base", **UNEVEN)
+    plans = [ShardPlan(config, r, 4) for r in range(4)]
+    assert [len(p.experts) for p in plans] == [2, 2, 2, 1]
+    assert [len(p.shared) for p in plans] == [6, 6, 5, 5]
+    assert [(p.vocab.start, p.vocab.stop) for p in plans] == [(0, 25), (25, 50), (50, 75), (75, 98)]
+    assert [p.kv_heads.start for p in plans] == [0, 0, 1, 1]        # query heads 0,1 read K/V head 0
+    assert [p.k_heads.start for p in plans] == [0, 0, 1, 1]         # value heads 0,1 read key head 0
+    local = plans[3].local_config
+    assert (local.num_attention_heads, local.num_key_value_heads) == (1, 1)
+    assert (local.linear_num_value_heads, local.linear_num_key_heads) == (1, 1)
+    assert local.num_experts == 7                                     # the router stays whole
+
+
+# ---- loading ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout, prefix, variant", [
+    ("fused", "model.", "base"),
+    ("per_expert", "model.language_model.", "tied_gqa4"),
+])
+def test_each_rank_reads_only_its_slices(tmp_path, layout, prefix, variant):
+    """Every parameter of a rank's shard equals its slices of the full weights (checked against the
+    full model's tensors); the rank read exactly the bytes it holds, about half the model."""
+    full = make_model(variant, **UNEVEN)
+    path = _save(tmp_path, variant, layout, prefix, **UNEVEN)
+    state = full.state_dict()
+    total = sum(t.numel() * t.element_size() for n, t in state.items()
+                if not n.startswith("model.rotary") and not (n == "lm_head.weight" and full.config.tie_word_embeddings))
+    for rank in range(2):
+        parallel = ParallelGroup(rank=rank, world_size=2)          # loading alone runs no collective
+        shard = load_tensor_parallel(path, parallel, dtype=torch.float32)
+        plan = shard.shard_plan
+        held = 0
+        for name, p in shard.named_parameters():
+            cut = plan.slicing(name)
+            want = state[name]
+            if cut is not None:
+                want = torch.cat([want.narrow(cut.dim, a, b - a) for a, b in cut.ranges], dim=cut.dim)
+            torch.testing.assert_close(p.narrow(0, 0, want.shape[0]), want, rtol=0, atol=0, msg=name)
+            held += want.numel() * want.element_size()
+        assert shard.shard_bytes_read == held
+        assert held < 0.6 * total
+
+
+def test_plain_qwen_checkpoint_gets_block_defaults_per_rank(tmp_path):
+    model = make_model("base")
+    cfg = model.config.to_dict()
+    cfg["model_type"] = "qwen3_5_moe_text"
+    cfg.pop("mask_token_id")
+    save_checkpoint(model, cfg, tmp_path / "qwen", include_clover_params=False)
+    shard = load_tensor_parallel(tmp_path / "qwen", ParallelGroup(rank=1, world_size=2), dtype=torch.float32)
+    mix = shard.model.layers[0].linear_attn.block_mix_logits
+    assert mix.shape == (2, 2) and bool((mix[:, 1] == float("-inf")).all()) and bool((mix[:, 0] == 0).all())
+
+
+def test_quantized_checkpoint_is_refused_by_name(tmp_path):
+    from clover.checkpoint import CheckpointError
+    from clover.quantization.convert import quantize_checkpoint
+
+    quantize_checkpoint(_save(tmp_path), tmp_path / "q8", bits=8, group_size=16)
+    with pytest.raises(CheckpointError, match="quantized checkpoints are not sharded yet"):
+        load_tensor_parallel(tmp_path / "q8", ParallelGroup(rank=0, world_size=2))
+
+
+def test_load_tensor_parallel_without_launcher_says_how(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    path = _save(tmp_path)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        clover.load(path, tensor_parallel=True)
+    with pytest.raises(ValueError, match="not sharded yet"):
+        clover.load(path, tensor_parallel=True, backend="cpu")
+
+
+def test_cli_under_a_launcher_refuses_what_is_not_sharded_yet(monkeypatch, capsys):
+    from clover.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["info"]) == 2
+    assert "runs tensor-parallel so far" in capsys.readouterr().err
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["generate", "hi"]) == 2                      # WORLD_SIZE without torchrun's other variables
+    assert "launch with torchrun" in capsys.readouterr().err
+
+
+# ---- several processes ------------------------------------------------------------------------
+def test_two_ranks_match_one_process(tmp_path):
+    """K/V heads, GDN heads, 7 experts (4 + 3) and the vocabulary split over 2 spawned ranks."""
+    path = _save(tmp_path, **UNEVEN)
+    got = spawn_run(2, path, tmp_path / "out.pt", new_tokens=12)
+    _assert_same(got, _expected(path, 12))
+    assert sum(r["bytes_read"] for r in got["ranks"]) < 1.2 * sum(
+        t.numel() * t.element_size() for t in clover.load(path, dtype=torch.float32, backend="reference").parameters())
+
+
+def test_two_ranks_tied_one_kv_head_per_expert_checkpoint(tmp_path):
+    """Tied embeddings, a single K/V head replicated on both ranks, 5 experts (3 + 2), attention first,
+    a per-expert checkpoint under the multimodal prefix."""
+    path = _save(tmp_path, "tied_gqa4", "per_expert", "model.language_model.", num_key_value_heads=1, num_experts=5)
+    got = spawn_run(2, path, tmp_path / "out.pt", new_tokens=8)
+    _assert_same(got, _expected(path, 8))
+
+
+def test_four_ranks_under_torchrun_match_one_process(tmp_path):
+    """4 ranks started by a real torchrun: K/V and GDN key heads replicated in pairs, experts 2/2/2/1."""
+    path = _save(tmp_path, **UNEVEN)
+    out = tmp_path / "out.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER),
+           str(path), str(out), "8"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out)
+    assert [r["plan"].split(",")[1] for r in got["ranks"]] == [" q_heads 0:1", " q_heads 1:2", " q_heads 2:3",
+                                                                " q_heads 3:4"]
+    _assert_same(got, _expected(path, 8))
+
+
+def test_cli_generate_under_torchrun_matches_one_process(capsys):
+    """`torchrun --nproc-per-node 2 -m clover generate` on the demo model (fp32): rank 0 alone prints,
+    the completion is token for token the one-process CLI's."""
+    from clover.cli import main
+
+    args = ["generate", "What is 17+25?", "--dtype", "float32", "--max-new-tokens", "40", "--json"]
+    assert main(args) == 0
+    want = json.loads(capsys.readouterr().out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "clover", *args]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout                      # only rank 0 writes
+    got = json.loads(lines[0])
+    assert got["completion_ids"] == want["completion_ids"]
+    assert got["completion"] == want["completion"]
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_a_dead_or_silent_rank_is_an_error_within_the_timeout(tmp_path, mode):
+    """Two ranks started by hand (no launcher to tear them down): rank 1 exits, or sleeps, after
+    loading; rank 0's forward fails with RankFailure instead of waiting forever (timeout 4 s)."""
+    path = _save(tmp_path)
+    env = dict(_env(), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CLOVER_DIST_TIMEOUT="4")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(path), f"--fault={mode}"],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert "FAILED after" in out and "RankFailure" in out and "another rank died or did not answer within 4 s" in out
+    if mode == "hang":
+        seconds = float(out.split("FAILED after ")[1].split("s:")[0])
+        assert 3 <= seconds < 30
+
+
+# ---- serving ----------------------------------------------------------------------------------
+def _start_server(cmd, env):
+    """A `clover serve` subprocess on a free port; (process, port) once /health answers."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("server did not start")
+
+
+def _stop(proc) -> str:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err
+
+
+def _ask(port: int) -> list:
+    """Three concurrent chats (batched on the server), a seeded sampled stream, a self-speculative completion."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def chat(q):
+        r = client.chat.completions.create(model="clover-demo", messages=[{"role": "user", "content": q}],
+                                           max_tokens=40, extra_body={"block_size": 16})
+        m = r.choices[0].message
+        return m.content, (m.model_extra or {}).get("reasoning_content"), r.usage.completion_tokens
+
+    with ThreadPoolExecutor(3) as ex:
+        out = list(ex.map(chat, ["What is 17+25?", "Reverse: abc", "Sort: 3 1 2"]))
+    stream = client.completions.create(model="clover-demo", prompt="12+30=", max_tokens=20, stream=True,
+                                       extra_body={"temperature": 0.8, "seed": 4})
+    out.append("".join(c.choices[0].text for c in stream if c.choices))
+    r = client.completions.create(model="clover-demo", prompt="Sort: 9 4 7", max_tokens=24,
+                                  extra_body={"decoding": "self_speculative", "block_size": 8})
+    out.append(r.choices[0].text)
+    return out
+
+
+def test_serve_on_two_ranks_answers_as_one_process():
+    """`torchrun --nproc-per-node 2 -m clover serve` (demo model, fp32) and a one-process `clover serve`
+    give the official openai client the same answers, batched and streamed; SIGTERM stops both ranks."""
+    pytest.importorskip("openai")
+    base = ["-m", "clover", "serve", "--dtype", "float32"]
+    one, one_port = _start_server([sys.executable, *base], _env())
+    try:
+        want = _ask(one_port)
+    finally:
+        _stop(one)
+    tp, tp_port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", *base], _env())
+    try:
+        got = _ask(tp_port)
+    finally:
+        err = _stop(tp)
+    assert got == want
+    # rank 0 told rank 1 to stop; neither lost the other on the way out
+    assert "went away" not in err and "could not tell the other ranks" not in err and "RankFailure" not in err, err[-3000:]
+
+
+def _worker_pids(agent_pid: int) -> dict:
+    """rank → pid of the workers a torchrun agent started (from /proc)."""
+    out = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[int(rank)] = int(pid)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find torchrun's workers")
+def test_serve_with_a_silent_rank_fails_the_request_then_answers_503():
+    """Rank 1 stopped (SIGSTOP) under a 2-rank server with a 5 s timeout: the running request ends in
+    an error instead of hanging, then /health and new requests get 503."""
+    import httpx
+
+    env = dict(_env(), CLOVER_DIST_TIMEOUT="5")
+    agent, port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "clover", "serve", "--dtype", "float32"], env)
+    follower = _worker_pids(agent.pid)[1]
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "clover-demo", "prompt": "1+2=", "max_tokens": 8}
+    try:
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        os.kill(follower, signal.SIGSTOP)
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "RankFailure" in r.text and time.monotonic() - start < 30
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 503
+    finally:
+        os.kill(follower, signal.SIGKILL)
+        _stop(agent)

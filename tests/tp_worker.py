@@ -1,0 +1,129 @@
+"""One rank of a tensor-parallel test run, and the outputs the tests compare with one process.
+
+Run by `torchrun --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT` or spawned by `spawn_run`;
+every rank loads its shard with `clover.load(..., tensor_parallel=True)` and computes
+`model_outputs`; rank 0 saves them (with every rank's bytes read) to OUT. The tests compute
+`model_outputs` of the same checkpoint in one process as the expectation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def model_outputs(model, new_tokens: int = 20) -> dict:
+    """Causal and block logits, cached steps, and generations of every kind, on fixed inputs."""
+    from clover.generation import GenerationSettings, generate_batch
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(6, cfg.vocab_size - 1, (2, 14), generator=g)
+    mask = cfg.mask_token_id
+    out = {"causal": model(ids)}
+    block = ids[:, 9:].clone()
+    block[:, 1::2] = mask
+    out["block"] = model.block_logits(ids[:, :9], block)
+    out["block_selected"] = model.block_logits(ids[:, :9], block, block_top_p=0.6)
+    # cached: a prefill, a block step over it, a commit fused with the next block
+    seq = model.make_cache()
+    out["prefill"] = model.step(ids[:1, :9], [seq])
+    out["block_step"] = model.step(block[:1], [seq], block=True)
+    out["fused_step"] = model.step(torch.cat([ids[:1, 9:], block[:1]], 1), [seq], block_len=block.shape[1])
+    seq.release()
+
+    prompt = ids[0, :7].tolist()
+    common = dict(max_new_tokens=new_tokens, eos_token_id=[])
+    gens = {
+        "low_confidence": dict(block_size=8, threshold=0.9),
+        "autoregressive": dict(block_size=1),
+        "self_speculative": dict(block_size=8, decoding="self_speculative", draft_steps=1),
+        "expert_selection": dict(block_size=8, threshold=0.8, block_expert_top_p=0.6),
+        "sampled": dict(block_size=4, threshold=0.9, do_sample=True, temperature=0.9, seed=11),
+    }
+    for name, kw in gens.items():
+        out["gen_" + name] = model.generate(torch.tensor([prompt]), **common, **kw)[0].tolist()
+    base = GenerationSettings.resolve(model.generation_defaults, cfg, **common, block_size=8, threshold=0.9)
+    prompts = [prompt, ids[1, :5].tolist(), ids[1, 3:12].tolist()]
+    settings = [base, base.replace(decoding="self_speculative"), base.replace(block_expert_top_p=0.7, block_size=4)]
+    out["gen_batch"] = [r.tokens for r in generate_batch(model, prompts, settings)]
+    return out
+
+
+def main(model_dir: str, out_path: str, new_tokens: int = 20) -> None:
+    torch.set_num_threads(1)
+    import clover
+
+    model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
+    with torch.inference_mode():
+        out = model_outputs(model, new_tokens)
+    sizes = {"bytes_read": model.shard_bytes_read,
+             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+             "plan": repr(model.shard_plan)}
+    everyone = model.parallel.gather_objects(sizes)
+    # every rank must have decided the same tokens (the logits it received are the same bytes)
+    same = model.parallel.gather_objects({k: v for k, v in out.items() if k.startswith("gen_")})
+    if model.parallel.rank == 0:
+        out["ranks"] = everyone
+        out["ranks_agree"] = all(s == same[0] for s in same)
+        torch.save(out, out_path)
+    model.parallel.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, model_dir: str, out_path: str, new_tokens: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    main(model_dir, out_path, new_tokens)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_run(world: int, model_dir, out_path, new_tokens: int = 20) -> dict:
+    """Run `main` on `world` spawned processes; returns rank 0's outputs."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned, args=(world, free_port(), str(model_dir), str(out_path), new_tokens), nprocs=world,
+                       start_method="spawn")
+    return torch.load(out_path)
+
+
+def fault_main(model_dir: str, mode: str) -> None:
+    """Rank 1 dies (`die`) or stops answering (`hang`) after loading; rank 0 runs a forward and
+    prints how it failed and after how long."""
+    import time
+
+    import clover
+
+    torch.set_num_threads(1)
+    model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
+    if model.parallel.rank != 0:
+        if mode == "die":
+            os._exit(3)
+        time.sleep(300)
+        return
+    start = time.monotonic()
+    try:
+        model(torch.tensor([[7, 8, 9]]))
+    except RuntimeError as exc:
+        print(f"FAILED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+        os._exit(1)
+    print("NO ERROR", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(SRC))
+    if sys.argv[2].startswith("--fault="):
+        fault_main(sys.argv[1], sys.argv[2].split("=", 1)[1])
+    else:
+        main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:]))
