@@ -29,6 +29,7 @@ from ..tokenization import CloverTokenizer
 from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, check_unsupported, extras, parse,
                        setting_param, settings_overrides, stop_strings)
 from .chat_tools import ChatOutput, prepare_chat
+from .openapi import document_request_bodies
 from .text import CONTENT, TextStream
 from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
 
@@ -286,6 +287,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.registry.CONTENT_TYPE)
 
+    document_request_bodies(app, {
+        "/v1/chat/completions": (ChatRequest, {"messages": [{"role": "user", "content": "What is 17+25?"}]}),
+        "/v1/completions": (CompletionRequest, {"prompt": "17+25=", "max_tokens": 8})}, model_name)
     return app
 
 
