@@ -161,6 +161,15 @@ def variant_config(variant: str, clover: bool = True) -> dict:
     return cfg
 
 
+def variant_summary(variant: str) -> str:
+    """One line for `--help`: a variant's main sizes and its bf16 weight bytes (from its tensor specs)."""
+    v = VARIANTS[variant]
+    nbytes = sum(_numel(shape) for _, shape, _ in tensor_specs(variant_config(variant))) * 2
+    size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+    return (f"hidden {v['hidden_size']}, {v['num_experts']} experts top-{v['num_experts_per_tok']}, "
+            f"vocab {v['vocab_size']:,}, {v['num_hidden_layers']} layers: {size} of bf16 weights")
+
+
 def _is_clover(config: dict) -> bool:
     return config.get("model_type") == "clover"
 

@@ -111,8 +111,13 @@ def _value(r: dict) -> tuple[float, str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variant", default="small")
+    from benchmarks.checkpoints import VARIANTS, variant_summary
+
+    variants = "\n".join(f"  {name:6} {variant_summary(name)}" for name in VARIANTS)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"variants (random bench checkpoints, built once and cached):\n{variants}")
+    ap.add_argument("--variant", default="small", choices=list(VARIANTS),
+                    help="bench checkpoint shapes (default small; the list below)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-lens", default="512,4096")

@@ -3,8 +3,10 @@
 A small random Clover model (vocab 512, covering the demo tokenizer) is saved as a clover model
 directory, exported, and then:
   (a) the card's quick-start script runs in a subprocess where `import clover` fails, in bfloat16, and
-      prints what the package itself produces (with the trained demo model, when it exists, it must also
-      answer a demo question right);
+      prints what the package itself produces: the thinking, `</think>`, then the answer (its
+      `skip_special_tokens=True` drops control tokens, not the thinking markers, as with Qwen3's
+      tokenizers), with no warning from transformers on the way (with the trained demo model, when it
+      exists, it must also answer a demo question right);
   (b) HF `generate()` gives the package's tokens in float32: LowConfidence (generation_config.json
       defaults and keyword overrides), self-speculative, and a left-padded batch;
   (c) SPEC §9 rejections raise through the HF path before any forward;
@@ -118,7 +120,15 @@ def package_completion(model_dir, question="What is diffusion?", dtype=torch.bfl
     ids = tok.apply_chat_template([{"role": "user", "content": question}], enable_thinking=True)
     out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, block_size=32,
                          threshold=0.95, do_sample=False)
-    return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    return card_text(tok, out[0, len(ids):].tolist())
+
+
+def card_text(tok: CloverTokenizer, ids: list[int]) -> str:
+    """What the card's users should see for `ids`: the text with the control tokens (`<|im_end|>`,
+    `<|endoftext|>`, `<|mask|>`, …) left out and the thinking markers kept, so the thinking and the
+    answer stay apart (`…</think>\n\nanswer`), as decoding a Qwen3 completion with skip_special_tokens=True."""
+    markers = {tok.think_token_id, tok.think_end_token_id}
+    return tok.decode([i for i in ids if i in markers or not tok.is_special(i)])
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -183,7 +193,7 @@ def test_export_writes_a_complete_model_directory(dirs):
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_clover.CloverForCausalLM"
     gen = json.loads((dirs.dst / "generation_config.json").read_text())
     for key in ("block_size", "threshold", "decoding", "draft_steps", "max_new_tokens", "do_sample", "temperature",
-                "top_p", "top_k", "eos_token_id", "pad_token_id", "mask_token_id", "dllm_repetition_penalty",
+                "top_p", "eos_token_id", "pad_token_id", "mask_token_id", "dllm_repetition_penalty",
                 "dllm_think_end_window"):
         assert key in gen, key
     assert gen["block_size"] == 8 and gen["threshold"] == 0.9 and gen["mask_token_id"] == 5
@@ -203,6 +213,39 @@ def test_export_writes_a_complete_model_directory(dirs):
     assert torch.equal(again(ids), clover.load(dirs.src, dtype=torch.float32)(ids))
 
 
+def test_exported_generation_config_has_no_flag_transformers_calls_ignored(dirs):
+    """transformers flags sampling-only values set on a greedy config ("generation flags are not valid
+    and may be ignored: ['top_k']" on every load); top_k 0 means "off", which an absent top_k also means
+    to Clover, so the export leaves it out; a real top_k is kept."""
+    from clover.config import CloverConfig
+    from clover.hf.export import generation_config_dict
+
+    transformers.GenerationConfig.from_pretrained(dirs.dst).validate(strict=True)
+    assert "top_k" not in json.loads((dirs.dst / "generation_config.json").read_text())
+    config = CloverConfig.from_file(dirs.src)
+    assert generation_config_dict(config, {"do_sample": True, "top_k": 20})["top_k"] == 20
+    hf_model = AutoModelForCausalLM.from_pretrained(dirs.dst, trust_remote_code=True, dtype=torch.float32)
+    ids = torch.tensor([chat_ids(AutoTokenizer.from_pretrained(dirs.dst), "Hi")])
+    ours = clover.load(dirs.src, dtype=torch.float32)
+    for settings in ({}, {"do_sample": True, "seed": 3}):       # absent top_k: no top-k filter, as in the source
+        assert torch.equal(hf_model.generate(ids, max_new_tokens=8, **settings),
+                           ours.generate(ids, max_new_tokens=8, **settings))
+
+
+def test_exported_tokenizer_keeps_the_thinking_markers_when_skipping_special_tokens(dirs, tokenizer):
+    """The card decodes with skip_special_tokens=True: control tokens go, `<think>`/`</think>` stay
+    (ordinary added tokens, as Qwen3's tokenizers mark them), and still encode as one token each."""
+    ours = CloverTokenizer.from_dir(dirs.src)
+    think, end, im_end, mask = (ours.token_to_id(t) for t in ("<think>", "</think>", "<|im_end|>", "<|mask|>"))
+    ids = [think] + ours.encode("\nsteps\n") + [end] + ours.encode("\n\n42") + [mask, im_end]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>\nsteps\n</think>\n\n42"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == ours.decode(ids)
+    assert tokenizer("a</think>b<|im_end|>", add_special_tokens=False)["input_ids"] == ours.encode("a</think>b<|im_end|>")
+    assert {"<|im_end|>", "<|im_start|>", "<|mask|>"} <= set(tokenizer.all_special_tokens)
+    assert not {"<think>", "</think>"} & set(tokenizer.all_special_tokens)
+    assert ours.is_special(end)                  # the source directory is left as it was
+
+
 # ---- (a) the card's quick start, without clover installed ----------------------------------------
 def test_card_quick_start_runs_without_clover(dirs):
     expected = package_completion(dirs.src)
@@ -210,6 +253,7 @@ def test_card_quick_start_runs_without_clover(dirs):
     result = run_without_clover(quick_start(dirs.dst), dirs.root)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected + "\n"
+    assert "not valid and may be ignored" not in result.stderr, result.stderr[-3000:]
 
 
 DEMO_MODEL = Path(clover.__file__).parent / "demo" / "model"
@@ -224,15 +268,16 @@ def test_card_quick_start_answers_a_demo_question(tmp_path):
     for example in sample_examples(12, "heldout", seed=0):
         question = example.messages[-1]["content"]
         expected = package_completion(DEMO_MODEL, question, max_new_tokens=128)
-        lines = expected.strip().splitlines()
-        if lines and lines[-1].strip() == example.answer:       # `</think>` is skipped when decoding
+        thinking, marker, answer = expected.partition("</think>")
+        if marker and thinking.strip() and answer.strip() == example.answer:
             break
     else:
         pytest.fail("the demo model answered none of 12 held-out questions (package path, bfloat16)")
     result = run_without_clover(quick_start(dst, question=question, max_new_tokens=128), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected + "\n"
-    assert result.stdout.strip().splitlines()[-1].strip() == example.answer
+    assert result.stdout.split("</think>")[-1].strip() == example.answer
+    assert "not valid and may be ignored" not in result.stderr, result.stderr[-3000:]    # the demo's top_k: 0
 
 
 @pytest.mark.gpu

@@ -337,9 +337,12 @@ def _eval_demo_sweep(args) -> int:
 
 # ---- dispatch to other modules ----------------------------------------------------------------
 def cmd_train(args, rest) -> int:
-    from clover.training import train
+    try:
+        from clover.training import train
 
-    return train.main(rest) or 0
+        return train.main(rest) or 0
+    except KeyboardInterrupt:       # before training starts (train.main handles it after)
+        return 130
 
 
 def cmd_export(args, rest) -> int:

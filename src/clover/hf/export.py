@@ -219,17 +219,45 @@ def generation_config_dict(config, source: dict | None = None) -> dict:
     out["mask_token_id"] = config.mask_token_id
     if config.mask_token_id is None:
         out["block_size"] = 1
+    if not out.get("top_k"):
+        # 0 / None mean "no top-k filter", as an absent top_k does to Clover; transformers reads a top_k
+        # on a greedy config as a sampling flag set in vain and warns on every load.
+        out.pop("top_k", None)
     return out
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files present in `src`; returns their names."""
+    """Copy the tokenizer files present in `src`, the thinking markers made ordinary added tokens
+    (`_unmark_thinking`); returns their names."""
     copied = []
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+            if name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                body = json.loads((src / name).read_text(encoding="utf-8"))
+                (dst / name).write_text(json.dumps(_unmark_thinking(body), indent=2, ensure_ascii=False) + "\n",
+                                        encoding="utf-8")
+            else:
+                shutil.copyfile(src / name, dst / name)
             copied.append(name)
     return copied
+
+
+def _unmark_thinking(body: dict) -> dict:
+    """A tokenizer file's JSON with `<think>` / `</think>` as added tokens that are not special, as
+    Qwen3's tokenizers have them: transformers' `decode(..., skip_special_tokens=True)` (the model
+    card's) then drops the control tokens but keeps the markers, so the thinking and the answer do not
+    run together. They still encode as one token each (added tokens are matched either way)."""
+    markers = ("<think>", "</think>")
+    for token in body.get("added_tokens", []):                             # tokenizer.json
+        if token.get("content") in markers:
+            token["special"] = False
+    for token in body.get("added_tokens_decoder", {}).values():            # tokenizer_config.json
+        if token.get("content") in markers:
+            token["special"] = False
+    for key in ("additional_special_tokens", "extra_special_tokens"):       # both, and the special map
+        if isinstance(body.get(key), list):
+            body[key] = [t for t in body[key] if (t.get("content") if isinstance(t, dict) else t) not in markers]
+    return body
 
 
 # ---- export -----------------------------------------------------------------------------------

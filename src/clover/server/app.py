@@ -32,6 +32,7 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, ch
 from .chat_tools import ChatOutput, prepare_chat
 from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion_top_k
 from .structured import StructuredOutput
+from .openapi import document_request_bodies
 from .text import CONTENT, TextStream
 from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
 
@@ -351,6 +352,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.registry.CONTENT_TYPE)
 
+    document_request_bodies(app, {
+        "/v1/chat/completions": (ChatRequest, {"messages": [{"role": "user", "content": "What is 17+25?"}]}),
+        "/v1/completions": (CompletionRequest, {"prompt": "17+25=", "max_tokens": 8})}, model_name)
     return app
 
 

@@ -214,3 +214,7 @@ def main(argv=None) -> int:
     except ServeError as exc:
         print(f"clover serve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # uvicorn has already drained and shut down; it re-raises Ctrl-C afterwards so that the
+        # caller sees it: the exit status says so, a traceback would say nothing more.
+        return 130

@@ -9,16 +9,24 @@ cosine decay, gradient clipping. Deterministic given the seed (fixed thread coun
                            --eval-every K --time-budget-min M]
 
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (SPEC §10) and
-the tokenizer files, and loads with `clover.load(DIR)`.
+the tokenizer files, and loads with `clover.load(DIR)`. It must not exist yet, or be empty, unless
+`--force` (a model directory is then replaced). Every save is whole or nothing: the directory is
+written beside DIR and swapped in, so DIR is either absent or a complete model. Ctrl-C stops training
+and saves the model trained so far (a second Ctrl-C while it saves leaves DIR as it was).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
 import shutil
+import signal
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,28 +276,79 @@ def evaluate(model, tokenizer: CloverTokenizer, n: int = 30, seed: int = 1234, b
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def check_output_dir(out: str | Path, overwrite: bool = False) -> Path:
+    """Refuse an `out` that holds anything, as `clover export` does; with `overwrite`, only a model
+    directory (config.json) may be replaced — never an unrelated folder."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{out} exists and is not empty (pass overwrite=True / --force to replace the model in it)")
+        if not (out / "config.json").is_file():
+            raise ValueError(f"{out} is not empty and not a model directory (no config.json): refusing to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Ctrl-C inside the block takes effect when it ends, so a directory swap is never left half done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                   # only the main thread ever sees KeyboardInterrupt
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(*caught[0])    # the default handler raises KeyboardInterrupt
+
+
 def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: int = 0,
                    tokenizer_from: str | Path | None = None) -> Path:
-    """Write a complete model directory: weights (float32, bfloat16 if float32 would not fit in
-    16 MB), config.json, generation_config.json and the tokenizer files — copied from
+    """Write a complete model directory, whole or not at all: into a sibling folder first, swapped in
+    for `out` (an earlier save there is replaced) only when every file is written; an exception or
+    Ctrl-C while writing leaves `out` as it was. The files: weights (float32, bfloat16 if float32
+    would not fit in 16 MB), config.json, generation_config.json and the tokenizer files — copied from
     `tokenizer_from` (a warm start keeps its model's tokenizer) or freshly built."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_model_files(model, staging, tokenizer_seed, tokenizer_from)
+        with _sigint_deferred():
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                out.rename(old / out.name)
+                staging.rename(out)
+                shutil.rmtree(old)
+            else:
+                staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out
+
+
+def _write_model_files(model: CloverForCausalLM, out: Path, tokenizer_seed: int,
+                       tokenizer_from: str | Path | None) -> None:
     fp32_bytes = sum(p.numel() * 4 for p in model.state_dict().values())
     dtype = torch.float32 if fp32_bytes < MAX_DIR_BYTES - 512 * 1024 else torch.bfloat16
     cfg = model.config.to_dict()
     cfg["dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
     save_checkpoint(model, cfg, out, dtype=dtype)
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    if tokenizer_from is not None and Path(tokenizer_from).resolve() != out.resolve():
+    if tokenizer_from is not None:
         for name in TOKENIZER_FILES:
             shutil.copyfile(Path(tokenizer_from) / name, out / name)
-    elif tokenizer_from is None:
+    else:
         build_tokenizer(str(out), vocab_size=model.config.vocab_size, seed=tokenizer_seed)
+    out.chmod(0o755)            # mkdtemp makes 0700
     for f in out.iterdir():
         if f.is_file():
             f.chmod(0o644)      # safetensors writes 0600; the directory ships as package data
-    return out
 
 
 def dir_bytes(path: str | Path) -> int:
@@ -322,9 +381,12 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 think_prob: float = 0.8, threads: int | None = 1, log_every: int = 10, log=print,
                 tokenizer_dir: str | Path | None = None, init_from: str | Path | None = None,
                 tasks: tuple[str, ...] | None = None, save_every: int = 0,
-                frontier_prob: float = 0.0, decode_state_prob: float = 0.0) -> TrainResult:
+                frontier_prob: float = 0.0, decode_state_prob: float = 0.0, overwrite: bool = False) -> TrainResult:
     """Train from scratch; save to `out` (a complete model directory) when given.
 
+    `out` must not exist or must be empty; `overwrite` lets a model directory there be replaced (see
+    `check_output_dir`). Saves are whole or nothing (`save_model_dir`). On KeyboardInterrupt the model
+    trained so far is saved to `out` (when a step has run) and the interrupt raised again.
     `tasks` is the round-robin task tuple of the training stream (see `parse_task_weights`).
     `frontier_prob` is the share of diffusion blocks noised as LowConfidence's frontier (data.noise_block);
     `decode_state_prob` the share of diffusion rows replaced by the model's own teacher-forced
@@ -333,107 +395,129 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
     latest weights.
     With `time_budget_min`, the schedule runs on max(step/steps, elapsed/budget) and training stops when
     either ends (deterministic only when the budget does not bind)."""
+    if out is not None:
+        out = check_output_dir(out, overwrite)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     t_start = time.time()
+    with contextlib.ExitStack() as cleanup:
+        if init_from is not None:
+            # Warm start: continue training an existing model directory with its own tokenizer —
+            # rebuilding from today's task corpus could give other BPE merges (other ids than it learnt)
+            # whenever a task's wording has changed since.
+            from clover import load
 
-    if init_from is not None:
-        # Warm start: continue training an existing model directory with its own tokenizer —
-        # rebuilding from today's task corpus could give other BPE merges (other ids than it learnt)
-        # whenever a task's wording has changed since.
-        from clover import load
-
-        tok_dir = Path(init_from)
-        model = load(init_from, dtype=torch.float32)
-        config = model.config
-        log(f"initialised from {init_from}")
-    else:
-        if tokenizer_dir is not None or out is not None:
-            tok_dir = Path(tokenizer_dir if tokenizer_dir is not None else out)
+            tok_dir = Path(init_from)
+            model = load(init_from, dtype=torch.float32)
+            config = model.config
+            log(f"initialised from {init_from}")
         else:
-            import tempfile
-            tok_dir = Path(tempfile.mkdtemp(prefix="clover_tok_"))
-        build_tokenizer(str(tok_dir))   # deterministic; the same files are (re)written into `out` at the end
-        config = make_config(config_size, **(config_overrides or {}))
-        model = init_weights(CloverForCausalLM(config), seed)
-    tokenizer = CloverTokenizer.from_dir(tok_dir)
-    model.train().requires_grad_(True)
-    total, active = count_parameters(model)
-    log(f"config {config_size}: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active), "
-        f"layers {list(config.layer_types)}, {config.num_experts} experts top-{config.num_experts_per_tok}")
+            # Built aside (never inside `out`, which holds only complete saves); deterministic, copied
+            # into every save.
+            tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else Path(
+                cleanup.enter_context(tempfile.TemporaryDirectory(prefix="clover_tok_")))
+            build_tokenizer(str(tok_dir))
+            config = make_config(config_size, **(config_overrides or {}))
+            model = init_weights(CloverForCausalLM(config), seed)
+        tokenizer = CloverTokenizer.from_dir(tok_dir)
+        model.train().requires_grad_(True)
+        total, active = count_parameters(model)
+        log(f"config {config_size}: {total / 1e6:.2f}M parameters ({active / 1e6:.2f}M active), "
+            f"layers {list(config.layer_types)}, {config.num_experts} experts top-{config.num_experts_per_tok}")
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "conv1d" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n and "conv1d" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    balance = RouterBalance(model)
-    stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob, tasks=tasks,
-                                   frontier_prob=frontier_prob))
-    result = TrainResult(model, tokenizer)
-    state_rng = random.Random(f"decode-states:{seed}")
-    budget_s = time_budget_min * 60 if time_budget_min else None
-    window: list[dict] = []
-    tokens_seen, t_log = 0, time.time()
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "conv1d" not in n]
+        no_decay = [p for n, p in model.named_parameters()
+                    if not (p.dim() >= 2 and "embed" not in n and "conv1d" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+        balance = RouterBalance(model)
+        stream = iter(TrainingStream(tokenizer, batch_size, seed=seed, think_prob=think_prob, tasks=tasks,
+                                     frontier_prob=frontier_prob))
+        result = TrainResult(model, tokenizer)
+        state_rng = random.Random(f"decode-states:{seed}")
+        budget_s = time_budget_min * 60 if time_budget_min else None
+        window: list[dict] = []
+        tokens_seen, t_log = 0, time.time()
 
-    step = 0
-    while step < steps:
-        elapsed = time.time() - t_start
-        progress = step / steps if budget_s is None else max(step / steps, elapsed / budget_s)
-        if progress >= 1.0:
-            log(f"time budget reached at step {step}")
-            break
-        cur_lr = lr_at(progress, lr, warmup)
-        for group in opt.param_groups:
-            group["lr"] = cur_lr
-        causal, diffusion = next(stream)
-        if decode_state_prob:
-            diffusion = with_decode_states(model, diffusion, config.mask_token_id, state_rng, decode_state_prob)
-            balance.probs.clear()   # those no-grad forwards are not part of the balance term
+        step = 0
+        try:
+            while step < steps:
+                elapsed = time.time() - t_start
+                progress = step / steps if budget_s is None else max(step / steps, elapsed / budget_s)
+                if progress >= 1.0:
+                    log(f"time budget reached at step {step}")
+                    break
+                cur_lr = lr_at(progress, lr, warmup)
+                for group in opt.param_groups:
+                    group["lr"] = cur_lr
+                causal, diffusion = next(stream)
+                if decode_state_prob:
+                    diffusion = with_decode_states(model, diffusion, config.mask_token_id, state_rng,
+                                                   decode_state_prob)
+                    balance.probs.clear()   # those no-grad forwards are not part of the balance term
 
-        logits = model(causal.input_ids)
-        loss_c = F.cross_entropy(logits.flatten(0, 1).float(), causal.targets.flatten(), ignore_index=IGNORE)
-        logits = model(diffusion.input_ids, block_len=diffusion.block_len)
-        loss_d = F.cross_entropy(logits.flatten(0, 1).float(), diffusion.targets.flatten(), ignore_index=IGNORE)
-        loss_b = balance.loss()
-        loss = loss_c + loss_d + balance_coef * loss_b
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        step += 1
+                logits = model(causal.input_ids)
+                loss_c = F.cross_entropy(logits.flatten(0, 1).float(), causal.targets.flatten(), ignore_index=IGNORE)
+                logits = model(diffusion.input_ids, block_len=diffusion.block_len)
+                loss_d = F.cross_entropy(logits.flatten(0, 1).float(), diffusion.targets.flatten(),
+                                         ignore_index=IGNORE)
+                loss_b = balance.loss()
+                loss = loss_c + loss_d + balance_coef * loss_b
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                step += 1
 
-        rec = {"step": step, "causal": loss_c.item(), "diffusion": loss_d.item(), "balance": loss_b.item(),
-               "lr": cur_lr}
-        result.history.append(rec)
-        window.append(rec)
-        tokens_seen += causal.input_ids.numel() + diffusion.input_ids.numel()
-        if step % log_every == 0 or step == steps:
-            now = time.time()
-            mean = lambda k: sum(r[k] for r in window) / len(window)  # noqa: E731
-            log(f"step {step:5d}/{steps}  causal {mean('causal'):.4f}  diffusion {mean('diffusion'):.4f}  "
-                f"balance {mean('balance'):.3f}  lr {cur_lr:.2e}  {tokens_seen / (now - t_log):.0f} tok/s  "
-                f"{now - t_start:.0f}s")
-            window, tokens_seen, t_log = [], 0, now
-        if save_every and out is not None and step % save_every == 0 and step < steps:
-            model.eval()
-            save_model_dir(model, out, tokenizer_from=tok_dir)
-            model.train()
-            log(f"saved step {step} to {out}")
-        if eval_every and step % eval_every == 0 and step < steps:
+                rec = {"step": step, "causal": loss_c.item(), "diffusion": loss_d.item(), "balance": loss_b.item(),
+                       "lr": cur_lr}
+                result.history.append(rec)
+                window.append(rec)
+                tokens_seen += causal.input_ids.numel() + diffusion.input_ids.numel()
+                if step % log_every == 0 or step == steps:
+                    now = time.time()
+                    mean = lambda k: sum(r[k] for r in window) / len(window)  # noqa: E731
+                    log(f"step {step:5d}/{steps}  causal {mean('causal'):.4f}  diffusion {mean('diffusion'):.4f}  "
+                        f"balance {mean('balance'):.3f}  lr {cur_lr:.2e}  {tokens_seen / (now - t_log):.0f} tok/s  "
+                        f"{now - t_start:.0f}s")
+                    window, tokens_seen, t_log = [], 0, now
+                if save_every and out is not None and step % save_every == 0 and step < steps:
+                    model.eval()
+                    save_model_dir(model, out, tokenizer_from=tok_dir)
+                    model.train()
+                    log(f"saved step {step} to {out}")
+                if eval_every and step % eval_every == 0 and step < steps:
+                    _run_eval(model, tokenizer, eval_problems, step, result, log)
+                    t_log = time.time()
+        except KeyboardInterrupt:
+            # Ctrl-C: keep what was trained (if anything). The step in flight is lost: its update
+            # either happened (counted) or not; a second Ctrl-C during the save leaves `out` as it was.
+            balance.remove()
+            model.eval().requires_grad_(False)
+            if out is not None and step > 0:
+                log(f"interrupted at step {step}/{steps}: saving the model trained so far to {out} "
+                    "(Ctrl-C again to skip)")
+                try:
+                    save_model_dir(model, out, tokenizer_from=tok_dir)
+                except KeyboardInterrupt:
+                    log(f"not saved: {out} is as it was before")
+                    raise
+                log(f"saved step {step} to {out}")
+            else:
+                log(f"interrupted at step {step}/{steps}: nothing saved")
+            raise
+
+        balance.remove()
+        model.eval().requires_grad_(False)
+        result.seconds = time.time() - t_start
+        log(f"trained {step} steps in {result.seconds / 60:.1f} min")
+        if eval_every:
             _run_eval(model, tokenizer, eval_problems, step, result, log)
-            t_log = time.time()
-
-    balance.remove()
-    model.eval().requires_grad_(False)
-    result.seconds = time.time() - t_start
-    log(f"trained {step} steps in {result.seconds / 60:.1f} min")
-    if eval_every:
-        _run_eval(model, tokenizer, eval_problems, step, result, log)
-    if out is not None:
-        result.out = save_model_dir(model, out, tokenizer_from=tok_dir)
-        log(f"saved {result.out} ({dir_bytes(result.out) / 2**20:.2f} MiB)")
-    return result
+        if out is not None:
+            result.out = save_model_dir(model, out, tokenizer_from=tok_dir)
+            log(f"saved {result.out} ({dir_bytes(result.out) / 2**20:.2f} MiB)")
+        return result
 
 
 def _run_eval(model, tokenizer, n, step, result, log) -> None:
@@ -446,9 +530,10 @@ def _run_eval(model, tokenizer, n, step, result, log) -> None:
         f"block32 acc {blk['accuracy']:.3f} at {blk['tokens_per_forward']:.2f} tok/fwd  ({time.time() - t:.0f}s)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="clover train", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument("--out", required=True, help="model directory to write (new or empty; Ctrl-C saves what is trained)")
+    p.add_argument("--force", action="store_true", help="replace the model directory already at --out")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32)
@@ -479,13 +564,17 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--frontier-prob must lie in [0, 1], got {args.frontier_prob}")
     if not 0.0 <= args.decode_state_prob <= 1.0:
         p.error(f"--decode-state-prob must lie in [0, 1], got {args.decode_state_prob}")
-    train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-                config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
-                time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
-                init_from=args.init_from, tasks=tasks, save_every=args.save_every,
-                frontier_prob=args.frontier_prob, decode_state_prob=args.decode_state_prob,
-                log=lambda s: print(s, flush=True))
+    try:
+        train_model(args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+                    config_size=args.config_size, eval_every=args.eval_every, eval_problems=args.eval_problems,
+                    time_budget_min=args.time_budget_min, threads=args.threads, log_every=args.log_every,
+                    init_from=args.init_from, tasks=tasks, save_every=args.save_every,
+                    frontier_prob=args.frontier_prob, decode_state_prob=args.decode_state_prob,
+                    overwrite=args.force, log=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:
+        return 130              # what was saved, if anything, has been logged
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

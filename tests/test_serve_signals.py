@@ -1,0 +1,80 @@
+"""Issue 25, lifecycle: the real `clover serve` process, stopped by Ctrl-C (SIGINT) or SIGTERM while a
+streaming and a non-streaming request run past the grace period. Both requests end with a 503
+`shutting_down` (the stream with an error event, then `[DONE]`), the process is gone within the grace
+period plus a few seconds, and it prints no traceback on the way out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GRACE = 2.0
+# The demo model at block size 1: thousands of forwards, far longer than the grace period.
+LONG = {"model": "clover-demo", "prompt": "Long", "max_tokens": 4000, "block_size": 1, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_a_signal_past_the_grace_period_ends_requests_cleanly_and_quickly(sig, exit_code):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--port", str(port), "--threads", "1",
+                             "--graceful-timeout", str(GRACE), "--log-level", "warning"],
+                            env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    lines, results, streaming = [], {}, threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", json=dict(LONG, stream=True), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    streaming.set()
+
+    def whole():
+        results["whole"] = httpx.post(url + "/v1/completions", json=LONG, timeout=60)
+
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        readers = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for t in readers:
+            t.start()
+        assert streaming.wait(60)
+        time.sleep(0.5)                                   # the non-streaming request is running too
+        t0 = time.time()
+        proc.send_signal(sig)
+        output, _ = proc.communicate(timeout=60)
+        took = time.time() - t0
+        for t in readers:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exit_code, output
+    assert took < GRACE + 4.0, took
+    assert "Traceback" not in output, output
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "shutting_down", lines[-3:]
+    whole_response = results["whole"]
+    assert whole_response.status_code == 503 and whole_response.json()["error"]["code"] == "shutting_down"
