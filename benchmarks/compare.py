@@ -3,6 +3,7 @@
     python -m benchmarks.compare --variant small          # quick (≈0.6 GB of weights)
     python -m benchmarks.compare --variant full           # the real per-layer shapes (≈8.5 GB)
     python -m benchmarks.compare --variant full --rounds 3    # three pairs of runs, order alternating
+    clover bench llama-cpp --rounds 3                          # Clover vs llama.cpp instead (benchmarks/llama_cpp.py)
 
 Runs `benchmarks.bench_clover` and `benchmarks.bench_transformers` one after the other (memory is never
 shared), measures the memory bandwidth once, and prints one table: each operation's median for both
@@ -111,6 +112,11 @@ def _value(r: dict) -> tuple[float, str]:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["llama-cpp"]:                  # `clover bench llama-cpp …`: the llama.cpp comparison
+        from benchmarks import llama_cpp
+
+        return llama_cpp.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default="small")
     ap.add_argument("--repeats", type=int, default=3)
