@@ -288,7 +288,7 @@ def _greedy_tokens(engine, config, prompt: int, steps: int) -> list[int]:
 
 
 def worker_main(argv: list[str]) -> int:
-    """`python -m benchmarks.llama_cpp _worker ENGINE PATH CONFIG_JSON THREADS PROMPT DECODE REPEATS`:
+    """`python -m benchmarks.llama_cpp _worker ENGINE PATH CONFIG_JSON THREADS PROMPT DECODE REPEATS FLASH_ATTN`:
     one engine's measurement, one JSON line out."""
     engine_name, path, config_path, threads, prompt, steps, repeats, flash_attn = argv
     threads, prompt, steps, repeats = int(threads), int(prompt), int(steps), int(repeats)
