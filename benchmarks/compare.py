@@ -3,6 +3,7 @@
     python -m benchmarks.compare --variant small          # quick (≈0.6 GB of weights)
     python -m benchmarks.compare --variant full           # the real per-layer shapes (≈8.5 GB)
     python -m benchmarks.compare --variant full --rounds 3    # three pairs of runs, order alternating
+    clover bench llama-cpp --rounds 3                          # Clover vs llama.cpp instead (benchmarks/llama_cpp.py)
 
 Runs `benchmarks.bench_clover` and `benchmarks.bench_transformers` one after the other (memory is never
 shared), measures the memory bandwidth once, and prints one table: each operation's median for both
@@ -111,11 +112,17 @@ def _value(r: dict) -> tuple[float, str]:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["llama-cpp"]:                  # `clover bench llama-cpp …`: the llama.cpp comparison
+        from benchmarks import llama_cpp
+
+        return llama_cpp.main(argv[1:])
     from benchmarks.checkpoints import VARIANTS, variant_summary
 
     variants = "\n".join(f"  {name:6} {variant_summary(name)}" for name in VARIANTS)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=f"variants (random bench checkpoints, built once and cached):\n{variants}")
+                                 epilog=f"variants (random bench checkpoints, built once and cached):\n{variants}\n\n"
+                                        "also: clover bench llama-cpp --help  (Clover vs llama.cpp at bf16, 8 and 4 bits)")
     ap.add_argument("--variant", default="small", choices=list(VARIANTS),
                     help="bench checkpoint shapes (default small; the list below)")
     ap.add_argument("--repeats", type=int, default=3)
