@@ -83,7 +83,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     if packs:
         from .layers.packed import pack_for_cpu
 
+        from .runtime import release_free_memory
+
         pack_for_cpu(model, kernels=True if backend == "cpu" else None)
+        release_free_memory()              # the stored forms packing freed (runtime.py says why)
     _read_generation_defaults(model, path)
     return model
 

@@ -21,3 +21,19 @@ def flush_denormals(enabled: bool = True) -> bool:
     """Flush (or stop flushing) denormals to zero in this thread and the threads it creates later.
     Returns False where the CPU does not support it (non-x86)."""
     return torch.set_flush_denormal(enabled)
+
+
+def release_free_memory() -> bool:
+    """Hand the allocator's free heap memory back to the OS (glibc `malloc_trim`). Loading frees the
+    stored form of every matrix it repacks; glibc serves allocations under its (self-raising, up to
+    32 MB) mmap threshold from the heap and keeps what they free, which left ~0.8 GB resident after
+    loading the full-size int4 model. Returns False where there is no glibc."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
