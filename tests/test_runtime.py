@@ -59,8 +59,10 @@ def test_release_free_memory_returns_heap_to_the_os():
         from clover.runtime import release_free_memory
         rss = lambda: psutil.Process().memory_info().rss
         first = torch.ones((8 << 20) // 4); del first               # raises the mmap threshold to 8 MB
-        blocks = [torch.ones((4 << 20) // 4) for _ in range(64)]    # 256 MB from the heap
-        pin = torch.ones(1024)                                      # a live block above them
+        blocks, pins = [], []
+        for _ in range(64):                                         # 256 MB from the heap, each 4 MB
+            blocks.append(torch.ones((4 << 20) // 4))               # between two live 1 MB blocks, so
+            pins.append(torch.ones((1 << 20) // 4))                 # free() can neither merge nor trim it
         del blocks; gc.collect()
         before = rss()
         ok = release_free_memory()
