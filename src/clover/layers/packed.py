@@ -180,6 +180,7 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
         kernels = available()
     if not (available() if kernels else onednn_available()):
         return 0
+    from ..runtime import release_free_memory
     from .moe import Experts
 
     count = _fuse_input_projections(model, kernels)
@@ -198,10 +199,12 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
         if isinstance(child, Experts):
             child.pack(kernels)
             count += 2 * child.num_experts
+            del child
+            release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
         else:
             setattr(parent, name, PackedLinear(child, kernels))
             count += 1
-        del child       # the replaced weight is freed here, before the next matrix is packed
+            del child       # the replaced weight is freed here, before the next matrix is packed
     if kernels:                 # the fused ops run the native kernels from now on (backend.py)
         from ..backend import Backend
 
