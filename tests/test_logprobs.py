@@ -252,3 +252,37 @@ def test_bad_logprobs_requests(served, path, change, param, words):
     err = check_error(r, 400, param, words)
     assert err["type"] == "invalid_request_error"
     assert engine.metrics.steps.value() == steps              # nothing was generated
+
+
+def test_scoring_in_chunks_equals_one_pass(model):
+    """Scoring goes through the state pool `chunk` tokens per forward, so only one chunk's logits exist
+    at a time; chunk boundaries anywhere (7 tokens, one token, more than the prompt) give the one-pass
+    numbers, and the temporary sequence is released."""
+    from clover.generation.scoring import causal_logprobs
+
+    ids = [int(t) for t in torch.randint(10, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))]
+    want = causal(model, ids)
+    pool = model.state_pool()
+    free = pool.stats()["free_pages"] if "free_pages" in pool.stats() else None
+    for chunk in (7, 1, 512):
+        got = causal_logprobs(model, ids, top_k=2, chunk=chunk)
+        assert got.token_logprobs == pytest.approx([want[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-4)
+        assert [t for t, _ in got.top[5]] == want[5].topk(2).indices.tolist()
+    if free is not None:
+        assert pool.stats()["free_pages"] == free
+
+
+def test_scoring_that_the_pool_cannot_hold_fails_alone():
+    """A scoring job longer than the engine's state pool raises PoolFull for that request (the server
+    answers 503), and the engine keeps serving."""
+    from clover.cache import PoolFull
+
+    small = clover.load(None, dtype=torch.float32, backend="reference")
+    engine = Engine(small, EngineOptions(max_batch=1, max_cache_bytes=1 << 20))
+    try:
+        ids = [7] * 4000
+        with pytest.raises(PoolFull):
+            engine.score(ids).result(TIMEOUT)
+        assert engine.score(ids[:20]).result(TIMEOUT).token_logprobs
+    finally:
+        engine.shutdown()

@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..cache import PoolFull
 from ..generation.api import validate as validate_request
 from ..generation.decoder import Decoder, reserved_tokens
 from ..generation.scoring import causal_logprobs
@@ -320,6 +321,9 @@ class Engine:
                 continue
             try:
                 future.set_result(causal_logprobs(self.model, ids, top_k))
+            except PoolFull as exc:                            # no room in the pool now: that request alone
+                log.warning("scoring %d tokens: %s", len(ids), exc)
+                future.set_exception(exc)
             except Exception as exc:
                 log.exception("scoring %d tokens failed", len(ids))
                 future.set_exception(exc)

@@ -1,8 +1,11 @@
 """Teacher-forced causal log-probabilities of a token sequence: what `logprobs` and `echo` report.
 
-Every decoding mode's output is scored the same way, after it is written: one causal forward over
-[prompt | completion] from scratch (`model(ids)`, no cache), so the numbers are exactly the model's
-next-token distribution log p(ids[i] | ids[:i]) — for autoregressive and self-speculative output the
+Every decoding mode's output is scored the same way, after it is written: a causal pass over
+[prompt | completion] through a fresh sequence of the model's state pool, `chunk` tokens per forward
+(exact: a chunked causal prefill equals one pass), so the numbers are the model's next-token
+distribution log p(ids[i] | ids[:i]); only one chunk's logits exist at a time (a from-scratch
+`model(ids)` would hold T × V of them: 63 GB of bf16 for a 128K-token prompt of the real model's
+248K vocabulary) — for autoregressive and self-speculative output the
 distribution each token was chosen from (before temperature, top-k/p and the dllm_* controls), for
 LowConfidence output how likely the causal mode finds the token the block decoder wrote. Nothing of
 the decoding state is read or changed.
@@ -29,21 +32,32 @@ class TokenScores:
     top: list[list[tuple[int, float]]]
 
 
-def causal_logprobs(model, ids: list[int], top_k: int = 0, rows: int = 256) -> TokenScores:
-    """Score `ids` with one causal forward; log-softmax in float32, `rows` positions at a time (the
-    float32 copy of the logits stays small for large vocabularies)."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids], dtype=torch.long, device=model.device))[0, :-1]   # row i → ids[i+1]
-        targets = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
-        chosen: list[float] = []
-        top: list[list[tuple[int, float]]] = []
-        for start in range(0, targets.shape[0], rows):
-            lp = F.log_softmax(logits[start: start + rows].float(), dim=-1)
-            lp = torch.nan_to_num(lp, nan=LOGPROB_FLOOR).clamp_min(LOGPROB_FLOOR)
-            chosen += lp.gather(-1, targets[start: start + rows, None])[:, 0].tolist()
-            if top_k:
-                values, indices = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
-                top += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-            else:
-                top += [[] for _ in range(lp.shape[0])]
+def causal_logprobs(model, ids: list[int], top_k: int = 0, rows: int = 256, chunk: int = 512) -> TokenScores:
+    """Score `ids`: causal forwards of `chunk` tokens over a temporary pool sequence (released at the
+    end; `cache.PoolFull` when the pool has no room for it), log-softmax in float32 `rows` positions at
+    a time (the float32 copy stays small for large vocabularies)."""
+    chosen: list[float] = []
+    top: list[list[tuple[int, float]]] = []
+    inputs = ids[:-1]                                     # the last token predicts nothing to score
+    if not inputs:
+        return TokenScores(chosen, top)
+    seq = model.make_cache(capacity=len(inputs))
+    try:
+        with torch.inference_mode():
+            for begin in range(0, len(inputs), chunk):
+                part = inputs[begin: begin + chunk]
+                logits = model.step(torch.tensor([part], dtype=torch.long, device=model.device), [seq])[0]
+                targets = torch.tensor(ids[begin + 1: begin + 1 + len(part)], dtype=torch.long, device=logits.device)
+                for start in range(0, len(part), rows):                     # row i → ids[begin + i + 1]
+                    lp = F.log_softmax(logits[start: start + rows].float(), dim=-1)
+                    lp = torch.nan_to_num(lp, nan=LOGPROB_FLOOR).clamp_min(LOGPROB_FLOOR)
+                    chosen += lp.gather(-1, targets[start: start + rows, None])[:, 0].tolist()
+                    if top_k:
+                        values, indices = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
+                        top += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+                    else:
+                        top += [[] for _ in range(lp.shape[0])]
+                del logits
+    finally:
+        seq.release()
     return TokenScores(chosen, top)

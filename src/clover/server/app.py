@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cache import PoolFull
 from ..engine import Engine, EngineClosed, QueueFull
 from ..generation.settings import GenerationSettingsError
 from ..tokenization import CloverTokenizer
@@ -158,6 +159,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             return await asyncio.wrap_future(future)
         except EngineClosed as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down") from None
+        except PoolFull as exc:        # the state pool has no room to score this many tokens now
+            raise APIError(503, f"cannot score {len(ids)} tokens now: {exc}", "service_unavailable", None,
+                           "cache_full", {"Retry-After": "1"}) from None
         except Exception as exc:
             raise APIError(500, f"scoring failed: {type(exc).__name__}: {exc}", "server_error", None,
                            "internal_error") from None
