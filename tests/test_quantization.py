@@ -334,3 +334,29 @@ def test_export_refuses_a_quantized_model(bf16_dir, tmp_path):
     with pytest.raises(ExportError, match="quantized"):
         export(q, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_quantize_and_info_on_the_command_line(bf16_dir, tmp_path, capsys):
+    """`clover quantize` writes the copy and says what it wrote; `clover info` reports the quantization
+    and counts the quantized matrices' weights; a bad group size is a one-line error (exit 2)."""
+    import json
+
+    from clover.cli import main
+
+    src, model = bf16_dir
+    dst = tmp_path / "int8"
+    assert main(["quantize", str(src), str(dst), "--bits", "8", "--quiet"]) == 0
+    assert f"wrote {dst}" in capsys.readouterr().out
+    import shutil
+
+    from clover import DEMO_MODEL_DIR
+
+    shutil.copy(DEMO_MODEL_DIR / "tokenizer.json", dst / "tokenizer.json")    # info prints the tokenizer too
+    assert main(["info", "--model", str(dst), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["quantization"] == "int8, group 32"
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    assert main(["quantize", str(src), str(tmp_path / "bad"), "--bits", "4", "--group-size", "24", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "group_size must be a positive multiple of 16" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
