@@ -302,6 +302,11 @@ def test_serve_on_two_ranks_answers_as_one_process():
                                  "2", *base], _env())
     try:
         got = _ask(tp_port)
+        import httpx                       # scoring is not mirrored to the followers yet: a clear 400
+        r = httpx.post(f"http://127.0.0.1:{tp_port}/v1/completions", timeout=60,
+                       json={"model": "clover-demo", "prompt": "1+2=", "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 400 and "several ranks" in r.text, r.text
+        assert _ask(tp_port) == want       # and the ranks still serve
     finally:
         err = _stop(tp)
     assert got == want

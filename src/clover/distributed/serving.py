@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..engine import Engine, EngineOptions
 from ..generation.decoder import Decoder
 from ..generation.sequence import Sequence
+from ..generation.settings import GenerationSettingsError
 from .process_group import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("clover.distributed")
@@ -88,6 +89,12 @@ class LeaderEngine(Engine):
         self._channel = channel
         self._decoders = 0
         super().__init__(model, options, start=start)
+
+    def check_scored(self, token_ids):
+        """Scoring (`logprobs`, `echo`) runs forwards outside the decoder, which the followers do not
+        mirror: the leader's collectives would wait for ranks that never join. Refused (a 400) until
+        scoring is mirrored too."""
+        raise GenerationSettingsError("logprobs and echo are not supported when serving over several ranks yet")
 
     def _new_decoder(self):
         decoder = MirroredDecoder(super()._new_decoder(), self._channel, replaces_another=self._decoders > 0)
