@@ -2,9 +2,11 @@
 
     python -m benchmarks.breakdown --variant full --op prefill --tokens 4096
     python -m benchmarks.breakdown --variant small --op decode --glue
+    python -m benchmarks.breakdown --model MODEL_INT4 --op decode      # any model directory (quantized too)
 
 `benchmarks.compare` says how fast a step is; this says why. It loads a bench checkpoint packed for the
-native kernels, wraps the Python faces of the kernels (`panels.linear` by matrix shape, `moe_block`,
+native kernels, wraps the Python faces of the kernels (`panels.linear` and the quantized
+`quant_panels.linear` by matrix shape, `moe_block`,
 `gdn_short`, `attention_cached`, `add_rmsnorm`) and PyTorch's attention for long inputs with timers,
 runs the step `--repeats` times, and prints each one's share of the step with its arithmetic rate
 (GFLOP/s) or, for one-row products, the rate it read the weights at (GB/s). What no timer covers is
@@ -69,10 +71,20 @@ def _linear_work(x, weight, bias=None):
     return 2 * rows * weight.in_features * weight.out_features, 2 * weight.in_features * weight.out_features
 
 
+def _quantized_linear_work(x, weight, bias=None):
+    """The bytes a quantized product streams: its codes and scales (and offsets), as packed."""
+    rows = x.numel() // weight.in_features
+    nbytes = sum(t.numel() * t.element_size() for t in weight.buffers().values())
+    return 2 * rows * weight.in_features * weight.out_features, nbytes
+
+
 def instrument(timers: Timers, model) -> None:
     panels = importlib.import_module("clover.kernels.panels")
     timers.wrap(panels, "linear", lambda x, w, b=None: f"linear {x.numel() // w.in_features}×{w.in_features}→{w.out_features}",
                 _linear_work)
+    quant = importlib.import_module("clover.kernels.quant_panels")
+    timers.wrap(quant, "linear", lambda x, w, b=None: (f"int{w.bits} linear {x.numel() // w.in_features}×"
+                                                      f"{w.in_features}→{w.out_features}"), _quantized_linear_work)
     # the fused ops as the model calls them (clover/backend.py): kernel, or reference where a call does not qualify
     for op in BACKEND_OPS:
         timers.wrap(model.backend, op, lambda *a, op=op, **k: KERNEL_OF_OP[op])
@@ -88,13 +100,14 @@ def disable_kernels() -> None:
             return lambda *args: 0
 
     noops = NoOps()
-    for face in ("panels", *KERNEL_FACES):
+    for face in ("panels", "quant_panels", *KERNEL_FACES):
         importlib.import_module(f"clover.kernels.{face}").library = lambda: noops
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default="small", choices=sorted(checkpoints.VARIANTS))
+    ap.add_argument("--model", help="a model directory instead of a bench variant (e.g. a `clover quantize` output)")
     ap.add_argument("--op", default="decode", choices=("prefill", "decode", "block"))
     ap.add_argument("--tokens", type=int, default=512, help="prefill length, or the cached prefix of decode / block")
     ap.add_argument("--block-top-p", type=float, default=0.7)
@@ -114,7 +127,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if not available():
         sys.exit("the native kernels are not available here: nothing to break down")
-    path = checkpoints.ensure_checkpoint(args.variant)
+    path = args.model or checkpoints.ensure_checkpoint(args.variant)
     config = checkpoints.load_config(path)
     model = clover.load(path, dtype=torch.bfloat16, pack=True)
     prompt = make_input_ids(config, args.tokens)
@@ -153,7 +166,7 @@ def main(argv=None) -> int:
 
     total = statistics.median(totals)
     what = f"{args.op} ({args.tokens} tokens)" if args.op == "prefill" else f"{args.op} after {args.tokens}"
-    print(f"{args.variant}: {what}, {torch.get_num_threads()} threads, median of {args.repeats}: "
+    print(f"{args.model or args.variant}: {what}, {torch.get_num_threads()} threads, median of {args.repeats}: "
           f"{total * 1e3:.2f} ms per step" + (" with every kernel a no-op (glue only)" if args.glue else ""))
     if args.glue:
         return 0
