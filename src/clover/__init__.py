@@ -56,9 +56,9 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
-    gguf_file = _gguf_file(path)
+    gguf = gguf_file(path)
     if tensor_parallel:
-        model = _load_tensor_parallel(path, gguf_file, dtype, device, backend, tensor_parallel)
+        model = _load_tensor_parallel(path, gguf, dtype, device, backend, tensor_parallel)
         _read_generation_defaults(model, path)
         return model
     on_cpu = torch.device(device).type == "cpu"
@@ -74,10 +74,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
         packs = packing_available()
     load_dtype = torch.bfloat16 if packs else dtype
-    if gguf_file is not None:
+    if gguf is not None:
         from .gguf import load_gguf
 
-        model = load_gguf(gguf_file, dtype=load_dtype, device=device)
+        model = load_gguf(gguf, dtype=load_dtype, device=device)
     else:
         model = load_model(path, dtype=load_dtype, device=device)
     if packs:
@@ -122,7 +122,7 @@ def load_tokenizer(path=None):
     path = Path(path) if path is not None else DEMO_MODEL_DIR
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    if not (path.is_dir() and (path / "tokenizer.json").exists()) and _gguf_file(path) is not None:
+    if not (path.is_dir() and (path / "tokenizer.json").exists()) and gguf_file(path) is not None:
         from .gguf import load_tokenizer as gguf_tokenizer
 
         return gguf_tokenizer(path)
@@ -131,7 +131,7 @@ def load_tokenizer(path=None):
     return CloverTokenizer.from_dir(path)
 
 
-def _gguf_file(path: Path):
+def gguf_file(path: Path):
     """The GGUF file to load for `path` (a `.gguf` file, or a directory holding one and no safetensors)."""
     if path.is_file() or not any(path.glob("*.safetensors")):
         from .gguf.file import find_gguf

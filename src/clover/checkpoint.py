@@ -97,25 +97,54 @@ def _check_file(path: Path) -> dict:
     return header
 
 
-class _MappedFile:
-    """A memory-mapped safetensors file, copied out tensor by tensor and chunk by chunk.
+class MappedBytes:
+    """A file memory-mapped read-only as a uint8 tensor (`bytes`), whose pages a reader drops once it
+    has copied them out (`release`), so reading a file never holds all of its pages resident."""
 
-    Each chunk is converted straight into its destination and its mapped pages are then released
-    (`MADV_DONTNEED`), so the process never holds more than the converted weights plus one chunk —
-    neither a second full copy in the stored dtype nor the whole file's pages."""
-
-    def __init__(self, path: Path, header: dict):
+    def __init__(self, path: Path):
         self.path = path
-        self.header = header
-        self.data_start = header["__data_start__"]
         self._file = open(path, "rb")
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        if len(self._mm) < header["__file_size__"]:   # cut between the header check and now
-            self.close()
-            raise CheckpointError(f"{path}: truncated safetensors file (changed while loading)")
         with warnings.catch_warnings():   # read-only buffer: we only ever read from it
             warnings.simplefilter("ignore")
-            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return len(self._mm)
+
+    def release(self, lo: int, hi: int) -> None:
+        """Drop the mapped pages of bytes lo:hi (`MADV_DONTNEED`; a no-op where there is none)."""
+        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        a = lo - lo % mmap.PAGESIZE
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, a, hi - a)
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self._file.close()
+
+
+class _MappedFile(MappedBytes):
+    """A memory-mapped safetensors file, copied out tensor by tensor and chunk by chunk.
+
+    Each chunk is converted straight into its destination and its mapped pages are then released,
+    so the process never holds more than the converted weights plus one chunk — neither a second full
+    copy in the stored dtype nor the whole file's pages."""
+
+    def __init__(self, path: Path, header: dict):
+        super().__init__(path)
+        self.header = header
+        self.data_start = header["__data_start__"]
+        if len(self) < header["__file_size__"]:   # cut between the header check and now
+            self.close()
+            raise CheckpointError(f"{path}: truncated safetensors file (changed while loading)")
 
     def copy_into(self, dest: torch.Tensor, key: str) -> None:
         """Fill the contiguous tensor `dest` with stored tensor `key`, converting dtype on the way."""
@@ -129,29 +158,11 @@ class _MappedFile:
         for i in range(0, n, step):
             j = min(n, i + step)
             lo, hi = start + i * item, start + j * item
-            chunk = self._bytes[lo:hi]
+            chunk = self.bytes[lo:hi]
             if lo % item:
                 chunk = chunk.clone()     # unaligned in the file: realign this chunk only
             flat[i:j].copy_(chunk.view(src_dtype))
-            self._release(lo, hi)
-
-    def _release(self, lo: int, hi: int) -> None:
-        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        page = mmap.PAGESIZE
-        a = lo - lo % page
-        try:
-            self._mm.madvise(mmap.MADV_DONTNEED, a, hi - a)
-        except (OSError, ValueError):
-            pass
-
-    def close(self) -> None:
-        self._bytes = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
-        self._file.close()
+            self.release(lo, hi)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -418,7 +429,7 @@ def _prepare_quantized(model, stored: dict, config, path) -> dict[str, torch.Ten
     from .quantization.modules import QuantizedWeight, quantize_model
 
     try:
-        QuantSpec.from_config(config.extra.get("quantization_config"))
+        recorded = QuantSpec.from_config(config.extra.get("quantization_config"))
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     owners = sorted(n[: -len(".qweight")] for n in stored if n.endswith(".qweight"))
@@ -459,7 +470,7 @@ def _prepare_quantized(model, stored: dict, config, path) -> dict[str, torch.Ten
                 raise CheckpointError(f"{path}: {name}: {missing[0]} is not quantized but its other matrix is "
                                       "(Clover quantizes an experts stack as a whole)")
     quantize_model(model, None, names=names, fill=False, asymmetric=asymmetric, specs=specs)
-    model.quantization = QuantSpec.from_config(config.extra.get("quantization_config")) or next(iter(specs.values()))
+    model.quantization = recorded or next(iter(specs.values()))
     out = {}
     for mname, module in model.named_modules():
         if isinstance(module, QuantizedWeight):

@@ -34,7 +34,7 @@ def _load(args, pack: bool = True):
     import clover
 
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
-    gguf = path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+    gguf = path.exists() and clover.gguf_file(path) is not None      # what clover.load will read
     if not gguf and not (path / "config.json").exists():
         raise UserError(f"no model at {path} (expected a directory with config.json, or a .gguf file)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quantization.format import dequantize, pack_nibbles, unpack_nibbles
+
 QK_K = 256
 FP16_MAX = 65504.0
 
@@ -69,11 +71,6 @@ class GGMLFormat:
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 from the last axis of 2 bytes → float32 (one value per leading index)."""
     return raw.contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
-
-
-def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
-    """u [R, K] (0…15, uint8) → Clover's int4 bytes [R, K/2]."""
-    return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
 def _repack_halves(qs: torch.Tensor) -> torch.Tensor:
@@ -228,18 +225,7 @@ def decode_float(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> torch.Tensor:
 
 def codes_to_float(c: Codes) -> torch.Tensor:
     """What the GGUF block means, in float32, from unrounded scales (gguf's own dequantize)."""
-    R = c.qweight.shape[0]
-    if c.bits == 4:
-        q = torch.stack([c.qweight & 0xF, c.qweight >> 4], dim=-1).reshape(R, -1).to(torch.float32)
-        if c.mins is None:
-            q = q - 8
-    else:
-        q = c.qweight.to(torch.float32)
-    q = q.reshape(R, c.scales.shape[1], c.group_size)
-    w = q * c.scales.unsqueeze(-1)
-    if c.mins is not None:
-        w = w + c.mins.unsqueeze(-1)
-    return w.reshape(R, -1)
+    return dequantize(c.qweight, c.scales, c.mins, c.bits)
 
 
 def to_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
@@ -256,13 +242,13 @@ def promote(c: Codes, bits: int, group_size: int, asymmetric: bool) -> Codes:
         raise ValueError(f"cannot widen int{c.bits}/group {c.group_size} to int{bits}/group {group_size}")
     qweight, scales, mins = c.qweight, c.scales, c.mins
     if c.bits == 4 and (bits == 8 or asymmetric):
-        u = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
+        u = unpack_nibbles(qweight)
         if mins is None and asymmetric:
             mins = -8 * scales                                               # s·(u − 8) = s·u − 8s
         if bits == 8:
             qweight = (u.to(torch.int8) - (8 if mins is None else 0))
         else:
-            qweight = _pack_nibbles(u)
+            qweight = pack_nibbles(u)
     if asymmetric and mins is None:
         mins = torch.zeros_like(scales)
     k = c.group_size // group_size

@@ -11,16 +11,14 @@ Shapes are given in PyTorch order (GGUF lists `ne` innermost first; we reverse i
 
 from __future__ import annotations
 
-import mmap
 import struct
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, MappedBytes
 
 
 class GGUFError(CheckpointError):
@@ -74,11 +72,7 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {info.name!r} is stored twice")
             self.tensors[info.name] = info
         del reader                          # drops the package's own memory map of the file
-        self._file = open(self.path, "rb")
-        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        with warnings.catch_warnings():     # read-only buffer: we only ever read from it
-            warnings.simplefilter("ignore")
-            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._mapped = MappedBytes(self.path)
 
     # ---- metadata ------------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
@@ -109,26 +103,14 @@ class GGUFFile:
     def raw(self, info: TensorInfo, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Bytes `start:end` of tensor `info` as a uint8 tensor viewing the mapped file (no copy)."""
         end = info.nbytes if end is None else end
-        return self._bytes[info.offset + start: info.offset + end]
+        return self._mapped.bytes[info.offset + start: info.offset + end]
 
     def release(self, info: TensorInfo, start: int, end: int) -> None:
         """Drop the mapped pages of bytes `start:end` of `info` (they were copied out)."""
-        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        lo = info.offset + start
-        a = lo - lo % mmap.PAGESIZE
-        try:
-            self._mm.madvise(mmap.MADV_DONTNEED, a, info.offset + end - a)
-        except (OSError, ValueError):
-            pass
+        self._mapped.release(info.offset + start, info.offset + end)
 
     def close(self) -> None:
-        self._bytes = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
-        self._file.close()
+        self._mapped.close()
 
     def __enter__(self):
         return self

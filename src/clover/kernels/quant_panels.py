@@ -12,9 +12,11 @@ arithmetic in PyTorch, the definition tests compare the kernels with. Against th
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
+from ..quantization.format import unpack_nibbles
 from .build import library
 from .panels import PANEL, weight_buffer
 
@@ -31,7 +33,7 @@ def _codes_u8(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Stored codes [..., N, K'] → unsigned codes [..., N, K] uint8 (int8 weights offset by 128)."""
     if bits == 8:
         return qweight.view(torch.uint8) ^ 0x80                # q + 128 for two's-complement int8
-    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)
+    return unpack_nibbles(qweight)
 
 
 def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -75,7 +77,7 @@ class QuantPanelWeight:
         P = -(-self.out_features // PANEL)
         if rows is not None and len(rows) < P * PANEL:
             rows = torch.cat([rows, rows.new_full((P * PANEL - len(rows),), -1)])
-        stack = int(torch.tensor(lead).prod()) if lead else 1
+        stack = math.prod(lead)
         self.data = weight_buffer((stack, P, K * PANEL * bits // 8), dtype=torch.uint8)
         self.scales = torch.empty(stack, P, groups, PANEL, dtype=torch.float16)
         self.mins = None if mins is None else torch.empty(stack, P, groups, PANEL, dtype=torch.float16)

@@ -3,8 +3,8 @@
 Streaming: tensors are read one at a time from the memory-mapped source (checkpoint.read_tensors),
 the quantizable ones are quantized one matrix (one expert) at a time, and the results go to
 safetensors shards of at most `max_shard_bytes`, so the process holds one source tensor plus one shard
-of output, never a second copy of the model. Everything is written into a temporary directory beside
-DST and renamed at the end: an interrupt or an error leaves no half-written DST.
+of output, never a second copy of the model. Everything is written into a staged directory beside DST
+(staging.py) that takes DST's place at the end: an interrupt or an error leaves no half-written DST.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from ..staging import staged_directory
 from .format import QuantSpec, quantize
 from .modules import quantizable
 
@@ -119,14 +119,10 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
     dtype = _stored_dtype(plan.stored)
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         dtype = torch.float32
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with staged_directory(dst) as tmp:
         writer = _ShardWriter(tmp, max_shard_bytes)
         bar = _progress(len(plan.sources), progress)
         for name, tensor in read_tensors(plan, dtype):
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
             owner = targets.get(name)
             if owner is None:
                 writer.add(name, tensor)
@@ -143,25 +139,7 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
         for f in src.iterdir():                      # tokenizer, chat template, generation config, README…
             if f.is_file() and f.name != "config.json" and f.name != INDEX_NAME and not f.name.endswith(WEIGHT_FILES):
                 shutil.copy2(f, tmp / f.name)
-        _readable(tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
-
-
-def _readable(directory: Path) -> None:
-    """mkdtemp makes a private (0700) directory; give the result the permissions a plain mkdir would."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~umask)
 
 
 class _NoBar:

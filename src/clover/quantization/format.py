@@ -87,16 +87,22 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     q = torch.round(w * inv).clamp_(-top - (spec.bits == 4), top)     # int4 may use −8 (u = 0)
     if spec.bits == 8:
         return {"qweight": q.to(torch.int8).reshape(*lead, N, K), "scales": scales}
-    u = (q + 8).to(torch.uint8).reshape(*lead, N, K // 2, 2)
-    return {"qweight": u[..., 0] | (u[..., 1] << 4), "scales": scales}
+    return {"qweight": pack_nibbles((q + 8).to(torch.uint8).reshape(*lead, N, K)), "scales": scales}
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """int4 codes [..., K] (0…15, uint8) → the stored bytes [..., K/2]: input 2j low, 2j+1 high."""
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """The stored int4 bytes [..., K/2] → codes [..., K] (0…15, uint8)."""
+    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)
 
 
 def codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """The integer codes [..., N, K] as int16: q for bits 8, u (0…15, no offset) for bits 4."""
-    if bits == 8:
-        return qweight.to(torch.int16)
-    u = torch.stack([qweight & 0xF, qweight >> 4], dim=-1)
-    return u.reshape(*qweight.shape[:-1], 2 * qweight.shape[-1]).to(torch.int16)
+    return (qweight if bits == 8 else unpack_nibbles(qweight)).to(torch.int16)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,

@@ -23,10 +23,8 @@ import json
 import math
 import random
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 from clover.checkpoint import save_checkpoint
 from clover.config import CloverConfig
 from clover.model import CloverForCausalLM
+from clover.staging import staged_directory
 from clover.tokenization import CloverTokenizer
 from clover.training.build_tokenizer import build_tokenizer
 from clover.training.data import IGNORE, TrainingStream
@@ -290,22 +289,6 @@ def check_output_dir(out: str | Path, overwrite: bool = False) -> Path:
     return out
 
 
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Ctrl-C inside the block takes effect when it ends, so a directory swap is never left half done."""
-    if threading.current_thread() is not threading.main_thread():
-        yield                   # only the main thread ever sees KeyboardInterrupt
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(*caught[0])    # the default handler raises KeyboardInterrupt
-
-
 def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: int = 0,
                    tokenizer_from: str | Path | None = None) -> Path:
     """Write a complete model directory, whole or not at all: into a sibling folder first, swapped in
@@ -314,21 +297,8 @@ def save_model_dir(model: CloverForCausalLM, out: str | Path, tokenizer_seed: in
     would not fit in 16 MB), config.json, generation_config.json and the tokenizer files — copied from
     `tokenizer_from` (a warm start keeps its model's tokenizer) or freshly built."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with staged_directory(out) as staging:
         _write_model_files(model, staging, tokenizer_seed, tokenizer_from)
-        with _sigint_deferred():
-            if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-                out.rename(old / out.name)
-                staging.rename(out)
-                shutil.rmtree(old)
-            else:
-                staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return out
 
 
@@ -345,10 +315,6 @@ def _write_model_files(model: CloverForCausalLM, out: Path, tokenizer_seed: int,
             shutil.copyfile(Path(tokenizer_from) / name, out / name)
     else:
         build_tokenizer(str(out), vocab_size=model.config.vocab_size, seed=tokenizer_seed)
-    out.chmod(0o755)            # mkdtemp makes 0700
-    for f in out.iterdir():
-        if f.is_file():
-            f.chmod(0o644)      # safetensors writes 0600; the directory ships as package data
 
 
 def dir_bytes(path: str | Path) -> int:
