@@ -291,6 +291,14 @@ def cmd_eval_demo(args) -> int:
     for m in modes:
         if m not in MODES:
             raise UserError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    if args.tools:
+        from clover.training.evaluate_tools import evaluate_tools, format_tool_report
+
+        report = evaluate_tools(model, tokenizer, per_task=args.per_task, seed=args.seed, modes=modes,
+                                progress=lambda s: print(s, file=sys.stderr))
+        print(format_tool_report(report))
+        print(json.dumps(report))
+        return 0
     report = evaluate(model, tokenizer, per_task=args.per_task, seed=args.seed, modes=modes,
                       tasks=args.tasks.split(",") if args.tasks else None,
                       progress=lambda s: print(s, file=sys.stderr))
@@ -424,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--modes", help=f"comma-separated subset of the decoding modes")
     p.add_argument("--tasks", help="comma-separated subset of the tasks")
+    p.add_argument("--tools", action="store_true",
+                   help="tool-call accuracy instead: held-out multiply/lookup/convert problems with the demo "
+                        "tools offered (call, answer, both), and questions to answer without a call")
     p.add_argument("--sweep", action="store_true",
                    help="accuracy against speed: LowConfidence over --thresholds x --block-sizes, plus "
                         "autoregressive and self-speculative; writes a table, JSON and PNG to --out")

@@ -16,6 +16,7 @@ import string
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from clover.chat_template import TOOL_CHAT_TEMPLATE, is_plain_chat, render_template
 from clover.tokenization import IM_END, SPECIAL_TOKENS, THINK_END, render_chat
 
 HELDOUT_PERCENT = 10
@@ -30,9 +31,14 @@ class Example:
     thinking: str
     answer: str
     key: str = ""  # generated examples always set it; a hand-made one falls back to its question
+    tools: tuple = ()  # OpenAI function schemas offered in the system turn (tool_tasks.py)
 
     def prompt_text(self, enable_thinking: bool = True) -> str:
-        """The chat-template prompt, ending with the generation prompt."""
+        """The chat-template prompt, ending with the generation prompt. Chats with tools (or tool
+        calls and results) go through the demo's jinja template, as the server renders them."""
+        if self.tools or not is_plain_chat(self.messages):
+            return render_template(TOOL_CHAT_TEMPLATE, self.messages, list(self.tools) or None,
+                                   add_generation_prompt=True, enable_thinking=enable_thinking)
         return render_chat(self.messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
     def completion_text(self, enable_thinking: bool = True) -> str:
@@ -177,13 +183,18 @@ TASKS: dict[str, Callable] = {"addition": _addition, "subtraction": _subtraction
 TASK_NAMES = tuple(TASKS)       # the evaluated tasks (and the tokenizer's corpus)
 # Auxiliary tasks the trainer may mix in; never evaluated, so the eval table stays comparable.
 TRAINING_ONLY_TASKS: dict[str, Callable] = {"repeat": _repeat}
-_ALL_TASKS = {**TASKS, **TRAINING_ONLY_TASKS}
+# Tool use (tool_tasks.py): call and answer turns of the demo tools, and questions answered without one.
+TOOL_TASKS = ("tool_multiply", "tool_lookup", "tool_convert", "tool_none")
+_ALL_TASKS = {**TASKS, **TRAINING_ONLY_TASKS, **dict.fromkeys(TOOL_TASKS)}
 
 
 def generate_example(task: str, rng: random.Random) -> Example:
     """A random problem of `task` (either split)."""
     if task not in _ALL_TASKS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(_ALL_TASKS)}")
+    if task in TOOL_TASKS:
+        from clover.training.tool_tasks import generate_tool_example   # it builds on this module
+        return generate_tool_example(task, rng)
     question, thinking, answer, key = _ALL_TASKS[task](rng)
     return Example(task, [{"role": "user", "content": question}], thinking, answer, f"{task}:{key}")
 

@@ -40,7 +40,7 @@ from clover.tokenization import CloverTokenizer
 from clover.training.build_tokenizer import build_tokenizer
 from clover.training.data import IGNORE, TrainingStream
 from clover.training.decode_states import with_decode_states
-from clover.training.tasks import TASK_NAMES, TRAINING_ONLY_TASKS, check_answer, sample_examples
+from clover.training.tasks import TASK_NAMES, TOOL_TASKS, TRAINING_ONLY_TASKS, check_answer, sample_examples
 
 MAX_DIR_BYTES = 16 * 1024 * 1024
 
@@ -90,7 +90,7 @@ def parse_task_weights(spec: str | None) -> tuple[str, ...] | None:
     (0 drops it). None or "" → None (the stream's default: every evaluated task once)."""
     if not spec:
         return None
-    known = (*TASK_NAMES, *TRAINING_ONLY_TASKS)
+    known = (*TASK_NAMES, *TRAINING_ONLY_TASKS, *TOOL_TASKS)
     weights = dict.fromkeys(TASK_NAMES, 1)
     for part in spec.split(","):
         name, sep, value = part.strip().partition("=")
