@@ -8,6 +8,7 @@ model chose well."""
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 import pytest
 import torch
@@ -63,3 +64,33 @@ def test_agents_sdk_runs_a_tool_through_clover(server):
     assert result.final_output == f"converted {value} {unit} to {to}"
     from agents.models.chatcmpl_converter import Converter
     assert Converter.tool_to_openai(convert)["function"]["strict"] is True     # what the server enforced
+
+
+def test_agents_sdk_agent_loop_on_the_demo_tools(server):
+    """The whole agent loop, the model deciding (tool_choice auto): the SDK offers `convert` as its
+    function tool (pydantic-built, strict), the model calls it with the question's arguments, the SDK
+    runs it and sends the result back, and the model's final answer reads it."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    from clover.training.tool_tasks import run_tool
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def convert(value: float, unit: Literal["km", "m", "cm", "mm"], to: Literal["km", "m", "cm", "mm"]) -> str:
+        """Convert a length to another unit."""
+        calls.append((value, unit, to))
+        return run_tool("convert", {"value": value, "unit": unit, "to": to})
+
+    async def run(question):
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        agent = Agent(name="converter", instructions="Use the tools when they help.", tools=[convert],
+                      model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(max_tokens=128))
+        return await Runner.run(agent, question, max_turns=3)
+
+    result = asyncio.run(run("Convert 25 km to m."))
+    assert calls == [(25.0, "km", "m")]
+    assert result.final_output.strip() == "25000 m"
