@@ -182,6 +182,13 @@ def test_quantized_split_off_the_groups_is_named(tmp_path):
         load_tensor_parallel(path, ParallelGroup(rank=0, world_size=2))
 
 
+def test_gguf_under_tensor_parallel_is_refused_by_name(tmp_path):
+    """GGUF tensors convert whole (value heads reordered, K-quant blocks re-encoded): not sharded."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match="GGUF files are not sharded.*clover quantize"):
+        clover.load(tmp_path / "m.gguf", tensor_parallel=True)
+
+
 def test_two_ranks_quantized_int4_match_one_process(tmp_path):
     """int4 with 7 experts (4 + 3), the shared expert 32 + 16 columns, the lm_head quantized."""
     path = _save_quantized(tmp_path, 4)

@@ -104,12 +104,13 @@ def buffer_slicing(owner: str, part: str, matrix: Slicing | None, module: Quanti
     if matrix is None or matrix.dim == 0:
         return matrix
     G = module.group_size
-    for a, b in matrix.ranges:
-        if a % G or b % G or b == a:
-            raise QuantizedShardError(
-                f"{owner}.qweight: its {inputs} inputs split over {world} ranks give this rank columns {a}:{b} "
-                f"({b - a} inputs), not a whole number of quantization groups of {G}; tensor parallel over a "
-                f"quantized row-parallel matrix needs inputs/ranks divisible by the group size (use other rank counts, "
-                f"or quantize with a --group-size that divides {inputs // world})")
+    mine = sum(b - a for a, b in matrix.ranges)
+    if mine == 0 or any(a % G or b % G for a, b in matrix.ranges):
+        cols = ", ".join(f"{a}:{b}" for a, b in matrix.ranges) or "none"
+        raise QuantizedShardError(
+            f"{owner}.qweight: its {inputs} inputs split over {world} ranks give this rank columns {cols} "
+            f"({mine} inputs), not a whole, non-zero number of quantization groups of {G}; tensor parallel over a "
+            f"quantized row-parallel matrix needs inputs/ranks divisible by the group size (use other rank counts, "
+            f"or quantize with a --group-size that divides {inputs // world})")
     per = {"qweight": 2 if module.bits == 4 else 1, "scales": G, "mins": G}[part]
     return Slicing(1, tuple((a // per, b // per) for a, b in matrix.ranges))
