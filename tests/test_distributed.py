@@ -299,6 +299,26 @@ def test_a_dead_or_silent_rank_is_an_error_within_the_timeout(tmp_path, mode):
         assert 3 <= seconds < 30
 
 
+def test_ranks_that_decide_differently_stop_at_that_step(tmp_path):
+    """Rank 1 changes one decided token per denoising step: the step's agreement check fails on
+    both ranks with RankDivergence naming rank 1 (at once, no timeout), before another forward."""
+    path = _save(tmp_path)
+    env = dict(_env(), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CLOVER_DIST_TIMEOUT="60")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(path), "--fault=diverge"],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1], outs
+    out = outs[0][0]
+    assert "RankDivergence" in out and "ranks [1] of 2 decided other tokens than rank 0 in generation step" in out
+    assert float(out.split("FAILED after ")[1].split("s:")[0]) < 30
+
+
 # ---- serving ----------------------------------------------------------------------------------
 def _start_server(cmd, env):
     """A `clover serve` subprocess on a free port; (process, port) once /health answers."""
@@ -413,3 +433,35 @@ def test_serve_with_a_silent_rank_fails_the_request_then_answers_503():
     finally:
         os.kill(follower, signal.SIGKILL)
         _stop(agent)
+
+
+def test_serve_with_a_diverging_rank_fails_the_request_then_answers_503(tmp_path):
+    """Rank 1 of a 2-rank server decides other tokens (tp_worker.diverge_in_this_rank, installed by a
+    sitecustomize on that rank only): the first step's agreement check fails the request with
+    RankDivergence at once, then /health and new requests get 503; at SIGTERM rank 0's stop still
+    reaches rank 1 (the group works: only the decisions differed)."""
+    import httpx
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('RANK') == '1':\n"
+        f"    sys.path.insert(0, {str(WORKER.parent)!r})\n"
+        "    from tp_worker import diverge_in_this_rank\n"
+        "    diverge_in_this_rank()\n")
+    env = dict(_env(), PYTHONPATH=f"{shim}{os.pathsep}{SRC}")
+    agent, port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "clover", "serve", "--dtype", "float32"], env)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "clover-demo", "prompt": "1+2=", "max_tokens": 8}
+    try:
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "RankDivergence" in r.text and "ranks [1] of 2" in r.text, r.text
+        assert time.monotonic() - start < 30
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 503
+    finally:
+        err = _stop(agent)
+    assert "decided other tokens" in err and "went away" not in err and "could not tell" not in err, err[-3000:]

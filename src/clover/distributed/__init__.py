@@ -12,6 +12,7 @@ Runs on the PyTorch reference backend only (the native CPU kernels are not shard
 """
 
 from .plan import ShardPlan, even_split
-from .process_group import ParallelGroup, RankFailure, init_from_env, launched_world_size
+from .process_group import ParallelGroup, RankDivergence, RankFailure, init_from_env, launched_world_size
 
-__all__ = ["ShardPlan", "ParallelGroup", "RankFailure", "init_from_env", "launched_world_size", "even_split"]
+__all__ = ["ShardPlan", "ParallelGroup", "RankFailure", "RankDivergence", "init_from_env", "launched_world_size",
+           "even_split"]
