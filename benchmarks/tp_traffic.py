@@ -191,7 +191,8 @@ def scaling(results: dict, mem_gbps: float, latency_us: float) -> list[dict]:
             worst = max(ranks, key=lambda r: r[kind]["weight_bytes"])[kind]     # the slowest rank sets the pace
             compute = worst["weight_bytes"] / (mem_gbps * 1e9)
             for link in LINKS_GBPS if world > 1 else (None,):
-                comm = 0.0 if link is None else worst["wire_bytes"] / (link * 1e9 / 8) + worst["collectives"] * latency_us * 1e-6
+                comm = 0.0 if link is None else (worst["wire_bytes"] / (link * 1e9 / 8)
+                                                 + worst["collectives"] * latency_us * 1e-6)
                 t = compute + comm
                 base = t if world == 1 else base
                 rows.append({"step": kind, "ranks": world, "link Gb/s": link or "-", "weights ms": 1e3 * compute,
