@@ -77,7 +77,7 @@ def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch
                                     else owner + ".weight")
             for part, buffer in list(module.named_buffers(recurse=False)):
                 name = f"{owner}.{part}"
-                _, f, key, stored_shape, _ = checked.sources[name]
+                _, f, key, _, _ = checked.sources[name]
                 cut = (shards.slicing(name) if part == "bias" else
                        buffer_slicing(owner, part, matrix, module, checked.model.get_submodule(owner).shape[-1],
                                       parallel.world_size))
