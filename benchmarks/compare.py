@@ -4,6 +4,7 @@
     python -m benchmarks.compare --variant full           # the real per-layer shapes (≈8.5 GB)
     python -m benchmarks.compare --variant full --rounds 3    # three pairs of runs, order alternating
     clover bench llama-cpp --rounds 3                          # Clover vs llama.cpp instead (benchmarks/llama_cpp.py)
+    clover bench tp-traffic                                    # per-rank bytes over 1, 2, 4 ranks (tp_traffic.py)
 
 Runs `benchmarks.bench_clover` and `benchmarks.bench_transformers` one after the other (memory is never
 shared), measures the memory bandwidth once, and prints one table: each operation's median for both
@@ -117,6 +118,10 @@ def main(argv=None) -> int:
         from benchmarks import llama_cpp
 
         return llama_cpp.main(argv[1:])
+    if argv[:1] == ["tp-traffic"]:                 # `clover bench tp-traffic …`: per-rank bytes (tensor parallel)
+        from benchmarks import tp_traffic
+
+        return tp_traffic.main(argv[1:])
     from benchmarks.checkpoints import VARIANTS, variant_summary
 
     variants = "\n".join(f"  {name:6} {variant_summary(name)}" for name in VARIANTS)

@@ -131,13 +131,77 @@ def test_plain_qwen_checkpoint_gets_block_defaults_per_rank(tmp_path):
     assert mix.shape == (2, 2) and bool((mix[:, 1] == float("-inf")).all()) and bool((mix[:, 0] == 0).all())
 
 
-def test_quantized_checkpoint_is_refused_by_name(tmp_path):
-    from clover.checkpoint import CheckpointError
+# int4/int8 models whose row-parallel inputs split on groups of 16 over 2 and 4 ranks: GDN value
+# channels 4·16, attention 4·16; the shared expert's 48 (2 ranks: 32 + 16) or 64 columns in whole
+# groups; the untied lm_head quantized over an uneven vocabulary; 7 experts
+QUANT = dict(UNEVEN, linear_value_head_dim=16, shared_expert_intermediate_size=48)
+
+
+def _save_quantized(tmp_path, bits: int, **overrides) -> Path:
     from clover.quantization.convert import quantize_checkpoint
 
-    quantize_checkpoint(_save(tmp_path), tmp_path / "q8", bits=8, group_size=16)
-    with pytest.raises(CheckpointError, match="quantized checkpoints are not sharded yet"):
-        load_tensor_parallel(tmp_path / "q8", ParallelGroup(rank=0, world_size=2))
+    return quantize_checkpoint(_save(tmp_path, **{**QUANT, **overrides}), tmp_path / f"q{bits}", bits=bits,
+                               group_size=16, progress=False)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_shards_hold_their_slices(tmp_path, bits):
+    """Each rank's quantized matrices dequantize to its slices of the one-process model's matrices,
+    and it read exactly the bytes it holds (codes, scales and the float tensors), about half."""
+    from clover.quantization.modules import QuantizedWeight
+
+    path = _save_quantized(tmp_path, bits)
+    full = clover.load(path, dtype=torch.float32, backend="reference")
+    total = sum(t.numel() * t.element_size() for n, t in [*full.named_parameters(), *full.named_buffers()]
+                if not n.startswith("model.rotary"))
+    quantized = {n: m for n, m in full.named_modules() if isinstance(m, QuantizedWeight)}
+    assert len(quantized) > 20 and "lm_head" in quantized
+    for rank in range(2):
+        shard = load_tensor_parallel(path, ParallelGroup(rank=rank, world_size=2), dtype=torch.float32)
+        plan, held = shard.shard_plan, 0
+        for name, m in shard.named_modules():
+            if not isinstance(m, QuantizedWeight):
+                continue
+            held += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False) if b is not None)
+            want = quantized[name].dequantize()
+            cut = plan.slicing(name if name.endswith("_proj") and ".experts." in name else name + ".weight")
+            if cut is not None:
+                want = torch.cat([want.narrow(cut.dim, a, b - a) for a, b in cut.ranges], dim=cut.dim)
+            torch.testing.assert_close(m.dequantize().narrow(0, 0, want.shape[0]), want, rtol=0, atol=0, msg=name)
+        held += sum(p.numel() * p.element_size() for p in shard.parameters())
+        assert shard.shard_bytes_read == held
+        assert held < 0.6 * total
+
+
+def test_quantized_split_off_the_groups_is_named(tmp_path):
+    """GDN out_proj with 48 inputs (4 value heads of 12) over 2 ranks: 24 columns each, not whole
+    groups of 16 — refused naming the tensor and the sizes, before any weight is read."""
+    path = _save_quantized(tmp_path, 8, linear_value_head_dim=12)
+    with pytest.raises(ValueError, match=r"linear_attn\.out_proj\.qweight: its 48 inputs split over 2 ranks .*24 "
+                                         r"inputs.*groups of 16"):
+        load_tensor_parallel(path, ParallelGroup(rank=0, world_size=2))
+
+
+def test_gguf_under_tensor_parallel_is_refused_by_name(tmp_path):
+    """GGUF tensors convert whole (value heads reordered, K-quant blocks re-encoded): not sharded."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match="GGUF files are not sharded.*clover quantize"):
+        clover.load(tmp_path / "m.gguf", tensor_parallel=True)
+
+
+def test_two_ranks_quantized_int4_match_one_process(tmp_path):
+    """int4 with 7 experts (4 + 3), the shared expert 32 + 16 columns, the lm_head quantized."""
+    path = _save_quantized(tmp_path, 4)
+    got = spawn_run(2, path, tmp_path / "out.pt", new_tokens=10)
+    _assert_same(got, _expected(path, 10))
+
+
+def test_four_ranks_quantized_int8_match_one_process(tmp_path):
+    """int8 over 4 ranks: one 16-column group of o_proj / out_proj / shared down_proj per rank, K/V
+    and GDN key heads replicated in pairs, experts 2/2/2/1."""
+    path = _save_quantized(tmp_path, 8, shared_expert_intermediate_size=64)
+    got = spawn_run(4, path, tmp_path / "out.pt", new_tokens=8)
+    _assert_same(got, _expected(path, 8))
 
 
 def test_load_tensor_parallel_without_launcher_says_how(tmp_path, monkeypatch):
@@ -233,6 +297,26 @@ def test_a_dead_or_silent_rank_is_an_error_within_the_timeout(tmp_path, mode):
     if mode == "hang":
         seconds = float(out.split("FAILED after ")[1].split("s:")[0])
         assert 3 <= seconds < 30
+
+
+def test_ranks_that_decide_differently_stop_at_that_step(tmp_path):
+    """Rank 1 changes one decided token per denoising step: the step's agreement check fails on
+    both ranks with RankDivergence naming rank 1 (at once, no timeout), before another forward."""
+    path = _save(tmp_path)
+    env = dict(_env(), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CLOVER_DIST_TIMEOUT="60")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(path), "--fault=diverge"],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1], outs
+    out = outs[0][0]
+    assert "RankDivergence" in out and "ranks [1] of 2 decided other tokens than rank 0 in generation step" in out
+    assert float(out.split("FAILED after ")[1].split("s:")[0]) < 30
 
 
 # ---- serving ----------------------------------------------------------------------------------
@@ -349,3 +433,35 @@ def test_serve_with_a_silent_rank_fails_the_request_then_answers_503():
     finally:
         os.kill(follower, signal.SIGKILL)
         _stop(agent)
+
+
+def test_serve_with_a_diverging_rank_fails_the_request_then_answers_503(tmp_path):
+    """Rank 1 of a 2-rank server decides other tokens (tp_worker.diverge_in_this_rank, installed by a
+    sitecustomize on that rank only): the first step's agreement check fails the request with
+    RankDivergence at once, then /health and new requests get 503; at SIGTERM rank 0's stop still
+    reaches rank 1 (the group works: only the decisions differed)."""
+    import httpx
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('RANK') == '1':\n"
+        f"    sys.path.insert(0, {str(WORKER.parent)!r})\n"
+        "    from tp_worker import diverge_in_this_rank\n"
+        "    diverge_in_this_rank()\n")
+    env = dict(_env(), PYTHONPATH=f"{shim}{os.pathsep}{SRC}")
+    agent, port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "clover", "serve", "--dtype", "float32"], env)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "clover-demo", "prompt": "1+2=", "max_tokens": 8}
+    try:
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "RankDivergence" in r.text and "ranks [1] of 2" in r.text, r.text
+        assert time.monotonic() - start < 30
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 503
+    finally:
+        err = _stop(agent)
+    assert "decided other tokens" in err and "went away" not in err and "could not tell" not in err, err[-3000:]

@@ -98,15 +98,45 @@ def spawn_run(world: int, model_dir, out_path, new_tokens: int = 20) -> dict:
     return torch.load(out_path)
 
 
+def diverge_in_this_rank() -> None:
+    """Make this process decide other tokens than the others: after every denoising step, the block's
+    first decided position is changed (what a corrupted shard or a non-deterministic kernel would do)."""
+    from clover.generation import sequence
+
+    original = sequence.Sequence.denoise
+
+    def denoise(self, masked_logits):
+        original(self, masked_logits)
+        for i, t in enumerate(self.block):
+            if t != self.mask_id:
+                self.block[i] = 6 if t != 6 else 7
+                break
+
+    sequence.Sequence.denoise = denoise
+
+
 def fault_main(model_dir: str, mode: str) -> None:
-    """Rank 1 dies (`die`) or stops answering (`hang`) after loading; rank 0 runs a forward and
-    prints how it failed and after how long."""
+    """Rank 1 dies (`die`) or stops answering (`hang`) after loading, and rank 0 runs a forward; or
+    (`diverge`) rank 1 decides other tokens, and every rank generates. Rank 0 prints how it failed
+    and after how long."""
     import time
 
     import clover
 
     torch.set_num_threads(1)
     model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
+    if mode == "diverge":
+        if model.parallel.rank == 1:
+            diverge_in_this_rank()
+        start = time.monotonic()
+        try:
+            model.generate(torch.tensor([[7, 8, 9, 10]]), max_new_tokens=24, block_size=8, eos_token_id=[])
+        except RuntimeError as exc:
+            if model.parallel.rank == 0:
+                print(f"FAILED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+            os._exit(1)
+        print("NO ERROR", flush=True)
+        return
     if model.parallel.rank != 0:
         if mode == "die":
             os._exit(3)

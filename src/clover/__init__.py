@@ -108,8 +108,10 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
         raise ValueError("backend='cpu' (the native CPU kernels) is not sharded yet: under tensor_parallel use "
                          "backend='reference' (or 'auto', which means it there)")
     if gguf_file is not None:
-        raise ValueError(f"{gguf_file}: GGUF files are not sharded yet; tensor_parallel needs a safetensors "
-                         "checkpoint directory")
+        # GGUF tensors convert whole (value heads reordered across the tensor, 256-wide K-quant blocks
+        # re-encoded into Clover's groups), so a rank could not read only its slices of the file
+        raise ValueError(f"{gguf_file}: GGUF files are not sharded: tensor_parallel needs a safetensors "
+                         "checkpoint directory (bf16, or quantized by `clover quantize --bits 8|4`)")
     parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
     return load_tensor_parallel(path, parallel, dtype=dtype)
 

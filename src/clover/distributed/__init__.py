@@ -5,13 +5,18 @@
 
 Modules: `process_group` (the group from torchrun's environment: gloo on CPU, NCCL on CUDA, with a
 timeout), `plan` (which slice of every weight a rank holds), `layers` (the sharded modules and
-`shard_model`), `loading` (each rank reads only its slices from the safetensors files). Every rank
-runs the same forwards over its shard and receives the full logits, so the generation loop runs
-unchanged — and identically — on every rank; see docs/ARCHITECTURE.md ("Tensor and expert parallel").
+`shard_model`), `loading` (each rank reads only its slices from the safetensors files), `quantized`
+(the same for `clover quantize` checkpoints: codes and scales by rows, or by whole groups of input
+columns), `launch` and `serving` (what the CLI and the server do over ranks). Every rank runs the
+same forwards over its shard and receives the full logits, so the generation loop runs unchanged,
+and identically, on every rank; after every step the ranks compare a checksum of what it decided
+(`ParallelGroup.check_agreement`; `RankDivergence` when they differ). See docs/ARCHITECTURE.md
+("Tensor and expert parallel").
 Runs on the PyTorch reference backend only (the native CPU kernels are not sharded yet).
 """
 
 from .plan import ShardPlan, even_split
-from .process_group import ParallelGroup, RankFailure, init_from_env, launched_world_size
+from .process_group import ParallelGroup, RankDivergence, RankFailure, init_from_env, launched_world_size
 
-__all__ = ["ShardPlan", "ParallelGroup", "RankFailure", "init_from_env", "launched_world_size", "even_split"]
+__all__ = ["ShardPlan", "ParallelGroup", "RankFailure", "RankDivergence", "init_from_env", "launched_world_size",
+           "even_split"]

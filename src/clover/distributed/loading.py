@@ -7,7 +7,9 @@ rank's modules, and every parameter is then filled from `safe_open(...).get_slic
 `[:, cols]`), so a rank never materialises a weight it does not hold — not even one expert's. Both
 expert layouts (fused, and per expert, where only this rank's experts' tensors are read) and the
 `model.language_model.` prefix load; Clover's block parameters default as in checkpoint.py when a
-plain Qwen3.5-MoE checkpoint lacks them. Quantized checkpoints are refused for now.
+plain Qwen3.5-MoE checkpoint lacks them. A quantized checkpoint (`clover quantize`) shards the same
+way: each quantized matrix becomes a quantized module of its local shape and its codes, scales and
+offsets are read in this rank's rows or whole-group columns (quantized.py).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import CheckpointError, _clover_default, _no_weight_init, _stored_dtype, plan_checkpoint
+from ..checkpoint import _clover_default, _no_weight_init, _stored_dtype, plan_checkpoint
 from ..config import CloverConfig
 from .layers import shard_model
 from .plan import ShardPlan, Slicing
 from .process_group import ParallelGroup
+from .quantized import buffer_slicing, quantize_shard, quantized_matrices, shared_unit
 
 
 def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch.dtype | None = None):
@@ -33,18 +36,18 @@ def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch
 
     path = Path(path)
     config = CloverConfig.from_file(path)
-    shards = ShardPlan(config, parallel.rank, parallel.world_size)
+    ShardPlan(config, parallel.rank, parallel.world_size)      # sizes that cannot split: before any file is read
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}")
     checked = plan_checkpoint(path, config)          # the full model's checks; reads headers only
-    if checked.quant_buffers:
-        raise CheckpointError(f"{path}: quantized checkpoints are not sharded yet; tensor_parallel needs "
-                              "floating-point weights")
+    quantized = quantized_matrices(checked.model)    # name → (spec, mins): what the files store quantized
+    shards = ShardPlan(config, parallel.rank, parallel.world_size, shared_unit=shared_unit(quantized))
     dtype = dtype or _stored_dtype(checked.stored)
     device = parallel.device
     with torch.device("meta"), _no_weight_init():
         model = CloverForCausalLM(config)
         shard_model(model, shards, parallel)
+        quantize_shard(model, quantized, parallel)
     model.shard_bytes_read = 0
     with ExitStack() as opened:
         handles = {}
@@ -67,6 +70,21 @@ def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch
                 model.shard_bytes_read += _read_into(tensor, tensor_slice(f, key), slicing)
             module_name, _, attr = name.rpartition(".")
             model.get_submodule(module_name)._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        for owner in quantized:
+            module = model.get_submodule(owner)
+            module.compute_dtype = dtype                  # what the reference paths dequantize to
+            matrix = shards.slicing(owner if owner.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                                    else owner + ".weight")
+            for part, buffer in list(module.named_buffers(recurse=False)):
+                name = f"{owner}.{part}"
+                _, f, key, _, _ = checked.sources[name]
+                cut = (shards.slicing(name) if part == "bias" else
+                       buffer_slicing(owner, part, matrix, module, checked.model.get_submodule(owner).shape[-1],
+                                      parallel.world_size))
+                tensor = torch.zeros(buffer.shape, dtype=checked.quant_buffers[name].dtype
+                                     if part != "bias" else dtype, device=device)
+                model.shard_bytes_read += _read_into(tensor, tensor_slice(f, key), cut)
+                module._buffers[part] = tensor
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.__init__(config.rotary_dim, config.rope_theta)

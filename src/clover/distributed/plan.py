@@ -8,7 +8,8 @@
     row-parallel over the value channels;
   - MoE: routed experts split into contiguous runs, as even as the count allows (any number of
     experts on any number of ranks); the shared expert's intermediate size split the same way
-    (gate/up column-, down row-parallel); the router and the shared expert's gate replicated;
+    (gate/up column-, down row-parallel; in whole quantization groups when its down_proj is stored
+    quantized, `shared_unit`); the router and the shared expert's gate replicated;
   - embedding and lm_head: vocabulary rows in runs of ceil(V / ranks), the last run zero-padded;
   - norms replicated.
 `local_config` is the model config with this rank's head and shared-expert counts: built with it, the
@@ -70,9 +71,10 @@ _PARAM = re.compile(r"^model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.(.+)$")
 
 class ShardPlan:
     """Rank `rank` of `world`'s share of a model of `config`. Raises ValueError naming the sizes that
-    cannot be split over `world` ranks."""
+    cannot be split over `world` ranks. `shared_unit`: the shared expert's intermediate size is split
+    in runs of this many columns (a quantized down_proj's group size: its columns split on groups)."""
 
-    def __init__(self, config: CloverConfig, rank: int, world: int):
+    def __init__(self, config: CloverConfig, rank: int, world: int, shared_unit: int = 1):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
         self.config, self.rank, self.world = config, rank, world
@@ -90,7 +92,11 @@ class ShardPlan:
                 ("linear_num_value_heads", "linear_num_key_heads"))
             local.update(linear_num_value_heads=len(self.v_heads), linear_num_key_heads=len(self.k_heads))
         self.experts = even_split(c.num_experts, world, rank)
-        self.shared = even_split(c.shared_expert_intermediate_size, world, rank)
+        if c.shared_expert_intermediate_size % shared_unit:
+            raise ValueError(f"shared_expert_intermediate_size ({c.shared_expert_intermediate_size}) is not a "
+                             f"multiple of the split unit {shared_unit}")
+        units = even_split(c.shared_expert_intermediate_size // shared_unit, world, rank)
+        self.shared = range(units.start * shared_unit, units.stop * shared_unit)
         self.vocab_per_rank = -(-c.vocab_size // world)
         first = min(c.vocab_size, rank * self.vocab_per_rank)
         self.vocab = range(first, min(c.vocab_size, first + self.vocab_per_rank))

@@ -10,6 +10,7 @@ layers use for their collectives.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,6 +35,11 @@ class RankFailure(RuntimeError):
     """A collective failed: another rank died, or did not answer within the process group's timeout."""
 
 
+class RankDivergence(RankFailure):
+    """The ranks decided different things in one step (`ParallelGroup.check_agreement`): their forwards
+    would no longer match. The group itself still works (the collective that found it succeeded)."""
+
+
 @dataclass
 class ParallelGroup:
     """The ranks that hold one model's shards: this process's rank, how many there are, the torch
@@ -46,6 +52,14 @@ class ParallelGroup:
     device: torch.device = torch.device("cpu")
     timeout_s: float | None = None
     failed: RankFailure | None = None     # the first collective that failed; every later one fails at once
+    # when set, the forwards' collectives count into it: calls and payload bytes per kind ("all_reduce",
+    # "all_gather": the bytes this rank puts in; benchmarks/tp_traffic.py turns them into wire bytes)
+    traffic: Counter | None = None
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        if self.traffic is not None:
+            self.traffic[kind + "_calls"] += 1
+            self.traffic[kind + "_bytes"] += t.numel() * t.element_size()
 
     def run_collective(self, what: str, fn, *args, group=None, **kwargs):
         """`fn(*args, group=…)`, a torch.distributed collective; its failure becomes a `RankFailure`
@@ -68,6 +82,7 @@ class ParallelGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (every rank gets the same bytes); returns `t`."""
         if self.world_size > 1:
+            self._count("all_reduce", t)
             self._run("an all-reduce", dist.all_reduce, t)
         return t
 
@@ -76,6 +91,7 @@ class ParallelGroup:
         if self.world_size == 1:
             return t
         t = t.contiguous()
+        self._count("all_gather", t)
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         self._run("an all-gather", dist.all_gather, parts, t)
         return torch.cat(parts, dim=-1)
@@ -96,6 +112,26 @@ class ParallelGroup:
         out = [None] * self.world_size
         self._run("an all-gather", dist.all_gather_object, out, obj)
         return out
+
+    def check_agreement(self, digest: int | None, what: str, group=None) -> None:
+        """Compare this rank's `digest` (a signed 64-bit checksum of what a step decided; None = the
+        step failed here) with every other rank's, in one all-gather of 16 bytes a rank; raise
+        `RankDivergence` on every rank, naming the ranks that differ from rank 0, when they are not all
+        equal. The digests travel on `group` (default: the forwards' group) on this rank's device."""
+        if self.world_size == 1:
+            return
+        device = self.device if group is None else torch.device("cpu")          # control groups are gloo
+        mine = torch.tensor([digest is not None, digest or 0], dtype=torch.int64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run("comparing the ranks' step results", dist.all_gather, parts, mine, group=group)
+        everyone = [tuple(p.tolist()) for p in parts]
+        differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        if differ:
+            failed = [r for r, (ok, _) in enumerate(everyone) if not ok]
+            raise RankDivergence(
+                f"tensor-parallel ranks {differ} of {self.world_size} decided other tokens than rank 0 in {what}"
+                + (f" (the step failed on ranks {failed})" if failed else "")
+                + "; their forwards would no longer match, so the ranks stop here instead of running on apart")
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -8,6 +8,13 @@ and steps when rank 0 steps, so every forward is matched on every rank. Decision
 messages: the logits every rank receives are the same bytes (all-gathered), and a sampling request's
 seed travels with it.
 
+After every step all ranks compare a checksum of what it decided (`step_digest`: the tokens produced,
+finishes, each running sequence's block) in one small all-gather on the control group; ranks that
+decided otherwise — a bug, a corrupted shard, non-deterministic kernels — raise `RankDivergence` on
+every rank before the next forward instead of running on apart (their next forwards would no longer
+match). Rank 0 then fails the running requests and takes no more (503); the group still works, so its
+stop reaches the followers at shutdown.
+
 Followers wait on the control group as long as the server stays idle; a leader that dies closes its
 sockets, which ends their wait with an error. A follower that dies or hangs makes rank 0's next step
 broadcast or forward raise `RankFailure` (within CLOVER_DIST_TIMEOUT); the engine then stops taking
@@ -23,10 +30,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..engine import Engine, EngineOptions
-from ..generation.decoder import Decoder
+from ..generation.decoder import Decoder, step_digest
 from ..generation.sequence import Sequence
 from ..generation.settings import GenerationSettingsError
-from .process_group import DEFAULT_TIMEOUT_S
+from .process_group import DEFAULT_TIMEOUT_S, RankDivergence, RankFailure
 
 log = logging.getLogger("clover.distributed")
 
@@ -43,6 +50,8 @@ class ControlChannel:
         self.parallel = parallel
         leader = timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S)
         self.group = dist.new_group(backend="gloo", timeout=leader if parallel.rank == 0 else IDLE_TIMEOUT)
+        self.steps = 0                   # decoder steps so far (every rank counts the same ones)
+        self.diverged: RankDivergence | None = None
 
     def send(self, ops: list) -> None:
         self.parallel.run_collective("sending a step to the other ranks", dist.broadcast_object_list, [ops],
@@ -53,6 +62,15 @@ class ControlChannel:
         self.parallel.run_collective("waiting for rank 0's next step", dist.broadcast_object_list, box, src=0,
                                      group=self.group)
         return box[0]
+
+    def agree(self, digest: int | None) -> None:
+        """After a step: compare its `step_digest` (None: the step raised here) with the other ranks'."""
+        self.steps += 1
+        try:
+            self.parallel.check_agreement(digest, f"serving step {self.steps}", group=self.group)
+        except RankDivergence as exc:
+            self.diverged = exc
+            raise
 
 
 class MirroredDecoder:
@@ -75,7 +93,13 @@ class MirroredDecoder:
     def step(self):
         ops, self._ops = self._ops + [("step",)], []
         self._channel.send(ops)
-        return self._inner.step()
+        try:
+            events = self._inner.step()
+        except Exception:
+            self._channel.agree(None)          # RankDivergence if the followers' step went through
+            raise
+        self._channel.agree(step_digest(events, self._inner.running))
+        return events
 
     def __getattr__(self, name):             # idle, running, pool, …: the real decoder's
         return getattr(self._inner, name)
@@ -103,7 +127,7 @@ class LeaderEngine(Engine):
 
     def _step(self) -> None:
         super()._step()
-        failed = self.model.parallel.failed
+        failed = self.model.parallel.failed or (self._channel.diverged if self._channel is not None else None)
         if failed is not None and self._state == "running":
             log.error("a tensor-parallel rank is lost; the engine takes no more requests: %s", failed)
             with self._lock:
@@ -153,10 +177,18 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
             elif kind == "reset":
                 decoder, seqs = new_decoder(), {}
             elif kind == "step":
+                digest = None
                 try:
-                    decoder.step()
+                    digest = step_digest(decoder.step(), decoder.running)
                 except Exception:                # rank 0's step fails the same way and sends a reset
                     log.exception("decoder step failed on this rank")
+                try:
+                    channel.agree(digest)
+                except RankDivergence as exc:    # rank 0 stops stepping; its stop still comes
+                    log.error("%s", exc)
+                except RankFailure as exc:
+                    log.error("rank 0 went away: %s", exc)
+                    return 1
                 seqs = {k: s for k, s in seqs.items() if not s.done}
             elif kind == "stop":
                 return 0

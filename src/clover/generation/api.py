@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoder import Decoder
+from .decoder import Decoder, step_digest
 from .sequence import GenerationStats, Sequence
 from .settings import GenerationSettings, GenerationSettingsError
 
@@ -65,8 +65,19 @@ def generate_batch(model, prompts, settings: GenerationSettings | list[Generatio
     decoder = Decoder(model, max_batch=max_batch)
     for seq in seqs:
         decoder.add(seq)
+    parallel = getattr(model, "parallel", None)       # a tensor-parallel shard: its ranks check each step agrees
+    steps = 0
     while not decoder.idle:
-        for event in decoder.step():
+        steps += 1
+        try:
+            events = decoder.step()
+        except Exception:
+            if parallel is not None:             # the others must hear of it, not wait for this rank
+                parallel.check_agreement(None, f"generation step {steps}")
+            raise
+        if parallel is not None:
+            parallel.check_agreement(step_digest(events, decoder.running), f"generation step {steps}")
+        for event in events:
             if on_event is not None:
                 on_event(index[event.sequence.id], event.tokens, event.finished)
     return [GenerationResult(s.prompt, s.response, s.finish_reason, s.stats) for s in seqs]

@@ -27,6 +27,7 @@ Both `generate()` and the serving engine drive this class.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -50,6 +51,15 @@ class StepEvent:
     sequence: Sequence
     tokens: list[int]
     finished: bool
+
+
+def step_digest(events: list[StepEvent], running: list[Sequence]) -> int:
+    """A signed 64-bit checksum of what a step decided: each event's tokens and finish, each running
+    sequence's phase, response length and block. Ranks of one tensor-parallel model compare it after
+    every step (they must decide the same); sequence ids are left out (each process numbers its own)."""
+    seen = [(e.tokens, e.finished, e.sequence.finish_reason) for e in events]
+    seen += [(s.phase, len(s.response), s.block) for s in running]
+    return int.from_bytes(hashlib.blake2b(repr(seen).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 class RequestTooLarge(ValueError):
