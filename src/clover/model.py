@@ -203,7 +203,8 @@ class CloverForCausalLM(nn.Module):
         T = ids.shape[1]
         pool = caches[0].pool
         batch = pool.prepare(caches, T, block_len, valid_lens)
-        positions = torch.tensor(batch.starts, device=ids.device)[:, None] + torch.arange(T, device=ids.device)
+        idx = batch.index(ids.device, T)          # the forward's slots and K/V rows, on the device, made once
+        positions = idx.starts[:, None] + torch.arange(T, device=ids.device)
         try:
             logits = self._run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
         except BaseException:
