@@ -117,3 +117,28 @@ def test_cuda_sampling_uses_a_device_generator():
     a = model.generate(prompt, max_new_tokens=8, do_sample=True, temperature=1.0, seed=3, eos_token_id=[])
     b = model.generate(prompt, max_new_tokens=8, do_sample=True, temperature=1.0, seed=3, eos_token_id=[])
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["decode", "block"])
+def test_steps_compile_without_graph_breaks(kind):
+    """The GPU path's decode step and block step (with per-row expert selection) trace into one graph
+    (`fullgraph=True`: a graph break is an error). aot_eager checks dynamo and the ops' shape functions
+    without inductor's slow C++ codegen; the compiled step equals the eager one."""
+    model = make_model("base", dtype=torch.bfloat16)
+    model.backend = Backend("cuda")
+    torch._dynamo.reset()
+    run = torch.compile(model._run, fullgraph=True, dynamic=False, backend="aot_eager")
+    pool = model.state_pool()
+    with torch.inference_mode():
+        caches = [model.make_cache() for _ in range(2)]
+        model.prefill_batch([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]], caches)
+        T, block_len = (1, 0) if kind == "decode" else (8, 8)
+        ids = torch.full((2, T), model.config.mask_token_id) if block_len else torch.tensor([[3], [4]])
+        top_p = torch.tensor([0.7, 0.9]) if block_len else None
+        logits_at = "block" if block_len else "last"
+        batch = pool.prepare(caches, T, block_len)
+        positions = batch.index(ids.device, T).starts[:, None] + torch.arange(T)
+        compiled = run(ids, positions, batch, block_len, top_p, logits_at, None)
+        eager = model._run(ids, positions, batch, block_len, top_p, logits_at, None)
+        pool.finish(batch, caches)
+    assert torch.equal(compiled, eager)
