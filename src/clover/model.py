@@ -143,7 +143,9 @@ class CloverForCausalLM(nn.Module):
         if logits_at == "none":
             return None
         if torch.is_tensor(logits_at):                 # only the positions that will be read
-            rows = lambda t: t[:, t.shape[1] - logits_at.shape[1]:][logits_at]  # noqa: E731
+            L = logits_at.shape[1]                     # (their indices found on the mask's device, the host's)
+            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(h.device)
+            rows = lambda t: t[:, t.shape[1] - L:].reshape(-1, t.shape[-1])[picked]  # noqa: E731
         elif logits_at == "last":
             if batch is not None and batch.padded:     # right-padded rows: each row's own last token
                 last = torch.tensor(batch.commits, device=h.device) - 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GROUPED_MM = getattr(F, "grouped_mm", None)
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)    # public from torch 2.12
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -30,7 +30,9 @@ def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: to
     flat_expert = indices.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)
     token_of_slot = order // k
-    counts = torch.bincount(flat_expert, minlength=experts.num_experts)
+    # (a scatter, not bincount: bincount's output size depends on the data, which CUDA graphs cannot capture)
+    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, flat_expert, torch.ones_like(flat_expert))
     offs = counts.cumsum(0).to(torch.int32)                                 # [E]: each expert's end
     xs = x[token_of_slot]                                                   # [N·k, H] grouped by expert
     gate_up = GROUPED_MM(xs, experts.gate_up_proj.transpose(-2, -1), offs=offs)     # [N·k, 2I]
