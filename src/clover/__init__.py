@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
 
 
-BACKENDS = ("auto", "cpu", "reference")
+BACKENDS = ("auto", "cpu", "cuda", "reference")
 
 
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
@@ -29,7 +29,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     `backend`: "auto" (default) gives the fastest path whose results equal the reference to bf16
     rounding: on CPU, bf16 weights (unless `dtype` asks for another precision) repacked for Clover's
     native kernels (the "cpu" backend, clover/backend.py), or for oneDNN where the kernels cannot be
-    built; elsewhere the weights as they are. "cpu": the native kernels or an error. "reference":
+    built; on a CUDA device the "cuda" backend (clover/gpu/: fla-core's gated delta rule where
+    `clover[gpu]` is installed, batched SDPA over the pool's pages, grouped-GEMM experts) over the
+    weights as stored (or `dtype`), read from the files straight into device memory chunk by chunk.
+    "cpu": the native kernels or an error. "cuda": that backend on any device. "reference":
     plain PyTorch modules, weights as stored (or `dtype`) — the definition the others are tested
     against. Packed weights are inference-only.
     `dtype`: None (auto: bf16 for the packed CPU paths, else as stored), torch.float32, torch.bfloat16
@@ -87,6 +90,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
         pack_for_cpu(model, kernels=True if backend == "cpu" else None)
         release_free_memory()              # the stored forms packing freed (runtime.py says why)
+    elif backend == "cuda" or (backend == "auto" and torch.device(device).type == "cuda"):
+        from .backend import Backend
+
+        model.backend = Backend("cuda")
     _read_generation_defaults(model, path)
     return model
 
@@ -104,6 +111,8 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
     from .distributed import ParallelGroup, init_from_env
     from .distributed.loading import load_tensor_parallel
 
+    if backend == "cuda":
+        raise ValueError("backend='cuda' is not sharded yet: under tensor_parallel use backend='reference'")
     if backend == "cpu":
         raise ValueError("backend='cpu' (the native CPU kernels) is not sharded yet: under tensor_parallel use "
                          "backend='reference' (or 'auto', which means it there)")

@@ -15,7 +15,8 @@ The ops (arguments as the reference takes them):
   gdn_core(mixer, u, z, b, a, batch, block_len) → gated-norm output [B, T, Hv·dv] (before out_proj)
   attention(attn, qg, k, v, cos, sin, batch, block_len) → gated output [B, T, Hq·D] (before o_proj)
   moe(moe, x, block_len, block_top_p) → (routed + shared experts [B, T, H], distinct experts [B] | None)
-Backends: "reference" (PyTorch only) and "cpu" (Clover's native CPU kernels, clover/kernels/).
+Backends: "reference" (PyTorch only), "cpu" (Clover's native CPU kernels, clover/kernels/) and "cuda"
+(batched PyTorch plus fla-core / grouped GEMMs, clover/gpu/; device-agnostic, so it also runs on CPU).
 """
 
 from __future__ import annotations
@@ -64,11 +65,16 @@ def _load_cpu() -> None:
     from .kernels.ops import gdn_core_cpu  # noqa: F401  (importing it registers the native CPU implementations)
 
 
+def _load_cuda() -> None:
+    from .gpu.ops import moe_cuda  # noqa: F401  (importing it registers the GPU implementations)
+
+
 class Backend:
     """One implementation per op, chosen once. `Backend("cpu")` uses the native kernels where a call
-    qualifies and the reference elsewhere; `Backend("reference")` is PyTorch throughout."""
+    qualifies and the reference elsewhere; `Backend("cuda")` the GPU implementations (clover/gpu/);
+    `Backend("reference")` is PyTorch throughout."""
 
-    NAMES = ("reference", "cpu")
+    NAMES = ("reference", "cpu", "cuda")
 
     def __init__(self, name: str = "reference"):
         if name not in self.NAMES:
@@ -81,6 +87,8 @@ class Backend:
                 raise RuntimeError("the 'cpu' backend needs Clover's native kernels, which cannot be built here "
                                    "(no C compiler, no AVX-512 BF16, or CLOVER_KERNELS=0): use backend='reference'")
             _load_cpu()
+        if name == "cuda":
+            _load_cuda()
         self.name = name
         for op in _REGISTRY.values():
             setattr(self, op.name, _bind(op, name))

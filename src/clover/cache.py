@@ -67,12 +67,62 @@ class ForwardBatch:
     records: list | None
     padded: bool = False
     _table: torch.Tensor | None = field(default=None, repr=False)
+    _index: dict = field(default_factory=dict, repr=False)
 
     def page_table(self) -> torch.Tensor:
         """The rows' page tables as one int32 [B, max pages] tensor (made once per forward)."""
         if self._table is None:
             self._table = self.pool.page_table(self.pages)
         return self._table
+
+    def index(self, device, T: int) -> "BatchIndex":
+        """This forward's slots and K/V rows as tensors on `device`, for T new tokens per row: built
+        once per forward on the host and moved in one copy (layers would otherwise each make their
+        own small host tensors, one transfer per layer on a GPU)."""
+        key = (torch.device(device), T)
+        if key not in self._index:
+            self._index[key] = BatchIndex.build(self, T, key[0])
+        return self._index[key]
+
+
+@dataclass
+class BatchIndex:
+    """A `ForwardBatch` as device tensors (all int64): `read_slots [B]`; `write_rows [W]` (the rows
+    that commit) and their `write_slots [W]`; `starts [B]`; `new_rows [B·T]`: the flat K/V rows
+    (`[pages · page_size]` view) of each row's new tokens; `key_rows [B, S]`: flat rows of positions
+    0 … S−1 (S = the longest start + T; a row's entries past its own end repeat its last row, and
+    attention masks them); `key_ends [B]` = starts + T."""
+
+    read_slots: torch.Tensor
+    write_rows: torch.Tensor
+    write_slots: torch.Tensor
+    starts: torch.Tensor
+    new_rows: torch.Tensor
+    key_rows: torch.Tensor
+    key_ends: torch.Tensor
+    uniform: bool                  # every row has the same start (no padding needed among keys)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, T: int, device) -> "BatchIndex":
+        P = batch.pool.page_size
+        B = len(batch.starts)
+        starts = torch.tensor(batch.starts, dtype=torch.long)
+        ends = starts + T
+        S = max(batch.starts) + T
+        width = max(1, max(len(p) for p in batch.pages))
+        table = torch.tensor([p + [0] * (width - len(p)) for p in batch.pages], dtype=torch.long)   # [B, pages]
+        pos = torch.minimum(torch.arange(S)[None, :], ends[:, None] - 1)                           # [B, S]
+        key_rows = table.gather(1, pos // P) * P + pos % P
+        new_rows = key_rows.gather(1, starts[:, None] + torch.arange(T)[None, :]).reshape(-1)
+        write = batch.write_slots or [None] * B
+        write_rows = torch.tensor([r for r, w in enumerate(write) if w is not None], dtype=torch.long)
+        write_slots = torch.tensor([w for w in write if w is not None], dtype=torch.long)
+        read = torch.tensor(batch.read_slots, dtype=torch.long)
+        parts = [read, write_rows, write_slots, starts, new_rows, key_rows.reshape(-1), ends]
+        flat = torch.cat(parts).to(device, non_blocking=True)            # one host-to-device copy
+        out = list(torch.split(flat, [t.numel() for t in parts]))
+        out[5] = out[5].view(B, S)
+        return cls(*out, uniform=len(set(batch.starts)) == 1)
 
 
 class _Holdings:

@@ -143,7 +143,9 @@ class CloverForCausalLM(nn.Module):
         if logits_at == "none":
             return None
         if torch.is_tensor(logits_at):                 # only the positions that will be read
-            rows = lambda t: t[:, t.shape[1] - logits_at.shape[1]:][logits_at]  # noqa: E731
+            L = logits_at.shape[1]                     # (their indices found on the mask's device, the host's)
+            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(h.device)
+            rows = lambda t: t[:, t.shape[1] - L:].reshape(-1, t.shape[-1])[picked]  # noqa: E731
         elif logits_at == "last":
             if batch is not None and batch.padded:     # right-padded rows: each row's own last token
                 last = torch.tensor(batch.commits, device=h.device) - 1
@@ -203,7 +205,10 @@ class CloverForCausalLM(nn.Module):
         T = ids.shape[1]
         pool = caches[0].pool
         batch = pool.prepare(caches, T, block_len, valid_lens)
-        positions = torch.tensor(batch.starts, device=ids.device)[:, None] + torch.arange(T, device=ids.device)
+        if ids.device.type == "cpu":              # (the CPU kernels need no index: ~0.15 ms saved per forward)
+            positions = torch.tensor(batch.starts)[:, None] + torch.arange(T)
+        else:                                     # the forward's slots and K/V rows on the device, made once
+            positions = batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
         try:
             logits = self._run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
         except BaseException:

@@ -101,15 +101,23 @@ def candidates(
         sp = sp / sp.sum(-1, keepdim=True)
     choice = torch.multinomial(sp, 1, generator=generator)  # index into sorted order
     tokens = order.gather(-1, choice).squeeze(-1)
-    if exclude is not None and bool((tokens == exclude).any()):
+    if _may_hold(tokens, exclude):
         return _avoid(tokens, probs, torch.zeros_like(probs).scatter_(-1, order, sp), exclude)
     return tokens, sp.gather(-1, choice).squeeze(-1)
+
+
+def _may_hold(tokens: Tensor, exclude: Optional[int]) -> bool:
+    """Whether ``tokens`` may hold ``exclude``: checked on the host; on a device, assumed (the check
+    would be a host sync, and replacing nothing changes nothing)."""
+    if exclude is None:
+        return False
+    return tokens.device.type != "cpu" or bool((tokens == exclude).any())
 
 
 def _avoid(tokens: Tensor, scores: Tensor, dist: Tensor, exclude: Optional[int]) -> Tuple[Tensor, Tensor]:
     """Replace candidates equal to ``exclude`` by the best other id of ``scores`` [M, V] (ties → lower
     id); confidences come from ``dist`` [M, V], the distribution the candidates were taken from."""
-    if exclude is not None and bool((tokens == exclude).any()):
+    if _may_hold(tokens, exclude):
         others = scores.clone()
         others[:, exclude] = float("-inf")
         tokens = torch.where(tokens == exclude, first_argmax(others, dim=-1), tokens)

@@ -83,7 +83,7 @@ class MirroredDecoder:
 
     def add(self, seq: Sequence) -> None:
         self._inner.add(seq)                 # raises for a request the pool can never hold: not sent
-        seed = seq.generator.initial_seed() if seq.generator is not None else None
+        seed = seq.sampling_seed
         self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed))
 
     def cancel(self, seq: Sequence) -> None:
@@ -167,7 +167,7 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
                 _, leader_id, prompt, settings, seed = op
                 seq = Sequence(prompt, settings, model.config)
                 if seed is not None:
-                    seq.generator.manual_seed(seed)
+                    seq.sampling_seed = seed          # the leader's seed (the generator is made at its first draw)
                 decoder.add(seq)
                 seqs[leader_id] = seq
             elif kind == "cancel":

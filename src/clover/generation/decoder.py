@@ -74,6 +74,14 @@ def reserved_tokens(config, prompt_len: int, max_new_tokens: int, block_size: in
     return min(prompt_len + (blocks + 1) * block_size, config.max_position_embeddings + block_size)
 
 
+def _per_row(stats: list, rows: int) -> list[list[int]]:
+    """Per row, the distinct experts of each MoE layer (`stats`: per layer a [rows] tensor), read back
+    in one transfer."""
+    if not stats:
+        return [[] for _ in range(rows)]
+    return torch.stack(stats, 1).tolist()
+
+
 def _reserved(seq: Sequence, config) -> int:
     return reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens, seq.settings.block_size)
 
@@ -284,11 +292,13 @@ class Decoder:
                 def forward(rows):
                     ids = torch.tensor([s.block for s in rows], dtype=torch.long, device=self.model.device)
                     stats: list = []
-                    wanted = ids == torch.tensor([[s.mask_id] for s in rows], device=ids.device)
+                    # which positions get logits, decided on the host (a device mask would be read back)
+                    wanted = torch.tensor([[t == s.mask_id for t in s.block] for s in rows])
                     logits = self.model.step(ids, [s.cache for s in rows], block=True, block_top_p=self._top_p(rows),
                                              logits_at=wanted, stats=stats)
-                    per_row = torch.split(logits, wanted.sum(1).tolist())
-                    return [(per_row[b], [layer[b] for layer in stats]) for b in range(len(rows))]
+                    per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
+                    distinct = _per_row(stats, len(rows))
+                    return [(per_row[b], distinct[b]) for b in range(len(rows))]
                 for seq, (logits, distinct) in self._rows(chunk, forward):
                     self._record_block_forward(seq, distinct)
                     self._decide(seq, seq.denoise, logits)
@@ -363,7 +373,8 @@ class Decoder:
             stats: list = []
             logits = self.model.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
                                      logits_at="block", stats=stats)
-            return [(logits[b], [layer[b] for layer in stats]) for b in range(len(rows))]
+            distinct = _per_row(stats, len(rows))
+            return [(logits[b], distinct[b]) for b in range(len(rows))]
         for seq, (logits, distinct) in self._rows(chunk, forward):
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()

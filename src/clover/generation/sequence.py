@@ -82,10 +82,12 @@ class Sequence:
         self._seed_is_mask = False
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt))
+        # the sampling generator lives on the logits' device (`torch.multinomial` refuses a CPU
+        # generator for CUDA logits): made at the first draw, from the seed fixed here
         self.generator = None
+        self.sampling_seed = None
         if settings.do_sample and settings.temperature > 0:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(settings.seed if settings.seed is not None else torch.seed())
+            self.sampling_seed = settings.seed if settings.seed is not None else torch.seed()
         self._controls = settings.controls
         self._controls_on = self._controls.active
         self._eos = set(settings.eos_token_id)
@@ -195,6 +197,15 @@ class Sequence:
         tokens = self.response[-window:] + extra_tokens
         return torch.tensor(tokens[-window:], dtype=torch.long)
 
+    def _generator_for(self, device: torch.device):
+        """The request's sampling generator on `device` (None when it does not sample)."""
+        if self.sampling_seed is None:
+            return None
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.sampling_seed)
+        return self.generator
+
     # ---- decisions -----------------------------------------------------------------------------
     def masked_positions(self) -> list[int]:
         """Positions still to decide (a draft's seed is decided even when it is the mask id)."""
@@ -224,8 +235,8 @@ class Sequence:
         self.draft_steps_done += 1
         if s.speculative and self.draft_steps_done >= s.draft_steps:
             fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
-        for i, t, f in zip(masked, tokens.tolist(), fill.tolist()):
-            if f:
+        for i, t in zip(masked, torch.where(fill, tokens, -1).tolist()):    # one host sync
+            if t >= 0:
                 self.block[i] = t
         if self.constraint is not None:
             self.constraint.settle(self.block, self.remaining)
@@ -258,14 +269,14 @@ class Sequence:
         s = self.settings
         x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
         dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
-        if bool(dead.any()):
+        on_host = x.device.type == "cpu"     # elsewhere the checks below would each be a device sync:
+        if not on_host or bool(dead.any()):  # their safe forms run unconditionally instead
             x = torch.where(dead, torch.zeros_like(x), x)
         temperature = s.temperature
         if s.do_sample and temperature > 0 and x.numel():
-            largest = float(torch.where(torch.isfinite(x), x.abs(), 0).amax())
-            if largest / temperature > _SAFE_SCALED_LOGIT:
+            if not on_host or float(torch.where(torch.isfinite(x), x.abs(), 0).amax()) / temperature > _SAFE_SCALED_LOGIT:
                 scaled = x.double() / temperature
                 x = (scaled - scaled.amax(dim=-1, keepdim=True)).float()   # max 0; the rest <= 0, maybe -inf
                 temperature = 1.0
         return candidates(x, do_sample=s.do_sample, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
-                          generator=self.generator, exclude=exclude)
+                          generator=self._generator_for(x.device), exclude=exclude)

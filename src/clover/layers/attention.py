@@ -89,24 +89,35 @@ def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: i
     """Between the projections and `o_proj`: q/k norms, rotary, scaled-dot-product attention (causal
     rows, block rows seeing the whole block), the sigmoid output gate."""
     B, T, _ = qg.shape
+    q, k, v, gate = attention_inputs(self, qg, k, v, cos, sin)
+    if batch is None:
+        out = attend_uncached(q, k, v, block_len)
+    else:
+        out = self._attend_cached(q, k, v, batch, T, block_len)
+    out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+    return out * torch.sigmoid(gate)
+
+
+def attention_inputs(self: Attention, qg, k, v, cos, sin):
+    """Projections → q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed, rotated) and the gate [B, T, Hq·D]."""
+    B, T, _ = qg.shape
     D = self.head_dim
     qg = qg.reshape(B, T, self.num_heads, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
     q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
     k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
     v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    if batch is None:
-        if block_len:
-            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-            mask[T - block_len:] = True
-            out = _sdpa(q, k, v, mask)
-        else:
-            out = _sdpa(q, k, v, None, causal=True)
-    else:
-        out = self._attend_cached(q, k, v, batch, T, block_len)
-    out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
-    return out * torch.sigmoid(gate)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+
+def attend_uncached(q, k, v, block_len: int):
+    """A forward from scratch: causal rows, the last `block_len` rows seeing the whole block."""
+    T = q.shape[2]
+    if block_len:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        mask[T - block_len:] = True
+        return _sdpa(q, k, v, mask)
+    return _sdpa(q, k, v, None, causal=True)
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is

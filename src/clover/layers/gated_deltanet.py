@@ -132,7 +132,7 @@ def gdn_core_reference(self: GatedDeltaNet, u, z, b, a, batch, block_len: int):
         state0 = torch.zeros(B, self.num_v_heads, self.dk, self.dv, dtype=cdt, device=u.device)
     else:
         conv_pool, rec_pool = batch.pool.conv[self.layer_index], batch.pool.recurrent[self.layer_index]
-        slots = torch.tensor(batch.read_slots, device=u.device)
+        slots = batch.index(u.device, T).read_slots
         tail, state0 = conv_pool[slots], rec_pool[slots]
     full = torch.cat([tail, u], dim=2)
     left = depthwise_conv(full, self.conv1d.weight)                      # [B, C, T]

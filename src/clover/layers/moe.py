@@ -241,23 +241,26 @@ class SparseMoE(nn.Module):
             return router_probs(logits), torch.sigmoid(shared_gate) * shared
         return self.gate(flat), torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
 
-    def forward(self, x, block_len: int = 0, block_top_p=None):
+    def forward(self, x, block_len: int = 0, block_top_p=None, experts=None):
         """x [B, T, H]. The last `block_len` tokens of each row are a noisy block; `block_top_p` [B]
         (1.0 = off) restricts their routing per row (SPEC §6). Returns (out [B, T, H], distinct [B] | None):
-        the number of distinct experts each row's block used, when there is a block."""
+        the number of distinct experts each row's block used, when there is a block. `experts`: what
+        runs the routed experts, `(x [N, H], indices, weights) → [N, H]` (default: `self.experts`)."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         probs, shared = self._router_and_shared(flat)                       # probs [B·T, E]
         allowed = None
         if block_len and block_top_p is not None:
             block_probs = probs.view(B, T, -1)[:, T - block_len:]
-            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts)
+            # validated once per forward by the model (`_top_p`): checking it here would sync per layer
+            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts,
+                                                check=False)
             allowed = torch.ones(B, T, self.num_experts, dtype=torch.bool, device=x.device)
             allowed[:, T - block_len:] = kept[:, None, :]
             allowed = allowed.view(B * T, -1)
         weights, indices = route_top_k(probs, self.top_k, allowed)
         weights = weights.to(x.dtype)
-        out = self.experts(flat, indices, weights)
+        out = (experts or self.experts)(flat, indices, weights)
         out = (out + shared).view(B, T, H)
 
         distinct = None

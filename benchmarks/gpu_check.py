@@ -1,0 +1,363 @@
+"""GPU check: the "cuda" backend (clover/gpu/) against the reference at real layer shapes, and its speed.
+
+    PYTHONPATH=src python benchmarks/gpu_check.py              # one H200: ~ a few minutes, no network
+    PYTHONPATH=src python benchmarks/gpu_check.py --cpu-dry-run  # tiny shapes on CPU (CI: it must not crash)
+
+Random weights of the real model's layer shapes (hidden 2048; 256 experts of 512, top-8, shared expert 512;
+GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the real vocabulary),
+`--layers` layers in the real 3 GDN : 1 attention pattern, bf16, built on the device. It checks and prints:
+  - correctness: every forward kind (prefill chunk — fla's chunked kernel —, decode, block step with and
+    without expert selection, fused commit) of the fast backend against the reference backend on the
+    same weights and caches (max |Δ| of the logits over their scale), and greedy generation (tokens
+    agreeing with the reference's, and where they first differ: bf16 rounding on random weights);
+  - timings (median ms): prefill, decode step, block step (selection off, 0.9, 0.7), commit, each eager
+    and replayed as a CUDA graph (one captured forward at a fixed position: what graphs buy per step);
+  - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
+  - GPU memory (allocated after building, peak).
+Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from clover.backend import Backend, reference_backend  # noqa: E402
+from clover.config import CloverConfig  # noqa: E402
+from clover.model import CloverForCausalLM  # noqa: E402
+
+REAL = dict(
+    vocab_size=248320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
+    num_experts_per_tok=8, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25}, tie_word_embeddings=False, max_position_embeddings=131072,
+    eos_token_id=[248044], pad_token_id=0, mask_token_id=248077, think_token_id=248068,
+    think_end_token_id=248069, model_type="clover",
+)
+TINY = dict(REAL, vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+            eos_token_id=[1], mask_token_id=511, think_token_id=3, think_end_token_id=4,
+            max_position_embeddings=8192)
+
+
+def make_config(shapes: dict, layers: int) -> CloverConfig:
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    if "full_attention" not in kinds:
+        kinds[-1] = "full_attention"
+    return CloverConfig.from_dict(dict(shapes, num_hidden_layers=layers, layer_types=kinds))
+
+
+@torch.no_grad()
+def random_model(config: CloverConfig, device, dtype, seed: int = 0) -> CloverForCausalLM:
+    """The model built on the meta device, then filled on `device` with seeded values at healthy scales."""
+    with torch.device("meta"):
+        model = CloverForCausalLM(config)
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        v = torch.empty(p.shape, device=device, dtype=torch.float32)
+        if name.endswith("A_log"):
+            v.uniform_(0.5, 16, generator=g).log_()
+        elif name.endswith("dt_bias"):
+            v.uniform_(-0.5, 1.5, generator=g)
+        elif name.endswith("linear_attn.norm.weight"):
+            v.normal_(1.0, 0.3, generator=g)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            v.normal_(0.0, 0.3, generator=g)
+        elif name.endswith(("block_mix_logits", "embed_tokens.weight")):
+            v.normal_(0.0, 1.0, generator=g)
+        elif name.endswith("mlp.gate.weight"):
+            v.normal_(0.0, 0.5, generator=g)
+        else:
+            v.normal_(0.0, 0.6 / p.shape[-1] ** 0.5, generator=g)
+        p.copy_(v.to(p.dtype))
+    model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
+    model.model.rotary.to(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, warmup: int, iters: int) -> float:
+    """Median milliseconds of `fn()`."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+class Forward:
+    """One prepared cached forward of `model` over `caches`, repeatable at the same position (the pool
+    bookkeeping done once, its state writes repeated idempotently): eager, or captured as a CUDA graph."""
+
+    def __init__(self, model, caches, ids, block_len, block_top_p, logits_at):
+        self.model, self.caches = model, caches
+        T = ids.shape[1]
+        pool = caches[0].pool
+        self.batch = pool.prepare(caches, T, block_len)
+        idx = self.batch.index(ids.device, T)
+        self.args = (ids, idx.starts[:, None] + torch.arange(T, device=ids.device), self.batch, block_len,
+                     model._top_p(block_top_p, ids.shape[0]) if block_len else None, logits_at, None)
+        self.graph = None
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self.model._run(*self.args)
+
+    def capture(self):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.model._run(*self.args)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.model._run(*self.args)
+
+    def abort(self):
+        self.caches[0].pool.abort(self.batch, self.caches)
+
+
+def relative_error(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def prefilled(model, prompt, n_rows=1):
+    caches = [model.make_cache() for _ in range(n_rows)]
+    model.prefill_batch([prompt] * n_rows, caches)
+    return caches
+
+
+def check_correctness(fast, ref, config, args, device, report):
+    mask = config.mask_token_id
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(5, config.vocab_size - 8, (args.prompt,), generator=g).tolist()
+    committed = torch.randint(5, 100, (2, args.block), generator=g).to(device)
+    rows = {}
+    with torch.inference_mode():
+        for name, model in (("fast", fast), ("ref", ref)):
+            out = {}
+            caches = [model.make_cache() for _ in range(2)]
+            # ragged prefill rows (a padded batch), then every step kind at different lengths
+            out["prefill"] = model.prefill_batch([prompt, prompt[: len(prompt) // 2 + 3]], caches)
+            out["decode"] = model.step(torch.tensor([[7], [8]], device=device), caches)
+            block = torch.full((2, args.block), mask, device=device)
+            for p in (1.0, 0.9, 0.7):
+                out[f"block_top_p_{p}"] = model.step(block, caches, block=True, block_top_p=p)
+            ids = torch.cat([committed, block], 1)
+            out["commit"] = model.step(ids, caches, block_len=args.block, block_top_p=0.9, logits_at="block")
+            rows[name] = out
+    report["ops"] = {k: relative_error(rows["fast"][k], rows["ref"][k]) for k in rows["ref"]}
+    ok = all(v < args.tolerance for v in report["ops"].values())
+    report["ops_ok"] = ok
+
+    ids = torch.tensor([prompt[:64]], device=device)
+    kw = dict(max_new_tokens=args.gen_tokens, block_size=args.block, threshold=0.9, eos_token_id=[])
+    a = fast.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+    b = ref.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    report["generation"] = {"tokens": len(b), "agree": sum(x == y for x, y in zip(a, b)) / max(1, len(b)),
+                            "first_difference": first}
+
+
+def time_steps(model, config, args, device, report, label):
+    mask = config.mask_token_id
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(5, config.vocab_size - 8, (args.prompt,), generator=g).tolist()
+    res = {}
+    with torch.inference_mode():
+        def prefill():
+            c = model.make_cache()
+            model.prefill_batch([prompt], [c])
+            c.release()
+        res["prefill_ms"] = timed(prefill, device, 1, args.iters)
+        caches = prefilled(model, prompt)
+        L = args.block
+        kinds = {
+            "decode": (torch.tensor([[7]], device=device), 0, None, "last"),
+            "block_off": (torch.full((1, L), mask, device=device), L, 1.0, "block"),
+            "block_0.9": (torch.full((1, L), mask, device=device), L, 0.9, "block"),
+            "block_0.7": (torch.full((1, L), mask, device=device), L, 0.7, "block"),
+            "commit": (torch.cat([torch.randint(5, 100, (1, L), generator=g).to(device),
+                                  torch.full((1, L), mask, device=device)], 1), L, 0.9, "block"),
+        }
+        for kind, (ids, block_len, top_p, at) in kinds.items():
+            fwd = Forward(model, caches, ids, block_len, top_p, at)
+            res[f"{kind}_ms"] = timed(fwd, device, 2, args.iters)
+            if device.type == "cuda" and args.graphs:
+                try:
+                    fwd.capture()
+                    res[f"{kind}_graph_ms"] = timed(fwd, device, 2, args.iters)
+                except Exception as exc:                       # recorded: what stops capture is a finding
+                    res[f"{kind}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    torch.cuda.synchronize()
+            fwd.abort()
+    report[label] = res
+
+
+def time_transformers(ref, config, args, device, report):
+    try:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    except ImportError as exc:
+        report["transformers"] = {"skipped": str(exc)}
+        return
+    cfg = config.to_dict()
+    for key in ("mask_token_id", "gdn_right_conv_kernel_dim", "block_expert_top_p", "block_expert_min_experts",
+                "think_token_id", "think_end_token_id", "model_type", "architectures", "dtype"):
+        cfg.pop(key, None)
+    hf_config = Qwen3_5MoeTextConfig(**cfg)
+    hf_config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
+    with torch.device("meta"):
+        hf = Qwen3_5MoeForCausalLM(hf_config)
+    hf.to_empty(device=device)
+    if device.type == "cuda" and hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("grouped_mm")
+    missing, _ = hf.load_state_dict(ref.state_dict(), strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    hf = hf.to(ref.dtype).eval()
+    for name, buf in hf.named_buffers():              # rotary inv_freq: recomputed by transformers' init
+        if "inv_freq" in name:
+            mod = hf.get_submodule(name.rsplit(".", 1)[0])
+            inv, _ = mod.rope_init_fn(mod.config, device) if hasattr(mod, "rope_init_fn") else (buf, None)
+            buf.copy_(inv)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(5, config.vocab_size - 8, (1, args.prompt), generator=g).to(device)
+    res = {"missing_keys": missing[:5]}
+    with torch.inference_mode():
+        res["prefill_ms"] = timed(lambda: hf(input_ids=ids, use_cache=True, logits_to_keep=1), device, 1, args.iters)
+        out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        # decode at a fixed position: the same token over a copy of the cache each time would cost a copy;
+        # the cache grows by one token per call instead (what a decode loop does)
+        tok = torch.tensor([[7]], device=device)
+        res["decode_ms"] = timed(lambda: hf(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1),
+                                 device, 2, args.iters)
+        # causal logits on the same weights (transformers has no block mode): prefill last-token logits
+        clover_last = ref(ids[:, :256])[:, -1]
+        hf_last = hf(input_ids=ids[:, :256]).logits[:, -1]
+        res["causal_logits_vs_reference"] = relative_error(hf_last, clover_last)
+    try:
+        from transformers.utils.import_utils import is_flash_linear_attention_available
+        res["fla_fast_path"] = bool(is_flash_linear_attention_available())
+    except Exception:
+        pass
+    report["transformers"] = res
+    del hf
+
+
+def section(report, name, fn, *a):
+    t = time.perf_counter()
+    try:
+        fn(*a)
+    except Exception as exc:
+        report.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    report.setdefault("section_s", {})[name] = round(time.perf_counter() - t, 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU (checks that it runs)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (prefill timing, the cached prefix)")
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--tolerance", type=float, default=0.05, help="max relative |Δ| of logits vs the reference")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false")
+    ap.add_argument("--no-transformers", dest="transformers", action="store_false")
+    args = ap.parse_args(argv)
+    if args.cpu_dry_run:
+        device = torch.device("cpu")
+        shapes = TINY
+        args.prompt, args.iters, args.gen_tokens, args.block = min(args.prompt, 96), min(args.iters, 2), 16, 8
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --cpu-dry-run", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        shapes = REAL
+    t0 = time.perf_counter()
+    config = make_config(shapes, args.layers)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "layers": args.layers, "prompt": args.prompt, "block": args.block}
+    from clover.gpu import fla_ops, fla_runs_on
+    from clover.gpu.experts import GROUPED_MM
+    report["fla"] = getattr(__import__("fla"), "__version__", "?") if fla_ops() is not None else None
+    report["fla_runs"] = fla_runs_on(device)
+    report["grouped_mm"] = GROUPED_MM is not None
+    ref = random_model(config, device, torch.bfloat16)
+    ref.backend = reference_backend()
+    fast = CloverForCausalLM.__new__(CloverForCausalLM)     # the same weights, another backend and pool
+    fast.__dict__.update({k: v for k, v in ref.__dict__.items() if k != "_state_pool"})
+    fast.backend = Backend("cuda")
+    if device.type == "cuda":
+        report["memory_after_build_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
+    for model in (ref, fast):
+        model.configure_state_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
+
+    section(report, "correctness", check_correctness, fast, ref, config, args, device, report)
+    section(report, "clover_fast", time_steps, fast, config, args, device, report, "clover_fast")
+    if not args.cpu_dry_run:
+        section(report, "clover_reference", time_steps, ref, config,
+                argparse.Namespace(**{**vars(args), "graphs": False}), device, report, "clover_reference")
+    if args.transformers:
+        section(report, "transformers", time_transformers, ref, config, args, device, report)
+    if device.type == "cuda":
+        report["memory_peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    report["total_s"] = round(time.perf_counter() - t0, 1)
+
+    print(f"\nGPU check on {report['device']} (torch {report['torch']}, fla {report['fla']}, "
+          f"{args.layers} layers of real shapes)" if not args.cpu_dry_run else "\nGPU check, CPU dry run")
+    for op, err in report.get("ops", {}).items():
+        print(f"  correctness {op:<18} rel |Δ| {err:.2e}  {'ok' if err < args.tolerance else 'FAIL'}")
+    if "generation" in report:
+        gen = report["generation"]
+        print(f"  generation: {gen['agree']:.0%} of {gen['tokens']} tokens as the reference "
+              f"(first difference at {gen['first_difference']})")
+    kinds = ["prefill", "decode", "block_off", "block_0.9", "block_0.7", "commit"]
+    print(f"  {'ms':<14}" + "".join(f"{k:>11}" for k in kinds))
+    for label in ("clover_fast", "clover_reference", "transformers"):
+        res = report.get(label, {})
+        for suffix, name in (("_ms", label), ("_graph_ms", label + " graph")):
+            vals = [res.get(k + suffix) for k in kinds]
+            if any(v is not None for v in vals):
+                print(f"  {name:<14}" + "".join(f"{v:>11.2f}" if v is not None else f"{'-':>11}" for v in vals))
+    for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
+        if key in report:
+            print(f"  {key}: {report[key]}")
+    for name, err in report.get("errors", {}).items():
+        print(f"  ERROR in {name}: {err}")
+    print(json.dumps(report))
+    return 1 if report.get("errors") or not report.get("ops_ok", False) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The "cuda" backend: the backend ops (clover/backend.py) as batched, host-sync-free PyTorch plus
+kernels from maintained libraries, for a GPU.
+
+  - `gdn.py`: the GDN mixer's core with fla-core's gated delta rule (`chunk_gated_delta_rule` for long
+    causal parts, `fused_recurrent_gated_delta_rule` for decode, block steps and commits), imported
+    lazily (`pip install clover[gpu]`); Clover's PyTorch delta rule where fla is missing;
+  - `attention.py`: every row of a cached forward in one SDPA call over keys gathered from the pool's
+    pages (no mask where every query sees every key, a "prefix plus whole block" boolean mask else);
+  - `experts.py`: routed experts through `torch.nn.functional.grouped_mm` over all experts at once
+    (token counts as offsets, no host sync, no Python loop over experts), else per expert;
+  - `ops.py`: registers them as the "cuda" backend's implementations, each with its `qualifies` test.
+
+Every piece is device-agnostic PyTorch around the library calls, so the same code runs on CPU (tests:
+`Backend("cuda")` on a CPU model runs these paths with the PyTorch fallbacks, and fla's Triton kernels
+under `TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_FLA = None
+
+
+def fla_ops():
+    """fla-core's gated delta rule module, or None when fla-core (or Triton) is not installed."""
+    global _FLA
+    if _FLA is None:
+        try:
+            from fla.ops import gated_delta_rule as ops
+        except Exception:            # not installed, or Triton without a usable driver
+            ops = False
+        _FLA = ops
+    return _FLA or None
+
+
+def fla_runs_on(device: torch.device, chunked: bool = False) -> bool:
+    """Whether fla's kernels can run on tensors of `device`: CUDA, or the CPU under Triton's
+    interpreter (`TRITON_INTERPRET=1`; the fused-recurrent kernel only — the chunked one needs a GPU).
+    `CLOVER_FLA=0` turns fla off (the PyTorch delta rule runs instead)."""
+    if os.environ.get("CLOVER_FLA", "1") == "0":
+        return False
+    if device.type == "cuda":
+        return fla_ops() is not None
+    return (not chunked and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+            and fla_ops() is not None)

@@ -1,0 +1,40 @@
+"""The "cuda" backend's implementations of the backend ops (clover/backend.py), with their limits:
+  - gdn_core: any forward but one with an open speculation (its replay records are the reference's
+    per-token tensors); fla's kernels where they run (gpu/__init__.py), else the PyTorch delta rule;
+  - attention: any forward (batched over rows; see gpu/attention.py);
+  - moe: experts stored as plain tensors (not packed for the CPU kernels, not quantized);
+  - add_rmsnorm: the reference (one fused `F.rms_norm`).
+The implementations are device-agnostic, so `Backend("cuda")` also runs on CPU (tests compare it there).
+"""
+
+from __future__ import annotations
+
+from ..backend import implementation
+from .attention import attention_fast
+from .experts import grouped_experts
+from .gdn import gdn_core_fast
+
+
+def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
+    return batch is None or batch.records is None
+
+
+implementation("gdn_core", "cuda", _gdn_qualifies)(gdn_core_fast)
+
+
+def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
+    return True
+
+
+implementation("attention", "cuda", _attention_qualifies)(attention_fast)
+
+
+def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
+    ex = moe.experts
+    return x.dim() == 3 and ex.panels is None and ex.packed is None and not ex.quantized
+
+
+@implementation("moe", "cuda", _moe_qualifies)
+def moe_cuda(moe, x, block_len, block_top_p):
+    """The MoE block with its routed experts as grouped GEMMs (gpu/experts.py)."""
+    return moe(x, block_len, block_top_p, experts=lambda *args: grouped_experts(moe.experts, *args))

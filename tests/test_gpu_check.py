@@ -1,0 +1,25 @@
+"""benchmarks/gpu_check.py's CPU dry run (tiny shapes): the prepared GPU check must not crash, and its
+correctness section must hold on CPU too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_on_cpu():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-dry-run"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["ops_ok"] and not report.get("errors")
+    assert set(report["ops"]) == {"prefill", "decode", "block_top_p_1.0", "block_top_p_0.9", "block_top_p_0.7",
+                                  "commit"}
+    assert report["generation"]["agree"] == 1.0
+    assert {"decode_ms", "block_0.7_ms", "commit_ms"} <= set(report["clover_fast"])
