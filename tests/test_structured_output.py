@@ -194,6 +194,28 @@ def test_strict_tool_arguments_self_speculative(client, choice):
     assert (call.name, call.arguments) == (calls[0][0].function.name, calls[0][0].function.arguments)
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+def test_strict_tools_under_auto_leave_text_answers_alone(client, thinking):
+    """tool_choice "auto" with strict tools: the grammar allows any text without `<tool_call>`. The
+    demo model answers in text (it was not trained to call tools), so greedy decoding that takes the
+    grammar's choice at each causal position (autoregressive, self-speculative) writes exactly what it
+    writes without the grammar; LowConfidence answers in text too. (A call, once opened, following the
+    schema: tests/test_strict_auto_tools.py.)"""
+    ask = [{"role": "user", "content": "What is 17+25?"}]
+    loose = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+             for t in (CONVERT, LOOKUP)]
+    for extra in ({"block_size": 1}, {"decoding": "self_speculative"}, {}):
+        out = []
+        for tools in ([CONVERT, LOOKUP], loose):
+            r = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, max_tokens=96,
+                                               extra_body={"enable_thinking": thinking, **extra})
+            choice = r.choices[0]
+            assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content
+            out.append((choice.message.content, choice.message.model_extra.get("reasoning_content")))
+        if extra:
+            assert out[0] == out[1], extra
+
+
 class _stream:
     """The client's own stream accumulator over a streamed request: (finish_reason, tool_calls)."""
 
