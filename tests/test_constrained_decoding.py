@@ -99,3 +99,114 @@ def test_demo_model_commits_only_grammar_valid_tokens(grammars, tok, block_size)
     for r in results:
         assert r.finish_reason == "eos" and len(r.tokens) <= 72
         assert accepted(grammars, r.tokens, thinking=True) == len(r.tokens)
+
+
+# ---- self-speculative decoding: the grammar at causal verification --------------------------------
+jsonschema = pytest.importorskip("jsonschema")
+from json_schemas import generated_schemas  # noqa: E402
+
+
+def schema_matcher(grammars, schema, thinking):
+    lark = "start: " + grammars.json_rule(schema)
+    return grammars.matcher(grammars.compile(grammars.with_thinking(lark) if thinking else lark))
+
+
+def answer_text(tok, tokens) -> str:
+    text = tok.decode(tokens, skip_special_tokens=False)
+    return text.split("</think>")[-1].replace("<|im_end|>", "").strip()
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return clover.load(clover.DEMO_MODEL_DIR)
+
+
+def test_shape_draft_writes_forced_tokens_and_replaces_refused_ones(grammars, tok):
+    m = matcher(grammars)
+    c = BlockConstraint(m, MASK)
+    seed = m.forced()[0]                         # the seed, consumed as verification consumed it
+    m.consume(seed)
+    block = [seed] + [MASK] * 23
+    c.shape_draft(block)                         # before the pass: the forced run after the seed
+    k = block.index(MASK)
+    assert tok.decode(block[:k]) == '{"name":"' and m.consumed == 1      # on a copy: nothing consumed
+    draft = tok.encode("ab\n")                 # the pass proposes a raw newline inside the string, then x's
+    block[k:] = draft + tok.encode("x") * (len(block) - k - len(draft))
+    rows = list(range(k, len(block)))
+    logits = torch.zeros(len(rows), 512)
+    logits[:, tok.encode('"')[0]] = 1.0          # the block's best allowed token where "\n" is refused
+    c.shape_draft(block, logits, rows)
+    # '"' replaced the newline, the keys that follow are forced, the x's (now refused) replaced too
+    assert tok.decode(block).startswith('{"name":"ab","n":') and MASK not in block
+    end = block.index(2) + 1                     # the answer closed ('-0}'), the end token fills the rest
+    assert accepted(grammars, block[:end]) == end and set(block[end:]) <= {2} and m.consumed == 1
+
+
+def test_choose_run_stops_at_the_first_choice_that_differs(grammars, tok):
+    m = matcher(grammars)
+    c = BlockConstraint(m, MASK)
+    c.choose(tok.encode("{")[0], 200)
+    text = tok.encode('"name":"ab')
+    logits = torch.full((len(text) + 1, 512), -5.0)
+    for k, t in enumerate(text):
+        logits[k, t] = 5.0
+    wrong = tok.encode("x")[0]
+    draft = text[:4] + [wrong] + text[5:]        # the draft is right up to position 4
+    out = c.choose_run(logits, lambda row: int(row.argmax()), draft, 200)
+    assert out == text[:5]                      # forced '"name":"' then 'a' where the draft said 'x'
+    assert m.consumed == 1 + 5
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_self_speculative_equals_autoregressive_under_a_grammar(demo, grammars, tok, thinking):
+    """Greedy self-speculative output is autoregressive output token for token (SPEC §8's promise,
+    tests/test_self_speculative.py), also under a grammar: every choice is the masked verification's.
+    The answers validate against their schemas."""
+    schemas = generated_schemas()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Describe the answer as JSON."}],
+                                     add_generation_prompt=True, enable_thinking=thinking)
+    runs = {}
+    for name, kw in (("ar", dict(block_size=1)), ("spec32", dict(block_size=32, decoding="self_speculative")),
+                     ("spec8", dict(block_size=8, decoding="self_speculative", draft_steps=2))):
+        settings = resolve_settings(demo, max_new_tokens=160, **kw)
+        runs[name] = generate_batch(demo, [prompt] * len(schemas), settings,
+                                    grammars=[schema_matcher(grammars, s, thinking) for s in schemas])
+    for k, schema in enumerate(schemas):
+        ar = runs["ar"][k]
+        assert ar.finish_reason == "eos"
+        jsonschema.validate(json.loads(answer_text(tok, ar.tokens)), schema)
+        for name in ("spec32", "spec8"):
+            r = runs[name][k]
+            assert r.tokens == ar.tokens, (name, schema, tok.decode(r.tokens), tok.decode(ar.tokens))
+            assert r.stats.rounds == len(r.stats.accepted_lengths) >= 1
+
+
+def test_self_speculative_keeps_the_budget_under_a_grammar(demo, grammars, tok):
+    """Near max_new_tokens the closing path cuts the thinking and closes the answer, the same tokens
+    as autoregressive decoding writes."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 1234+4321?"}], add_generation_prompt=True)
+    shortest = len(matcher(grammars, True).closing(1000))
+    for budget in (shortest, shortest + 4, shortest + 15, shortest + 40):
+        out = {}
+        for name, kw in (("ar", dict(block_size=1)), ("spec", dict(block_size=16, decoding="self_speculative"))):
+            r = generate_batch(demo, [prompt], resolve_settings(demo, max_new_tokens=budget, **kw),
+                               grammars=[matcher(grammars, True)])[0]
+            assert r.finish_reason == "eos" and len(r.tokens) <= budget
+            jsonschema.validate(json.loads(answer_text(tok, r.tokens)), SCHEMA)
+            out[name] = r.tokens
+        assert out["spec"] == out["ar"]
+
+
+def test_a_grammar_the_answers_follow_costs_no_forwards(demo, grammars, tok):
+    """On problems the demo model answers (held-out arithmetic and counting, thinking on), an integer
+    answer grammar changes no token and self-speculation keeps its tokens per forward."""
+    from clover.training.tasks import sample_examples
+    examples = [ex for task in ("addition", "subtraction", "count") for ex in sample_examples(4, "heldout", 7, [task])]
+    prompts = [tok.encode(ex.prompt_text(True)) for ex in examples]
+    integer = grammars.compile(grammars.with_thinking("start: /-?[0-9]+/"))
+    settings = resolve_settings(demo, max_new_tokens=96, block_size=32, decoding="self_speculative")
+    free = generate_batch(demo, prompts, settings)
+    held = generate_batch(demo, prompts, settings, grammars=[grammars.matcher(integer) for _ in prompts])
+    assert [r.tokens for r in held] == [r.tokens for r in free]
+    tpf = [sum(r.stats.generated_tokens for r in rs) / sum(r.stats.forwards for r in rs) for rs in (free, held)]
+    assert tpf[1] >= 0.9 * tpf[0] and tpf[1] > 4

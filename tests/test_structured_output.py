@@ -6,7 +6,6 @@ within max_tokens. Bad schemas are 400s. Strict tool arguments validate against 
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import openai
@@ -17,6 +16,7 @@ import clover
 from clover.engine import Engine, EngineOptions
 from clover.server.app import create_app
 from clover.tokenization import CloverTokenizer
+from json_schemas import generated_schemas
 from test_server import Server
 
 pytest.importorskip("llguidance")
@@ -46,47 +46,7 @@ def json_schema_format(schema, name="answer"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-# ---- 20 generated schemas of varied shape --------------------------------------------------------
-def _leaf(rng: random.Random, depth: int) -> dict:
-    kind = rng.choice(["string", "integer", "number", "boolean", "enum", "array", "object", "bounded", "null"]
-                      if depth < 2 else ["string", "integer", "number", "boolean", "enum"])
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "north", "south", 1, 2, True, None], rng.randint(1, 4))}
-    if kind == "bounded":
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 100)}
-    if kind == "array":
-        out = {"type": "array", "items": _leaf(rng, depth + 1)}
-        if rng.random() < 0.5:
-            out["minItems"] = rng.randint(1, 2)
-        if rng.random() < 0.5:
-            out["maxItems"] = out.get("minItems", 0) + rng.randint(0, 3)
-        return out
-    if kind == "object":
-        return _object(rng, depth + 1)
-    if kind == "string" and rng.random() < 0.3:
-        return {"type": "string", "minLength": 1, "maxLength": rng.randint(1, 12)}
-    return {"type": kind}
-
-
-def _object(rng: random.Random, depth: int) -> dict:
-    names = rng.sample(["name", "age", "city", "score", "tags", "ok", "items", "id", "meta", "kind"], rng.randint(1, 4))
-    props = {n: _leaf(rng, depth) for n in names}
-    required = [n for n in names if rng.random() < 0.7]
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-
-def generated_schemas(n=20, seed=26):
-    rng = random.Random(seed)
-    schemas = []
-    for k in range(n):
-        if k % 5 == 4:                           # some top-level arrays
-            schemas.append({"type": "array", "items": _object(rng, 1), "maxItems": 3})
-        else:
-            schemas.append(_object(rng, 0))
-    return schemas
-
-
+# ---- 20 generated schemas of varied shape (tests/json_schemas.py) -----------------------------------
 def answer_of(r) -> str:
     return r.choices[0].message.content
 
@@ -104,6 +64,23 @@ def test_json_schema_outputs_validate(client, k):
     jsonschema.validate(json.loads(answer_of(r)), schema)
     if thinking:
         assert r.choices[0].message.model_extra.get("reasoning_content") is not None
+
+
+@pytest.mark.parametrize("k", range(0, 20, 2))
+def test_self_speculative_json_schema_equals_autoregressive(client, k):
+    """Self-speculative decoding verifies its drafts under the grammar: the answers validate, and
+    (greedy, lossless) they are the autoregressive answers."""
+    schema = generated_schemas()[k]
+    thinking = k % 4 == 0
+    answers = []
+    for extra in ({"block_size": 1}, {"decoding": "self_speculative", "block_size": 32}):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=160, response_format=json_schema_format(schema),
+            extra_body={"enable_thinking": thinking, **extra})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 160
+        jsonschema.validate(json.loads(answer_of(r)), schema)
+        answers.append((answer_of(r), r.choices[0].message.model_extra.get("reasoning_content")))
+    assert answers[1] == answers[0]
 
 
 def test_json_object(client):
@@ -158,7 +135,6 @@ def test_bad_schemas_are_400(server, schema, fragment):
     ({"type": "xml"}, {}, "response_format.type"),
     ({"type": "json_schema"}, {}, "response_format.json_schema"),
     ({"type": "json_schema", "json_schema": {"schema": {}}}, {}, "response_format.json_schema.name"),
-    ({"type": "json_object"}, {"decoding": "self_speculative"}, "decoding"),
     ({"type": "json_object"}, {"ignore_eos": True}, "ignore_eos"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "minLength": 400}}, "required": ["a"]}}},
@@ -203,6 +179,41 @@ def test_strict_tool_arguments_validate(client, choice, stream):
     if isinstance(choice, dict):
         assert call.name == choice["function"]["name"]
     jsonschema.validate(json.loads(call.arguments), schema)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "convert"}}])
+def test_strict_tool_arguments_self_speculative(client, choice):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Convert 5 km to miles."}], tools=[CONVERT, LOOKUP],
+              tool_choice=choice, max_tokens=256)
+    calls = [client.chat.completions.create(**kw, extra_body=extra).choices[0].message.tool_calls
+             for extra in ({"block_size": 1}, {"decoding": "self_speculative"})]
+    assert len(calls[1]) == 1
+    call = calls[1][0].function
+    schema = {"convert": CONVERT, "lookup": LOOKUP}[call.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert (call.name, call.arguments) == (calls[0][0].function.name, calls[0][0].function.arguments)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_strict_tools_under_auto_leave_text_answers_alone(client, thinking):
+    """tool_choice "auto" with strict tools: the grammar allows any text without `<tool_call>`. The
+    demo model answers in text (it was not trained to call tools), so greedy decoding that takes the
+    grammar's choice at each causal position (autoregressive, self-speculative) writes exactly what it
+    writes without the grammar; LowConfidence answers in text too. (A call, once opened, following the
+    schema: tests/test_strict_auto_tools.py.)"""
+    ask = [{"role": "user", "content": "What is 17+25?"}]
+    loose = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+             for t in (CONVERT, LOOKUP)]
+    for extra in ({"block_size": 1}, {"decoding": "self_speculative"}, {}):
+        out = []
+        for tools in ([CONVERT, LOOKUP], loose):
+            r = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, max_tokens=96,
+                                               extra_body={"enable_thinking": thinking, **extra})
+            choice = r.choices[0]
+            assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content
+            out.append((choice.message.content, choice.message.model_extra.get("reasoning_content")))
+        if extra:
+            assert out[0] == out[1], extra
 
 
 class _stream:

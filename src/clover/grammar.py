@@ -169,8 +169,13 @@ class GrammarMatcher:
         mask = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).bool().flatten()
         return mask[: self._g.vocab_size]
 
-    def after(self, token: int) -> "GrammarMatcher | None":
-        """A copy advanced by `token` (None if the grammar refuses it); this one is unchanged."""
+    def copy(self) -> "GrammarMatcher":
+        """An independent copy in the same state (a tentative walk that must not move this one)."""
         copy = GrammarMatcher(self._m.deep_copy(), self._g)
         copy.consumed, copy.ended = self.consumed, self.ended
+        return copy
+
+    def after(self, token: int) -> "GrammarMatcher | None":
+        """A copy advanced by `token` (None if the grammar refuses it); this one is unchanged."""
+        copy = self.copy()
         return copy if copy.consume(token) else None

@@ -10,22 +10,25 @@ Blocks resolve out of order, but a grammar reads left to right, so the grammar a
   directly, without a forward. When no position beats the threshold, the frontier is the one filled,
   so every step adds at least one valid token; a position can be re-masked only once it is the
   frontier's neighbour, so a block always finishes.
-- Budget: close to `max_new_tokens`, each token is taken only if a closing path (the grammar's end
-  reached greedily: forced tokens, then closers such as `"`, `}`, `]`) still fits in what is left;
-  otherwise the closing path is written, whole. Thinking ends the same way (`</think>` is the first closer
+- Budget: each token is taken only if a closing path (the grammar's end reached greedily: forced
+  tokens, then closers such as `"`, `}`, `]`) still fits in what is left of `max_new_tokens` after
+  it; otherwise the closing path is written, whole. Thinking ends the same way (`</think>` is the first closer
   inside thinking), so a constrained request ends with a complete answer within its budget.
 - Once the grammar has consumed its end token, the block's remaining masks are filled with it (they
   are never returned), which saves the forwards that would resolve them.
+Causal decoding (autoregressive, and self-speculative verification) takes one token per position
+(`choose_run`): its logits masked, the choice walked as above (forced tokens, the closing path), the
+run stopping at the first choice that differs from the draft. Accepted tokens are thus exactly what
+autoregressive decoding chooses in the same grammar state, so self-speculation stays lossless. The
+draft is the block pass's, shaped on a copy of the matcher (`shape_draft`): forced tokens written in
+before the pass (its context; a draft forced whole needs no pass) and after it, refused tokens
+replaced by the block's best allowed one, so no draft is lost to a token verification cannot choose.
 The matcher (`clover.grammar.GrammarMatcher`) is the only state; consumed tokens are never changed.
 """
 
 from __future__ import annotations
 
 import torch
-
-# Below this many tokens of budget beyond twice the last closing path's length, every token is
-# checked against the budget (a closing walk per token); above it none is.
-_TIGHT_MARGIN = 32
 
 
 class BlockConstraint:
@@ -35,7 +38,6 @@ class BlockConstraint:
         self.m = matcher
         self.mask_id = mask_id
         self.valid = 0                     # leading block positions the grammar has consumed
-        self._close_len: int | None = None
         self._closing: list[int] = []      # the rest of a closing path the budget committed to
         self.forced_tokens = 0             # tokens written by the grammar (forced or closing), not the model
 
@@ -91,21 +93,63 @@ class BlockConstraint:
             self.settle(block, budget)
         return block[0]
 
+    def shape_draft(self, block: list[int], logits: torch.Tensor | None = None, rows: list[int] = ()) -> None:
+        """Make a self-speculative draft (in place) grammar-valid from block[1] on (block[0], the
+        verified seed, is consumed already). `logits` [M, V]: the draft step's scores of positions
+        `rows`; the walk ends at a mask that is not forced, or at a refused token with no row (where
+        verification will stop anyway)."""
+        m = self.m.copy()
+        row_of = {p: r for r, p in enumerate(rows)}
+        i = 1
+        while i < len(block):
+            if m.finished:
+                block[i:] = [m.end_token] * (len(block) - i)
+                return
+            forced = m.forced()
+            for t in forced[: len(block) - i]:
+                m.consume(t)
+                block[i] = t
+                i += 1
+            if forced:
+                continue
+            if block[i] == self.mask_id:
+                return
+            if not m.consume(block[i]):
+                if i not in row_of:
+                    return
+                allowed = m.allowed().to(logits.device)
+                scores = logits[row_of[i], : allowed.shape[0]].masked_fill(~allowed, float("-inf"))
+                block[i] = int(scores.argmax())
+                if not m.consume(block[i]):
+                    return
+            i += 1
+
+    def choose_run(self, logits: torch.Tensor, pick, draft: list[int], budget: int) -> list[int]:
+        """Causal decoding: row k of `logits` [n, V] predicts the position after `draft[:k]`'s; `pick(row)`
+        is the model's token for a masked row [1, V]; `budget`: tokens the response may still take from
+        row 0's position. Returns the grammar's choices (each consumed) up to and including the first
+        that differs from `draft[k]` (a row past the draft always ends the run: the bonus token)."""
+        out: list[int] = []
+        for k in range(logits.shape[0]):
+            token = self.choose(pick(self.mask_frontier(logits[k : k + 1])), budget - k)
+            out.append(token)
+            if k >= len(draft) or token != draft[k]:
+                break
+        return out
+
     def _within_budget(self, token: int, left: int) -> int | None:
         """`token`, or the first token of a closing path when taking `token` would leave no room to
         close the grammar in the `left` tokens from here on (None: the grammar refuses `token`)."""
-        if self._close_len is not None and left > 2 * self._close_len + _TIGHT_MARGIN:
-            return token
+        # Every token is checked (a closing walk each, ~0.1 ms): one token can lengthen the closing path
+        # by a whole structure (an object's required keys, a tool call's closing tags), so a check
+        # skipped while the path was short could find no room left by the time it runs.
         after = self.m.after(token)
         if after is None:
             return None
-        path = after.closing(left - 1)
-        if path is not None:
-            self._close_len = len(path)
+        if after.closing(left - 1) is not None:
             return token
         here = self.m.closing(left)
         if not here:                            # no room even now: nothing better to do than the model's token
             return token
-        self._close_len = len(here)
         self._closing = here[1:]
         return here[0]

@@ -15,7 +15,7 @@ import torch
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, positions_to_fill
 from .constrained import BlockConstraint
-from .settings import GenerationSettings, GenerationSettingsError
+from .settings import GenerationSettings
 
 _ids = itertools.count()
 # |logit| / temperature above this may overflow float32 on the way through softmax.
@@ -96,8 +96,6 @@ class Sequence:
         self._scan_markers(self.prompt, 0)
         self.constraint = None
         if grammar is not None:
-            if settings.speculative:
-                raise GenerationSettingsError("decoding self_speculative cannot follow a grammar yet: use low_confidence")
             self.constraint = BlockConstraint(grammar, self.mask_id)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
@@ -157,7 +155,9 @@ class Sequence:
             self.block = [self.pending] + [self.mask_id] * (length - 1)
             self._seed_is_mask = self.pending == self.mask_id
             self.draft_steps_done = 0
-            self.phase = "denoise" if length > 1 else "verify"
+            if self.constraint is not None:
+                self.constraint.shape_draft(self.block)      # what the grammar forces after the seed
+            self.phase = "denoise" if self.masked_positions() else "verify"
         else:
             self.block = [self.mask_id] * self.settings.block_size
             self._seed_is_mask = False
@@ -224,10 +224,12 @@ class Sequence:
         filled = [t for i, t in enumerate(self.block) if i not in undecided]
         queries = [self.position + i for i in masked]
         controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
-        if self.constraint is not None:
-            controlled = self.constraint.mask_frontier(controlled)
+        # A self-speculative draft is proposed freely: the grammar applies at its causal verification.
+        constraint = None if s.speculative else self.constraint
+        if constraint is not None:
+            controlled = constraint.mask_frontier(controlled)
         tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
-        if self.constraint is None:
+        if constraint is None:
             fill = positions_to_fill(confidence, s.threshold)
         else:                                   # none confident: the frontier (row 0), valid by its mask
             fill = confidence > s.threshold
@@ -238,24 +240,26 @@ class Sequence:
         for i, t in zip(masked, torch.where(fill, tokens, -1).tolist()):    # one host sync
             if t >= 0:
                 self.block[i] = t
-        if self.constraint is not None:
-            self.constraint.settle(self.block, self.remaining)
+        if constraint is not None:
+            constraint.settle(self.block, self.remaining)
         if not self.masked_positions():
             self.phase = "verify" if s.speculative else "commit"
+            if s.speculative and self.constraint is not None:
+                self.constraint.shape_draft(self.block, controlled, masked)
 
     def predict_next(self, logits: torch.Tensor, extra: list[int], seen_first: int) -> list[int]:
         """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`,
-        having seen `extra[: seen_first + k]` after the committed tokens. Greedy or sampled."""
-        s = self.settings
+        having seen `extra[: seen_first + k]` after the committed tokens. Greedy or sampled. Under a
+        grammar, each prediction is the grammar's choice (consumed) and they stop at the first that
+        differs from `extra` (what verification accepts no further than)."""
         n = logits.shape[0]
         queries = [self.position + seen_first + k for k in range(n)]
         if self._controls_on:
             histories = [self._history(extra[: seen_first + k]) for k in range(n)]
             logits = self._controlled(logits, queries, histories, extra)
-        if self.constraint is not None:        # autoregressive (self-speculative is refused with a grammar)
-            logits = self.constraint.mask_frontier(logits.float())
-            tokens, _ = self._candidates(logits)
-            return [self.constraint.choose(int(tokens[0]), self.remaining)]
+        if self.constraint is not None:
+            return self.constraint.choose_run(logits.float(), lambda row: int(self._candidates(row)[0][0]),
+                                              extra[seen_first:], self.remaining - seen_first)
         tokens, _ = self._candidates(logits.float())
         return tokens.tolist()
 

@@ -203,9 +203,6 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         grammar = None
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
         if constraint is not None:
-            if settings.speculative:
-                raise bad_request("structured output needs decoding low_confidence (or block_size 1)", "decoding",
-                                  "unsupported")
             grammar = await asyncio.to_thread(structured.matcher, *constraint, settings)
         handle = submit(prompt_ids, settings, grammar)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,

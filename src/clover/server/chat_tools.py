@@ -5,14 +5,15 @@ arguments, `tool` results, `reasoning_content`), renders the model's own chat te
 returns the prompt ids with a `ToolPlan`. `ChatOutput` turns the text channels of a response into the
 OpenAI message or stream deltas, parsing calls with `tool_calls.ToolCallStream` when tools are on.
 
-tool_choice, without constrained decoding (not here yet):
+tool_choice:
 - "auto" (the default with tools): tools in the prompt, calls parsed from whatever the model writes.
 - "none": tools left out of the prompt and nothing parsed, as if none were sent.
 - "required" / a named function: the prompt itself opens the call after the generation prompt —
   `<tool_call>\\n<function=` (required) or `<tool_call>\\n<function=NAME>\\n` (named) — with thinking
   closed, since the call must be the first thing in the answer. The model writes the rest; a call it
   botches (an undeclared name, say) comes back as text.
-- `strict` on a function is accepted but not enforced; `parallel_tool_calls: false` keeps the first call.
+- `strict` on a function: its calls are enforced by constrained decoding under any of "auto",
+  "required" and a named function (`structured.py`); `parallel_tool_calls: false` keeps the first call.
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@
 "json_schema": {"name", "schema", "strict"}}` become an llguidance JSON-schema grammar for the answer;
 a function with `"strict": true` under tool_choice "required" or a named function becomes a Lark grammar
 for the rest of the call the prompt opened (`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each
-value written as the template writes it (strings raw, other types as JSON of their schema). When the
-prompt leaves the model thinking, the grammar lets it think first and governs what follows `</think>`.
+value written as the template writes it (strings raw, other types as JSON of their schema). Under
+tool_choice "auto" with strict tools, the answer is free text, but a call it opens (`<tool_call>`)
+must be written whole to a declared function, by its schema. When the prompt leaves the
+model thinking, the grammar lets it think first and governs what follows `</think>` (under "auto", a
+call written inside the thinking ends it, as the tool-call parser reads it, and is constrained too).
 Schemas are compiled before the request is queued: a schema llguidance cannot compile, or a budget
 (max_tokens) too small for the shortest valid answer, is a 400. The decoding side is
 `generation/constrained.py`; the grammar library wrapper is `clover/grammar.py`.
@@ -77,6 +80,34 @@ def call_lark(tools: list[dict], prefill: str) -> str | None:
     return "start: " + " | ".join(alts) + "\n" + "\n".join(rules)
 
 
+def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> str | None:
+    """Lark for tool_choice "auto" when the functions are strict (None: none is; 400: only some are,
+    since a free call body has no closing path the budget could rely on): any text without
+    `<tool_call>`, and each `<tool_call>` it writes followed by a whole call by its function's schema.
+    One call at most unless `parallel`. `think_end_id`: the response thinks first, and the thinking
+    ends at `</think>` or at a call."""
+    functions = [t["function"] for t in tools]
+    strict = [fn for fn in functions if fn.get("strict")]
+    if not strict:
+        return None
+    if len(strict) != len(functions):
+        raise bad_request('tool_choice "auto" with strict tools needs every tool strict', "tools", "unsupported")
+    rules, alts = [], []
+    for k, fn in enumerate(functions):
+        alts.append(f"f{k}")
+        rules.append(f"f{k}: {json.dumps(fn['name'] + '>' + chr(10))} " + _body_rules(fn, f"f{k}", first=True))
+    more = "*" if parallel else "?"
+    start = (f"start: TEXT <[{think_end_id}]> answer | call_open call {'answer' if parallel else 'TEXT'}"
+             if think_end_id is not None else "start: answer")
+    return "\n".join([
+        start,
+        f"answer: (call_open call){more} TEXT",
+        "call_open[lazy]: /(.|\\n)*<tool_call>/",      # any text up to the first <tool_call>
+        'call: "\\n<function=" (' + " | ".join(alts) + ")",
+        "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
+        *rules])
+
+
 def _body_rules(fn: dict, prefix: str, first: bool) -> str:
     """`params "</function>\\n</tool_call>"` for one function, followed by its rules' lines."""
     params = fn.get("parameters") or {"type": "object", "properties": {}}
@@ -144,6 +175,14 @@ class StructuredOutput:
                               'use tool_choice "none" or strict tools', "response_format", "unsupported")
         if call is not None:
             return call, "tools", False             # the prompt opened the call with thinking off
+        if plan.parse and not plan.prefill:        # tool_choice "auto": the thinking is in its grammar
+            think_end = self.tokenizer.think_end_token_id if thinking else None
+            if thinking and think_end is None:
+                raise bad_request("this model has no </think> token: strict tools cannot be enforced "
+                                  "while it thinks", "tools", "unsupported")
+            auto = auto_lark(plan.tools, plan.parallel, think_end)
+            if auto is not None:
+                return auto, "tools", False
         if schema is None:
             return None
         lark = "start: " + Grammars.json_rule(schema)
