@@ -372,28 +372,74 @@ def _ask(port: int) -> list:
     return out
 
 
+def _ask_scores(port: int) -> list:
+    """logprobs / echo, four requests at once (scoring jobs between other requests' decoding steps):
+    an echo-only scoring of a 700-token prompt (two 512-token forwards), an echoed completion with 3
+    alternatives, a self-speculative completion with 1, a chat with `top_logprobs` 2."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def completion(**kw):
+        c = client.completions.create(model="clover-demo", **kw).choices[0]
+        lp = c.logprobs
+        return c.text, lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+
+    def chat(q):
+        c = client.chat.completions.create(model="clover-demo", messages=[{"role": "user", "content": q}],
+                                           max_tokens=24, logprobs=True, top_logprobs=2,
+                                           extra_body={"block_size": 8}).choices[0]
+        return c.message.content, [(t.token, t.logprob, t.bytes, [(a.token, a.logprob) for a in t.top_logprobs])
+                                   for t in c.logprobs.content]
+
+    jobs = [lambda: completion(prompt=" ".join(f"{i}+{i}={2 * i}." for i in range(100)), max_tokens=0, echo=True,
+                               logprobs=2),
+            lambda: completion(prompt="Sort: 3 1 2", max_tokens=16, echo=True, logprobs=3),
+            lambda: completion(prompt="12+30=", max_tokens=12, logprobs=1,
+                               extra_body={"decoding": "self_speculative", "block_size": 4}),
+            lambda: chat("What is 17+25?")]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        return list(ex.map(lambda job: job(), jobs))
+
+
+def _same_scores(got, want, where="") -> None:
+    """Equal structures: every string, id and offset the same, logprobs within fp32 rounding (the ranks'
+    partial sums add up in another order than one process's)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same_scores(g, w, f"{where}[{i}]")
+    elif isinstance(want, dict):                 # legacy top_logprobs: token text → logprob
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for k in want:
+            _same_scores(got[k], want[k], f"{where}[{k!r}]")
+    else:
+        assert got == want, where
+
+
 def test_serve_on_two_ranks_answers_as_one_process():
     """`torchrun --nproc-per-node 2 -m clover serve` (demo model, fp32) and a one-process `clover serve`
-    give the official openai client the same answers, batched and streamed; SIGTERM stops both ranks."""
+    give the official openai client the same answers, batched and streamed, and the same logprobs /
+    echo (tokens, offsets and alternatives equal, values within fp32 rounding); SIGTERM stops both ranks."""
     pytest.importorskip("openai")
     base = ["-m", "clover", "serve", "--dtype", "float32"]
     one, one_port = _start_server([sys.executable, *base], _env())
     try:
-        want = _ask(one_port)
+        want, want_scores = _ask(one_port), _ask_scores(one_port)
     finally:
         _stop(one)
     tp, tp_port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                  "2", *base], _env())
     try:
-        got = _ask(tp_port)
-        import httpx                       # scoring is not mirrored to the followers yet: a clear 400
-        r = httpx.post(f"http://127.0.0.1:{tp_port}/v1/completions", timeout=60,
-                       json={"model": "clover-demo", "prompt": "1+2=", "max_tokens": 0, "echo": True, "logprobs": 1})
-        assert r.status_code == 400 and "several ranks" in r.text, r.text
-        assert _ask(tp_port) == want       # and the ranks still serve
+        got, got_scores = _ask(tp_port), _ask_scores(tp_port)
+        again = _ask(tp_port)              # generation after scoring jobs: the ranks' pools still match
     finally:
         err = _stop(tp)
-    assert got == want
+    assert got == want and again == want
+    _same_scores(got_scores, want_scores)
+    assert want_scores[0][2][0] is None and len(want_scores[0][1]) > 512         # echo: first token unscored
     # rank 0 told rank 1 to stop; neither lost the other on the way out
     assert "went away" not in err and "could not tell the other ranks" not in err and "RankFailure" not in err, err[-3000:]
 
@@ -435,6 +481,48 @@ def test_serve_with_a_silent_rank_fails_the_request_then_answers_503():
         _stop(agent)
 
 
+def _on_rank_1(tmp_path, fault: str) -> dict:
+    """The environment of a torchrun whose rank 1 runs `tp_worker.<fault>()` at startup (a sitecustomize
+    on that rank only)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('RANK') == '1':\n"
+        f"    sys.path.insert(0, {str(WORKER.parent)!r})\n"
+        f"    from tp_worker import {fault}\n"
+        f"    {fault}()\n")
+    return dict(_env(), PYTHONPATH=f"{shim}{os.pathsep}{SRC}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find torchrun's workers")
+def test_serve_with_a_rank_silent_in_a_scoring_job_fails_it_then_answers_503(tmp_path):
+    """Rank 1 of a 2-rank server (timeout 5 s) receives a scoring job (`echo` + `logprobs`) and never
+    joins its forwards: rank 0's forward fails with RankFailure within the timeout, that request gets
+    an error naming it, then /health and new requests get 503."""
+    import httpx
+
+    env = dict(_on_rank_1(tmp_path, "hang_when_scoring"), CLOVER_DIST_TIMEOUT="5")
+    agent, port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "clover", "serve", "--dtype", "float32"], env)
+    follower = _worker_pids(agent.pid)[1]
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "clover-demo", "prompt": "1+2=", "max_tokens": 8}
+    try:
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", timeout=60, json=dict(body, max_tokens=0, echo=True, logprobs=1))
+        assert r.status_code == 500 and "RankFailure" in r.text and "within 5 s" in r.text, r.text
+        assert time.monotonic() - start < 30
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 503
+        assert httpx.post(url + "/v1/completions", json=dict(body, echo=True, logprobs=1),
+                          timeout=10).status_code == 503
+    finally:
+        os.kill(follower, signal.SIGKILL)
+        _stop(agent)
+
+
 def test_serve_with_a_diverging_rank_fails_the_request_then_answers_503(tmp_path):
     """Rank 1 of a 2-rank server decides other tokens (tp_worker.diverge_in_this_rank, installed by a
     sitecustomize on that rank only): the first step's agreement check fails the request with
@@ -442,15 +530,7 @@ def test_serve_with_a_diverging_rank_fails_the_request_then_answers_503(tmp_path
     reaches rank 1 (the group works: only the decisions differed)."""
     import httpx
 
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(
-        "import os, sys\n"
-        "if os.environ.get('RANK') == '1':\n"
-        f"    sys.path.insert(0, {str(WORKER.parent)!r})\n"
-        "    from tp_worker import diverge_in_this_rank\n"
-        "    diverge_in_this_rank()\n")
-    env = dict(_env(), PYTHONPATH=f"{shim}{os.pathsep}{SRC}")
+    env = _on_rank_1(tmp_path, "diverge_in_this_rank")
     agent, port = _start_server([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                  "2", "-m", "clover", "serve", "--dtype", "float32"], env)
     url = f"http://127.0.0.1:{port}"

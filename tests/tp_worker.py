@@ -115,6 +115,19 @@ def diverge_in_this_rank() -> None:
     sequence.Sequence.denoise = denoise
 
 
+def hang_when_scoring() -> None:
+    """Make this follower stop answering when a scoring job arrives: it receives the job, then never
+    joins the job's forwards (a rank that hangs mid-request)."""
+    import time
+
+    from clover.distributed import serving
+
+    def causal_logprobs(*args, **kwargs):
+        time.sleep(3600)
+
+    serving.causal_logprobs = causal_logprobs
+
+
 def fault_main(model_dir: str, mode: str) -> None:
     """Rank 1 dies (`die`) or stops answering (`hang`) after loading, and rank 0 runs a forward; or
     (`diverge`) rank 1 decides other tokens, and every rank generates. Rank 0 prints how it failed
