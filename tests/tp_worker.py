@@ -30,6 +30,7 @@ def model_outputs(model, new_tokens: int = 20) -> dict:
     block = ids[:, 9:].clone()
     block[:, 1::2] = mask
     out["block"] = model.block_logits(ids[:, :9], block)
+    out["block"] = model.block_logits(ids[:, :9], block)
     out["block_selected"] = model.block_logits(ids[:, :9], block, block_top_p=0.6)
     # cached: a prefill, a block step over it, a commit fused with the next block
     seq = model.make_cache()
@@ -56,13 +57,42 @@ def model_outputs(model, new_tokens: int = 20) -> dict:
     return out
 
 
-def main(model_dir: str, out_path: str, new_tokens: int = 20) -> None:
+def kernel_outputs(model, new_tokens: int = 16) -> dict:
+    """On a bf16 model packed for the native kernels: causal and block logits, cached steps (a
+    prefill, a block step, a fused commit), greedy autoregressive and LowConfidence generations, and
+    which backend ran (`moe_kernel`: whether the MoE blocks qualify for `moe_block`)."""
+    from clover.kernels.moe_block import packed_for_kernels
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(6, cfg.vocab_size - 1, (2, 14), generator=g)
+    block = ids[:, 9:].clone()
+    block[:, 1::2] = cfg.mask_token_id
+    seq = model.make_cache()
+    out = {"backend": model.backend.name, "packed": getattr(model, "packed", None),
+           "moe_kernel": all(packed_for_kernels(layer.mlp) for layer in model.model.layers),
+           "prefill": model.step(ids[:1, :9], [seq]), "block_step": model.step(block[:1], [seq], block=True),
+           "fused_step": model.step(torch.cat([ids[:1, 9:], block[:1]], 1), [seq], block_len=block.shape[1])}
+    seq.release()
+    out["block"] = model.block_logits(ids[:, :9], block)
+    out["block_selected"] = model.block_logits(ids[:, :9], block, block_top_p=0.6)
+    prompt = ids[0, :7].tolist()
+    common = dict(max_new_tokens=new_tokens, eos_token_id=[])
+    for name, kw in {"autoregressive": dict(block_size=1),
+                     "low_confidence": dict(block_size=8, threshold=0.9)}.items():
+        out["gen_" + name] = model.generate(torch.tensor([prompt]), **common, **kw)[0].tolist()
+    out["prompt"] = prompt
+    return out
+
+
+def main(model_dir: str, out_path: str, new_tokens: int = 20, backend: str = "reference") -> None:
     torch.set_num_threads(1)
     import clover
 
-    model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
+    dtype = torch.bfloat16 if backend == "cpu" else torch.float32
+    model = clover.load(model_dir, dtype=dtype, backend=backend, tensor_parallel=True)
     with torch.inference_mode():
-        out = model_outputs(model, new_tokens)
+        out = (kernel_outputs if backend == "cpu" else model_outputs)(model, new_tokens)
     sizes = {"bytes_read": model.shard_bytes_read,
              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
              "plan": repr(model.shard_plan)}
@@ -77,10 +107,11 @@ def main(model_dir: str, out_path: str, new_tokens: int = 20) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, model_dir: str, out_path: str, new_tokens: int) -> None:
+def _spawned(rank: int, world: int, port: int, model_dir: str, out_path: str, new_tokens: int,
+             backend: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    main(model_dir, out_path, new_tokens)
+    main(model_dir, out_path, new_tokens, backend)
 
 
 def free_port() -> int:
@@ -89,12 +120,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_run(world: int, model_dir, out_path, new_tokens: int = 20) -> dict:
-    """Run `main` on `world` spawned processes; returns rank 0's outputs."""
+def spawn_run(world: int, model_dir, out_path, new_tokens: int = 20, backend: str = "reference") -> dict:
+    """Run `main` on `world` spawned processes (`backend` "cpu": bf16 on the native kernels, the
+    outputs of `kernel_outputs`); returns rank 0's outputs."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_spawned, args=(world, free_port(), str(model_dir), str(out_path), new_tokens), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_spawned, args=(world, free_port(), str(model_dir), str(out_path), new_tokens, backend),
+                       nprocs=world, start_method="spawn")
     return torch.load(out_path)
 
 
@@ -113,6 +145,19 @@ def diverge_in_this_rank() -> None:
                 break
 
     sequence.Sequence.denoise = denoise
+
+
+def hang_when_scoring() -> None:
+    """Make this follower stop answering when a scoring job arrives: it receives the job, then never
+    joins the job's forwards (a rank that hangs mid-request)."""
+    import time
+
+    from clover.distributed import serving
+
+    def causal_logprobs(*args, **kwargs):
+        time.sleep(3600)
+
+    serving.causal_logprobs = causal_logprobs
 
 
 def fault_main(model_dir: str, mode: str) -> None:

@@ -43,7 +43,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     NCCL on CUDA) or a `clover.distributed.ParallelGroup` (then its device is used) — this process
     loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
     safetensors checkpoint and runs on the reference backend in the stored dtype (or `dtype`): "auto"
-    means "reference" there, "cpu" is refused. Every rank must then make the same calls (forwards are
+    means "reference" there; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
     collective)."""
     from .checkpoint import load_model
 
@@ -114,15 +114,26 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
     if backend == "cuda":
         raise ValueError("backend='cuda' is not sharded yet: under tensor_parallel use backend='reference'")
     if backend == "cpu":
-        raise ValueError("backend='cpu' (the native CPU kernels) is not sharded yet: under tensor_parallel use "
-                         "backend='reference' (or 'auto', which means it there)")
+        from .kernels import available
+
+        if torch.device(device).type != "cpu" or dtype not in (None, torch.bfloat16) or not available():
+            raise ValueError("backend='cpu' needs device='cpu', bf16 weights and Clover's native kernels "
+                             "(a C compiler and AVX-512 BF16; CLOVER_KERNELS not 0)")
     if gguf_file is not None:
         # GGUF tensors convert whole (value heads reordered across the tensor, 256-wide K-quant blocks
         # re-encoded into Clover's groups), so a rank could not read only its slices of the file
         raise ValueError(f"{gguf_file}: GGUF files are not sharded: tensor_parallel needs a safetensors "
                          "checkpoint directory (bf16, or quantized by `clover quantize --bits 8|4`)")
     parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
-    return load_tensor_parallel(path, parallel, dtype=dtype)
+    if backend != "cpu":
+        return load_tensor_parallel(path, parallel, dtype=dtype)
+    from .layers.packed import pack_for_cpu
+    from .runtime import release_free_memory
+
+    model = load_tensor_parallel(path, parallel, dtype=torch.bfloat16)
+    pack_for_cpu(model, kernels=True)      # the shard's matrices; row-parallel maps keep their all-reduce
+    release_free_memory()
+    return model
 
 
 def load_tokenizer(path=None):

@@ -12,7 +12,8 @@ same forwards over its shard and receives the full logits, so the generation loo
 and identically, on every rank; after every step the ranks compare a checksum of what it decided
 (`ParallelGroup.check_agreement`; `RankDivergence` when they differ). See docs/ARCHITECTURE.md
 ("Tensor and expert parallel").
-Runs on the PyTorch reference backend only (the native CPU kernels are not sharded yet).
+Runs on the PyTorch reference backend, or (`backend="cpu"`, bf16) on the native CPU kernels: the
+packed row-parallel maps and the MoE kernel's output are all-reduced outside the kernels.
 """
 
 from .plan import ShardPlan, even_split

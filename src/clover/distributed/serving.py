@@ -6,10 +6,14 @@ one broadcast on a control group. Each follower keeps its own `Decoder` over its
 pool (sized from the same options), applies the same additions and cancellations in the same order,
 and steps when rank 0 steps, so every forward is matched on every rank. Decisions need no further
 messages: the logits every rank receives are the same bytes (all-gathered), and a sampling request's
-seed travels with it.
+seed travels with it. Scoring jobs (`logprobs`, `echo`: `Engine.score`, run by the engine thread
+between steps) travel the same way: the records so far and the job's ids go out together, and every
+rank runs the job's causal forwards through a temporary sequence of its own pool — the same pool
+state on every rank, so the same pages, the same `PoolFull` — and discards the result (rank 0 answers).
 
-After every step all ranks compare a checksum of what it decided (`step_digest`: the tokens produced,
-finishes, each running sequence's block) in one small all-gather on the control group; ranks that
+After every step and every scoring job all ranks compare a checksum of what it decided (`step_digest`: the tokens produced,
+finishes, each running sequence's block; for a scoring job, whether it ran and how many positions
+it scored) in one small all-gather on the control group; ranks that
 decided otherwise — a bug, a corrupted shard, non-deterministic kernels — raise `RankDivergence` on
 every rank before the next forward instead of running on apart (their next forwards would no longer
 match). Rank 0 then fails the running requests and takes no more (503); the group still works, so its
@@ -17,8 +21,8 @@ stop reaches the followers at shutdown.
 
 Followers wait on the control group as long as the server stays idle; a leader that dies closes its
 sockets, which ends their wait with an error. A follower that dies or hangs makes rank 0's next step
-broadcast or forward raise `RankFailure` (within CLOVER_DIST_TIMEOUT); the engine then stops taking
-requests, so the HTTP front answers 503.
+broadcast or forward — a decoding step's or a scoring job's — raise `RankFailure` (within
+CLOVER_DIST_TIMEOUT); the engine then stops taking requests, so the HTTP front answers 503.
 """
 
 from __future__ import annotations
@@ -29,15 +33,23 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..cache import PoolFull
 from ..engine import Engine, EngineOptions
 from ..generation.decoder import Decoder, step_digest
+from ..generation.scoring import TokenScores, causal_logprobs
 from ..generation.sequence import Sequence
-from ..generation.settings import GenerationSettingsError
 from .process_group import DEFAULT_TIMEOUT_S, RankDivergence, RankFailure
 
 log = logging.getLogger("clover.distributed")
 
 IDLE_TIMEOUT = timedelta(days=365)      # how long a follower may wait for the next step
+
+
+def scores_digest(scores: TokenScores) -> int:
+    """What the ranks compare after a scoring job: the positions it scored. Its values are left out:
+    they come from the same all-gathered logits on every rank, but ranks on different CPUs may round a
+    log-softmax differently, and only whether every rank ran the same forwards keeps them in step."""
+    return len(scores.token_logprobs)
 
 
 class ControlChannel:
@@ -74,7 +86,8 @@ class ControlChannel:
 
 
 class MirroredDecoder:
-    """Rank 0's `Decoder`, whose additions and cancellations reach the followers with the next step."""
+    """Rank 0's `Decoder`, whose additions and cancellations reach the followers with the next step
+    or scoring job."""
 
     def __init__(self, decoder: Decoder, channel: ControlChannel, replaces_another: bool):
         self._inner = decoder
@@ -95,11 +108,28 @@ class MirroredDecoder:
         self._channel.send(ops)
         try:
             events = self._inner.step()
+        except RankFailure:                    # the group is broken: nothing left to compare
+            raise
         except Exception:
             self._channel.agree(None)          # RankDivergence if the followers' step went through
             raise
         self._channel.agree(step_digest(events, self._inner.running))
         return events
+
+    def score(self, ids: list[int], top_k: int) -> TokenScores:
+        """`causal_logprobs` of `ids` on every rank: sent after the records so far (the followers' pools
+        are then in the state this one is in), its outcome compared like a step's."""
+        ops, self._ops = self._ops + [("score", ids, top_k)], []
+        self._channel.send(ops)
+        try:
+            scores = causal_logprobs(self._inner.model, ids, top_k)
+        except RankFailure:
+            raise
+        except Exception:
+            self._channel.agree(None)          # PoolFull on every rank agrees
+            raise
+        self._channel.agree(scores_digest(scores))
+        return scores
 
     def __getattr__(self, name):             # idle, running, pool, …: the real decoder's
         return getattr(self._inner, name)
@@ -114,19 +144,23 @@ class LeaderEngine(Engine):
         self._decoders = 0
         super().__init__(model, options, start=start)
 
-    def check_scored(self, token_ids):
-        """Scoring (`logprobs`, `echo`) runs forwards outside the decoder, which the followers do not
-        mirror: the leader's collectives would wait for ranks that never join. Refused (a 400) until
-        scoring is mirrored too."""
-        raise GenerationSettingsError("logprobs and echo are not supported when serving over several ranks yet")
-
     def _new_decoder(self):
         decoder = MirroredDecoder(super()._new_decoder(), self._channel, replaces_another=self._decoders > 0)
         self._decoders += 1
         return decoder
 
+    def _score(self, ids, top_k):
+        return self._decoder.score(ids, top_k)
+
+    def _run_scores(self, jobs) -> None:
+        super()._run_scores(jobs)
+        self._stop_if_lost()
+
     def _step(self) -> None:
         super()._step()
+        self._stop_if_lost()
+
+    def _stop_if_lost(self) -> None:
         failed = self.model.parallel.failed or (self._channel.diverged if self._channel is not None else None)
         if failed is not None and self._state == "running":
             log.error("a tensor-parallel rank is lost; the engine takes no more requests: %s", failed)
@@ -182,13 +216,31 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
                     digest = step_digest(decoder.step(), decoder.running)
                 except Exception:                # rank 0's step fails the same way and sends a reset
                     log.exception("decoder step failed on this rank")
-                try:
-                    channel.agree(digest)
-                except RankDivergence as exc:    # rank 0 stops stepping; its stop still comes
-                    log.error("%s", exc)
-                except RankFailure as exc:
-                    log.error("rank 0 went away: %s", exc)
+                if not _agree(channel, digest):
                     return 1
                 seqs = {k: s for k, s in seqs.items() if not s.done}
+            elif kind == "score":                # rank 0 answers; this rank's forwards only join its collectives
+                _, ids, top_k = op
+                digest = None
+                try:
+                    digest = scores_digest(causal_logprobs(model, ids, top_k))
+                except PoolFull as exc:          # as on rank 0 (the pools are in the same state)
+                    log.warning("scoring %d tokens: %s", len(ids), exc)
+                except Exception:
+                    log.exception("scoring failed on this rank")
+                if not _agree(channel, digest):
+                    return 1
             elif kind == "stop":
                 return 0
+
+
+def _agree(channel: ControlChannel, digest: int | None) -> bool:
+    """A follower's side of `ControlChannel.agree`; False when rank 0 is gone (the loop ends)."""
+    try:
+        channel.agree(digest)
+    except RankDivergence as exc:        # rank 0 stops stepping; its stop still comes
+        log.error("%s", exc)
+    except RankFailure as exc:
+        log.error("rank 0 went away: %s", exc)
+        return False
+    return True

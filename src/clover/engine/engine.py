@@ -320,13 +320,17 @@ class Engine:
             if not future.set_running_or_notify_cancel():      # its client went away
                 continue
             try:
-                future.set_result(causal_logprobs(self.model, ids, top_k))
+                future.set_result(self._score(ids, top_k))
             except PoolFull as exc:                            # no room in the pool now: that request alone
                 log.warning("scoring %d tokens: %s", len(ids), exc)
                 future.set_exception(exc)
             except Exception as exc:
                 log.exception("scoring %d tokens failed", len(ids))
                 future.set_exception(exc)
+
+    def _score(self, ids: list[int], top_k: int):
+        """One scoring job's forwards, on the engine thread (a tensor-parallel leader mirrors them)."""
+        return causal_logprobs(self.model, ids, top_k)
 
     def _step(self) -> None:
         self.metrics.step_batch.observe(len(self._running))

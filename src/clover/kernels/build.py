@@ -112,7 +112,7 @@ def library() -> ctypes.CDLL | None:
     lib.clover_gdn_short.restype = i32
     lib.clover_add_rmsnorm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i32]
     lib.clover_add_rmsnorm.restype = None
-    lib.clover_moe_block.argtypes = [i32, i32, i32, ptr] + [i32] * 6 + [ptr] * 9 + [i32]
+    lib.clover_moe_block.argtypes = [i32, i32, i32, ptr] + [i32] * 8 + [ptr] * 9 + [i32]
     lib.clover_moe_block.restype = i32
     lib.clover_attention_cached.argtypes = [i32] * 6 + [ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr,
                                              i32, i64, ptr, i64, i32]

@@ -14,7 +14,13 @@
  * index_add_ does on bf16 rows), then the shared expert and residual in bf16 steps. The selection's
  * expert mass is summed in fp64 and rounded to fp32 (the PyTorch path does the same, so the order of
  * the 32 terms cannot matter in practice), the prefix sums run in fp64 with each prefix rounded to
- * fp32, as torch.cumsum does on CPU. */
+ * fp32, as torch.cumsum does on CPU.
+ *
+ * A tensor-parallel shard (clover/distributed/layers.py, ExpertShard) holds experts e_first … e_first +
+ * e_count − 1 of the E the router scores: routing, selection and the distinct count see all E, only the
+ * slots routed to the shard's experts are computed (gate_up / down hold e_count experts), and the
+ * output is this rank's partial sum (its experts and its shared-expert columns; no residual then), which
+ * the caller all-reduces. One process: e_first 0, e_count E. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -128,11 +134,12 @@ static void *carve(char **at, size_t bytes) {
  * the bf16 router); gate_up / down: the experts' stacks (gate_up interleaved for the SwiGLU epilogue,
  * intermediate I padded to 16); shared_down: [H, Is]. Any precision weights.h describes.
  * Returns 0, -1 out of memory, -2 bad shape or setting. */
-int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_experts, int H, int E, int k, int I,
-                     int Is, const uint16_t *x, const uint16_t *h, const Weights *w_in, const Weights *shared_in,
+int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_experts, int H, int E, int e_first,
+                     int e_count, int k, int I, int Is, const uint16_t *x, const uint16_t *h, const Weights *w_in, const Weights *shared_in,
                      const Weights *gate_up, const Weights *down, const Weights *shared_down,
                      uint16_t *out_h, int64_t *distinct, int threads) {
     if (k < 1 || k > MAX_TOP_K || k > E || B < 1 || T < 1 || block_len < 0 || block_len > T) return -2;
+    if (e_first < 0 || e_count < 0 || e_first + e_count > E) return -3;
     long N = (long)B * T, S = N * k;
     int n_in = E + 2 * Is + 1, n_min = min_experts < 1 ? 1 : min_experts > E ? E : min_experts, P = T - block_len;
     size_t bytes = 64 * 20 + sizeof(float) * N * E + 2 * N * n_in + (size_t)B * E + E + sizeof(Ranked) * E
@@ -201,23 +208,27 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
         for (int j = m; j < k; j++) se[j] = -1;
     }
 
-    /* group the slots by expert, rows ascending within each (a counting sort) */
+    /* group the slots of this shard's experts by expert, rows ascending within each (a counting sort);
+     * group ids and `position` index the shard's experts, −1: a slot another rank computes */
     memset(first, 0, sizeof(int64_t) * (E + 1));
-    for (long s = 0; s < S; s++)
-        if (slot_expert[s] >= 0) first[slot_expert[s] + 1]++;
-    for (int e = 0; e < E; e++) first[e + 1] += first[e];
+    for (long s = 0; s < S; s++) {
+        int e = slot_expert[s] - e_first;
+        if (slot_expert[s] >= 0 && e >= 0 && e < e_count) first[e + 1]++;
+    }
+    for (int e = 0; e < e_count; e++) first[e + 1] += first[e];
     int G = 0;
-    for (int e = 0; e < E; e++) {
+    for (int e = 0; e < e_count; e++) {
         next[e] = first[e];
         if (first[e + 1] > first[e]) {
             group_ids[G] = e;
             offsets[G++] = first[e];
         }
     }
-    offsets[G] = first[E];
+    offsets[G] = first[e_count];
     for (long s = 0; s < S; s++) {
-        int e = slot_expert[s];
-        if (e < 0) continue;
+        int e = slot_expert[s] - e_first;
+        position[s] = -1;
+        if (slot_expert[s] < 0 || e < 0 || e >= e_count) continue;
         long pos = next[e]++;
         a_rows[pos] = s / k;
         scale[pos] = slot_weight[s];
@@ -253,7 +264,8 @@ int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_ex
         for (int c = 0; c < H; c += 16) {
             __mmask16 m = lanes(H - c);
             __m512 acc = _mm512_setzero_ps();               /* Σ_j bf16(y_j · w_j) in ascending expert, then bf16 */
-            for (int j = 0; j < k && se[j] >= 0; j++) acc = _mm512_add_ps(acc, load_bf16_16(ys + (long)pos[j] * H + c, m));
+            for (int j = 0; j < k && se[j] >= 0; j++)
+                if (pos[j] >= 0) acc = _mm512_add_ps(acc, load_bf16_16(ys + (long)pos[j] * H + c, m));
             __m512 routed = round_bf16_16(acc);
             __m512 sh = round_bf16_16(_mm512_mul_ps(gate, load_bf16_16(shared + n * H + c, m)));
             __m512 moe = round_bf16_16(_mm512_add_ps(routed, sh));

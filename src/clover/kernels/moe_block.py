@@ -2,7 +2,8 @@
 
 `moe_block(moe, x, block_len, block_top_p)` is `moe(x, block_len, block_top_p)` — the block's output
 and its distinct experts — for a `SparseMoE` packed with the kernels: decode tokens, block steps (with
-block expert selection), commits and prefill chunks alike. (`h=`: the residual added in the same pass,
+block expert selection), commits and prefill chunks alike. On a tensor-parallel shard (a `ShardedMoE`,
+whose experts are a run of the router's) it is the shard's partial sum, before the all-reduce. (`h=`: the residual added in the same pass,
 for benchmarks; the model adds it outside, in the next norm.) The PyTorch module is the reference (tests/test_kernels.py).
 """
 
@@ -65,14 +66,18 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     h = None if h is None else h.contiguous()
     out = torch.empty_like(x)
     distinct = torch.empty(B, dtype=torch.int64) if block_len else None
+    experts = moe.experts                     # a tensor-parallel shard's: experts first … first + count - 1
     status = library().clover_moe_block(
         B, T, block_len, None if top_p is None else top_p.data_ptr(), moe.min_block_experts, H, moe.num_experts,
-        moe.top_k, I, Is, x.data_ptr(), None if h is None else h.data_ptr(), ctypes.byref(w_in),
+        getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, x.data_ptr(), None if h is None else h.data_ptr(), ctypes.byref(w_in),
         None if shared_in is None else ctypes.byref(shared_in), ctypes.byref(gate_up), ctypes.byref(down),
         ctypes.byref(shared_down), out.data_ptr(),
         None if distinct is None else distinct.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("moe_block: a matrix product failed (out of memory, or a shape the kernels refuse)")
+    if status == -3:
+        raise ValueError(f"moe_block: experts {getattr(experts, 'first', 0)}… ({experts.num_experts}) outside the "
+                         f"router's {moe.num_experts}")
     if status != 0:
         raise ValueError(f"moe_block: unsupported top-k {moe.top_k} of {moe.num_experts} experts")
     return out, distinct

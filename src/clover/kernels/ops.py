@@ -8,7 +8,8 @@ The limits below are the C code's (the kernels also refuse anything else with an
     never forms); up to 64 tokens with a block, or any number of causal tokens (64 per call);
   - attention: a cached forward without padding, up to 64 tokens (longer inputs go to PyTorch's flash
     attention, which blocks over queries), head_dim ≤ 512, ≤ 16 query heads per K/V head;
-  - moe: a block packed into panels by `pack_for_cpu(kernels=True)`.
+  - moe: a block packed into panels by `pack_for_cpu(kernels=True)`; on a tensor-parallel shard the
+    kernel computes the shard's experts (of the global routing) and the all-reduce follows it here.
 """
 
 from __future__ import annotations
@@ -96,4 +97,10 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
     return x.dim() == 3 and _plain_bf16(x) and packed_for_kernels(moe)
 
 
-implementation("moe", "cpu", _moe_qualifies)(moe_block)
+@implementation("moe", "cpu", _moe_qualifies)
+def moe_cpu(moe, x, block_len, block_top_p):
+    out, distinct = moe_block(moe, x, block_len, block_top_p)
+    parallel = getattr(moe, "parallel", None)     # a tensor-parallel shard (ShardedMoE): the kernel's output is
+    if parallel is not None:                      # its experts' and shared-expert columns' part of the sum
+        parallel.all_reduce(out)
+    return out, distinct

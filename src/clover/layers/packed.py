@@ -152,7 +152,9 @@ class FusedProjection(PackedWeights):
 
 class PackedLinear(PackedWeights):
     """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels, quantized
-    panels or oneDNN's blocked one)."""
+    panels or oneDNN's blocked one). A row-parallel map of a tensor-parallel shard (one with a
+    `parallel` group: distributed/layers.py) stays one: the packed product is this rank's partial sum,
+    all-reduced before the bias is added."""
 
     def __init__(self, linear: nn.Module, kernels: bool):
         super().__init__()
@@ -160,9 +162,13 @@ class PackedLinear(PackedWeights):
         self.packed = _pack_quantized([linear]) if _quantized(linear) else _pack(linear.weight, kernels)
         self._register_packed("weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.parallel = getattr(linear, "parallel", None)
 
     def forward(self, x):
-        return packed_linear(x, self.packed, self.bias)
+        if self.parallel is None:
+            return packed_linear(x, self.packed, self.bias)
+        y = self.parallel.all_reduce(packed_linear(x, self.packed))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def pack_for_cpu(model, kernels: bool | None = None) -> int:
