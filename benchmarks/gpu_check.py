@@ -272,6 +272,49 @@ def time_transformers(ref, config, args, device, report):
     del hf
 
 
+def check_nccl(config, device, report):
+    """Tensor parallel over NCCL (issue #23's CUDA path, never run before a GPU was lent): one rank
+    on this GPU joins an NCCL group, loads a saved copy of a small model sharded (`tensor_parallel`),
+    and must give the unsharded model's logits; plus an all-reduce and all-gather on device tensors."""
+    import os
+    import tempfile
+
+    import clover
+    from clover.checkpoint import save_checkpoint
+    from clover.distributed import init_from_env
+
+    import socket
+
+    with socket.socket() as probe:                       # a free port for the one-rank rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    for var, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"),
+                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(var, value)
+    group = init_from_env(device, timeout_s=120)
+    # one rank: ParallelGroup skips its collectives, so NCCL itself is called here
+    x = torch.arange(6, dtype=torch.float32, device=group.device)
+    summed, gathered = x.clone(), torch.empty_like(x)
+    torch.distributed.all_reduce(summed)
+    torch.distributed.all_gather_into_tensor(gathered, x)
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    collectives_ok = bool(torch.equal(summed, x) and torch.equal(gathered, x))
+    small = make_config(TINY, 2)
+    model = random_model(small, torch.device("cpu"), torch.float32, seed=3)
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(model, {**small.to_dict(), "dtype": "float32"}, d, dtype=torch.float32)
+        sharded = clover.load(d, device=str(group.device), dtype=torch.float32, backend="reference",
+                              tensor_parallel=group)
+        ids = torch.randint(0, small.vocab_size, (1, 24))
+        want = model(ids)
+        got = sharded(ids.to(group.device)).float().cpu()
+    report["nccl"] = {"backend": torch.distributed.get_backend(), "world_size": group.world_size,
+                      "collectives_ok": collectives_ok,
+                      "logits_rel": relative_error(got, want)}
+    torch.distributed.destroy_process_group()
+
+
 def section(report, name, fn, *a):
     t = time.perf_counter()
     try:
@@ -293,6 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.05, help="max relative |Δ| of logits vs the reference")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false")
+    ap.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the tensor-parallel NCCL check")
     args = ap.parse_args(argv)
     if args.cpu_dry_run:
         device = torch.device("cpu")
@@ -330,6 +374,8 @@ def main(argv=None) -> int:
                 argparse.Namespace(**{**vars(args), "graphs": False}), device, report, "clover_reference")
     if args.transformers:
         section(report, "transformers", time_transformers, ref, config, args, device, report)
+    if args.nccl:       # the dry run checks the same code over gloo
+        section(report, "nccl", check_nccl, config, device, report)
     if device.type == "cuda":
         report["memory_peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     report["total_s"] = round(time.perf_counter() - t0, 1)
@@ -353,6 +399,9 @@ def main(argv=None) -> int:
     for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")
+    if "nccl" in report:
+        print(f"  tensor parallel over {report['nccl']['backend']} ({report['nccl']['world_size']} rank): collectives "
+              f"{'ok' if report['nccl']['collectives_ok'] else 'FAIL'}, logits rel |Δ| {report['nccl']['logits_rel']:.2e}")
     for name, err in report.get("errors", {}).items():
         print(f"  ERROR in {name}: {err}")
     print(json.dumps(report))

@@ -23,3 +23,6 @@ def test_gpu_check_dry_run_on_cpu():
                                   "commit"}
     assert report["generation"]["agree"] == 1.0
     assert {"decode_ms", "block_0.7_ms", "commit_ms"} <= set(report["clover_fast"])
+    # the tensor-parallel section (NCCL on a GPU) runs over gloo here: one rank equals the plain model
+    assert report["nccl"]["backend"] == "gloo" and report["nccl"]["collectives_ok"]
+    assert report["nccl"]["logits_rel"] < 1e-6

@@ -104,10 +104,9 @@ def test_using_it_snippet_runs():
     assert "tokens_per_forward" in out.stdout
 
 
-def test_serving_example_runs_as_shown():
-    serving = section("### Serving (OpenAI-compatible)")
-    (serve_line,) = commands(re.search(r"```bash\n(.*?)```", serving, re.S).group(1))
-    client_code = re.search(r"```python\n(.*?)```", serving, re.S).group(1)
+def _run_against_server(serve_line: str, client_code: str) -> str:
+    """Start `serve_line` (the README's server command) on a free port, run `client_code` against it
+    with the port swapped in, return its stdout."""
     assert "--port 8000" in serve_line and ":8000/" in client_code
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
@@ -130,10 +129,29 @@ def test_serving_example_runs_as_shown():
         out = subprocess.run([sys.executable, "-c", client_code.replace(":8000/", f":{port}/")], capture_output=True,
                              text=True, env=ENV, timeout=300)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip()
+        return out.stdout
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _serve_line() -> str:
+    (serve_line,) = commands(re.search(r"```bash\n(.*?)```", section("### Serving (OpenAI-compatible)"), re.S).group(1))
+    return serve_line
+
+
+def test_serving_example_runs_as_shown():
+    serving = section("### Serving (OpenAI-compatible)")
+    client_code = re.search(r"```python\n(.*?)```", serving, re.S).group(1)
+    assert _run_against_server(_serve_line(), client_code).strip()
+
+
+def test_agent_example_runs_as_shown():
+    """The Tools section's agent loop against the README's server: the demo model calls multiply,
+    reads the result and answers with it (23 × 41 = 943, by hand)."""
+    agent = next(b for b in blocks("python") if "run_tool" in b and "while True" in b)
+    out = _run_against_server(_serve_line(), agent)
+    assert out.strip().splitlines()[-1] == "943", out
 
 
 def test_readme_and_docs_stay_inside_the_repository():
