@@ -4,8 +4,9 @@ text or calls; a call, once `<tool_call>` is written, must follow its function's
 The grammar is checked on hand-written texts, then driven by a scripted "model" through the real
 causal decoding path (`Sequence.predict_next` with the request's grammar, as autoregressive decoding
 and self-speculative verification use it): the model wants to write a fixed text, and the grammar
-keeps what is valid and corrects what is not. The demo model itself does not call tools unprompted;
-tests/test_structured_output.py checks on it that its text answers pass through unchanged."""
+keeps what is valid and corrects what is not — a scripted model can write invalid calls on purpose,
+which the trained demo model rarely does; tests/test_structured_output.py checks on the demo model that
+its text answers pass through unchanged."""
 
 from __future__ import annotations
 

@@ -197,7 +197,8 @@ def test_strict_tool_arguments_self_speculative(client, choice):
 @pytest.mark.parametrize("thinking", [True, False])
 def test_strict_tools_under_auto_leave_text_answers_alone(client, thinking):
     """tool_choice "auto" with strict tools: the grammar allows any text without `<tool_call>`. The
-    demo model answers in text (it was not trained to call tools), so greedy decoding that takes the
+    demo model answers an addition in text (it was trained to call tools only for what it cannot do
+    itself), so greedy decoding that takes the
     grammar's choice at each causal position (autoregressive, self-speculative) writes exactly what it
     writes without the grammar; LowConfidence answers in text too. (A call, once opened, following the
     schema: tests/test_strict_auto_tools.py.)"""

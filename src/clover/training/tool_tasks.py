@@ -95,7 +95,10 @@ def _multiply(rng: random.Random):
 
 
 def _lookup(rng: random.Random):
-    k = "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 5)))
+    # a letter and one or two digits (`q7`, `b42`): digits are always single tokens, so the key reads
+    # as the same few tokens in the question, the thinking and the call — random letter strings fell
+    # apart into whatever merges they happened to contain, and the small model could not copy them
+    k = rng.choice(LETTERS) + str(rng.randint(0, 99))
     return rng.choice(LOOKUP_TEMPLATES).format(k=k), f"key={k}", {"key": k}, k
 
 
