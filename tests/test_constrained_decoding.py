@@ -31,7 +31,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def grammars(tok):
-    return Grammars(tok.tokenizer, 512, [2, 0], tok.think_end_token_id)
+    return Grammars(tok.tokenizer, tok.vocab_size, [2, 0], tok.think_end_token_id)
 
 
 def matcher(grammars, thinking=False):
@@ -133,7 +133,7 @@ def test_shape_draft_writes_forced_tokens_and_replaces_refused_ones(grammars, to
     draft = tok.encode("ab\n")                 # the pass proposes a raw newline inside the string, then x's
     block[k:] = draft + tok.encode("x") * (len(block) - k - len(draft))
     rows = list(range(k, len(block)))
-    logits = torch.zeros(len(rows), 512)
+    logits = torch.zeros(len(rows), grammars.vocab_size)
     logits[:, tok.encode('"')[0]] = 1.0          # the block's best allowed token where "\n" is refused
     c.shape_draft(block, logits, rows)
     # '"' replaced the newline, the keys that follow are forced, the x's (now refused) replaced too
@@ -147,7 +147,7 @@ def test_choose_run_stops_at_the_first_choice_that_differs(grammars, tok):
     c = BlockConstraint(m, MASK)
     c.choose(tok.encode("{")[0], 200)
     text = tok.encode('"name":"ab')
-    logits = torch.full((len(text) + 1, 512), -5.0)
+    logits = torch.full((len(text) + 1, grammars.vocab_size), -5.0)
     for k, t in enumerate(text):
         logits[k, t] = 5.0
     wrong = tok.encode("x")[0]
