@@ -1,9 +1,10 @@
 """One real agent framework, the OpenAI Agents SDK, driving `clover serve`'s chat completions on the
 demo model end to end: the SDK sends its strict tool schema, the server constrains the call's
 arguments, the SDK parses the call and runs the tool. First with the call forced (tool_choice names
-the tool, a tool the demo model was never trained on) and the run stopped at the tool's result: the
-framework ran the tool with arguments that follow its schema. Then the whole loop on a demo tool, the
-model deciding to call and answering from the result."""
+the tool; the default demo model was not trained on tools) and the run stopped at the tool's result:
+the framework ran the tool with arguments that follow its schema. Then the whole loop with the
+tool-trained demo model (src/clover/demo/tools-model) on a demo tool, the model deciding to call and
+answering from the result."""
 
 from __future__ import annotations
 
@@ -66,7 +67,20 @@ def test_agents_sdk_runs_a_tool_through_clover(server):
     assert Converter.tool_to_openai(convert)["function"]["strict"] is True     # what the server enforced
 
 
-def test_agents_sdk_agent_loop_on_the_demo_tools(server):
+@pytest.fixture(scope="module")
+def tools_server():
+    tools_model = clover.DEMO_MODEL_DIR.parent / "tools-model"      # the demo model trained on tool use
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(clover.load(tools_model), EngineOptions(max_batch=2, max_queue=4))
+    srv = Server(create_app(engine, CloverTokenizer.from_dir(tools_model), MODEL))
+    yield srv
+    assert srv.stop()
+    torch.set_num_threads(threads)
+
+
+def test_agents_sdk_agent_loop_on_the_demo_tools(tools_server):
+    server = tools_server
     """The whole agent loop, the model deciding (tool_choice auto): the SDK offers `convert` as its
     function tool (pydantic-built, strict), the model calls it with the question's arguments, the SDK
     runs it and sends the result back, and the model's final answer reads it."""

@@ -147,10 +147,12 @@ def test_serving_example_runs_as_shown():
 
 
 def test_agent_example_runs_as_shown():
-    """The Tools section's agent loop against the README's server: the demo model calls multiply,
+    """The Tools section's agent loop against its server: the tool-trained demo model calls multiply,
     reads the result and answers with it (23 × 41 = 943, by hand)."""
+    tools = section("#### Tools")
+    (serve_line,) = commands(re.search(r"```bash\n(.*?)```", tools, re.S).group(1))
     agent = next(b for b in blocks("python") if "run_tool" in b and "while True" in b)
-    out = _run_against_server(_serve_line(), agent)
+    out = _run_against_server(serve_line, agent)
     assert out.strip().splitlines()[-1] == "943", out
 
 

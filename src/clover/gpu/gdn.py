@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..layers.delta_rule import gated_delta_rule
 from ..layers.gated_deltanet import depthwise_conv, l2_normalize
 from ..layers.norms import compute_dtype
-from . import fla_ops, fla_runs_on
+from .fla import fla_ops, fla_runs_on
 
 # Causal parts longer than this take fla's chunked kernel (its chunks are 64 tokens).
 CHUNKED_MIN_TOKENS = 64
