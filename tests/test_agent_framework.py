@@ -26,15 +26,20 @@ pytest.importorskip("llguidance")
 MODEL = "clover-demo"
 
 
-@pytest.fixture(scope="module")
-def server():
+def _serving(model_dir):
+    """`clover serve`'s app on loopback for `model_dir`, one thread, for a module's tests."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(clover.load(clover.DEMO_MODEL_DIR), EngineOptions(max_batch=2, max_queue=4))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
+    engine = Engine(clover.load(model_dir), EngineOptions(max_batch=2, max_queue=4))
+    srv = Server(create_app(engine, CloverTokenizer.from_dir(model_dir), MODEL))
     yield srv
     assert srv.stop()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serving(clover.DEMO_MODEL_DIR)
 
 
 def test_agents_sdk_runs_a_tool_through_clover(server):
@@ -69,18 +74,10 @@ def test_agents_sdk_runs_a_tool_through_clover(server):
 
 @pytest.fixture(scope="module")
 def tools_server():
-    tools_model = clover.DEMO_MODEL_DIR.parent / "tools-model"      # the demo model trained on tool use
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine(clover.load(tools_model), EngineOptions(max_batch=2, max_queue=4))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(tools_model), MODEL))
-    yield srv
-    assert srv.stop()
-    torch.set_num_threads(threads)
+    yield from _serving(clover.DEMO_MODEL_DIR.parent / "tools-model")     # the demo model trained on tools
 
 
 def test_agents_sdk_agent_loop_on_the_demo_tools(tools_server):
-    server = tools_server
     """The whole agent loop, the model deciding (tool_choice auto): the SDK offers `convert` as its
     function tool (pydantic-built, strict), the model calls it with the question's arguments, the SDK
     runs it and sends the result back, and the model's final answer reads it."""
@@ -99,7 +96,7 @@ def test_agents_sdk_agent_loop_on_the_demo_tools(tools_server):
         return run_tool("convert", {"value": value, "unit": unit, "to": to})
 
     async def run(question):
-        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = AsyncOpenAI(base_url=tools_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         agent = Agent(name="converter", instructions="Use the tools when they help.", tools=[convert],
                       model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(max_tokens=128, extra_body={"decoding": "self_speculative"}))
