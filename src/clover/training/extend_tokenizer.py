@@ -98,6 +98,7 @@ def extend_model(src: str | Path, out: str | Path, merges: list[tuple[str, str]]
     embedding and lm_head rows (see the module docstring)."""
     from clover import load
     from clover.checkpoint import save_checkpoint
+    from clover.config import CloverConfig
     from clover.model import CloverForCausalLM
 
     src, out = Path(src), Path(out)
@@ -109,7 +110,6 @@ def extend_model(src: str | Path, out: str | Path, merges: list[tuple[str, str]]
     V_new = max(V_old, max(vocab.values()) + 1)
     cfg = old.config.to_dict()
     cfg["vocab_size"] = V_new
-    from clover.config import CloverConfig
     model = CloverForCausalLM(CloverConfig.from_dict(cfg))
     state = old.state_dict()
     emb, head = state["model.embed_tokens.weight"], state["lm_head.weight"]

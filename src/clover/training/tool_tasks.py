@@ -167,9 +167,7 @@ def format_value(v: Any) -> str:
         return v
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, float) and v.is_integer():
-        return str(v)        # json.dumps(3.0) == "3.0"
-    return str(v)
+    return str(v)            # numbers: str() is json.dumps's text for them (3.0 stays "3.0")
 
 
 def tool_problem(task: str, rng: random.Random, tools: list[dict] | None = None,
