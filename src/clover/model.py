@@ -16,6 +16,7 @@ from torch import nn
 from .backend import reference_backend
 from .cache import SequenceState, StatePool
 from .config import CloverConfig
+from .kernels.decode_plan import decode_step
 from .layers.attention import Attention
 from .layers.gated_deltanet import GatedDeltaNet
 from .layers.moe import SparseMoE
@@ -205,17 +206,26 @@ class CloverForCausalLM(nn.Module):
         T = ids.shape[1]
         pool = caches[0].pool
         batch = pool.prepare(caches, T, block_len, valid_lens)
-        if ids.device.type == "cpu":              # (the CPU kernels need no index: ~0.15 ms saved per forward)
-            positions = torch.tensor(batch.starts)[:, None] + torch.arange(T)
-        else:                                     # the forward's slots and K/V rows on the device, made once
-            positions = batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
         try:
-            logits = self._run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
+            logits = None
+            if (T == 1 and not block_len and stats is None and logits_at in ("last", "all")
+                    and self.__dict__.get("packed") == "clover-kernels"):
+                logits = decode_step(self, ids, batch)     # a decode token: the prepared kernel calls
+            if logits is None:
+                logits = self._run(ids, self._positions(ids, batch, T), batch, block_len, block_top_p, logits_at,
+                                   stats)
         except BaseException:
             pool.abort(batch, caches)
             raise
         pool.finish(batch, caches)
         return logits
+
+    @staticmethod
+    def _positions(ids, batch, T):
+        if ids.device.type == "cpu":              # (the CPU kernels need no index: ~0.15 ms saved per forward)
+            return torch.tensor(batch.starts)[:, None] + torch.arange(T)
+        # the forward's slots and K/V rows on the device, made once
+        return batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
 
     prefill_chunk = 1024   # long causal passes run in chunks: exact, and activations stay bounded
 

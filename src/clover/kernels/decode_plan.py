@@ -1,0 +1,323 @@
+"""One-token decode steps as a prepared list of kernel calls (the per-step Python glue, cut).
+
+On small models a decode step's time went mostly to the Python around its ~26 native calls: module
+calls, backend dispatch and `qualifies` tests, argument checks, `torch.empty` outputs, `data_ptr()` /
+`stride()` queries (the `tiny` bench model: 0.73 of ~1.0 ms). A `DecodePlan` makes those decisions
+once per model and batch size: every call's arguments (weights, constants, strides, sizes) are bound
+in a list, the intermediates live in buffers owned by the plan, and a step only writes what changes
+— the rows' GDN slot addresses, page tables, positions and rotary tables — then runs the list.
+
+The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for a
+causal one-token step, so results are bit-identical (tests/test_decode_plan.py). It covers what those
+wrappers would all take: a model packed for the kernels (`pack_for_cpu(kernels=True)`, bf16 or
+quantized), no tensor-parallel shard, no autograd, no open speculation (its GDN records need the
+reference). Everything else, and every step the plan does not fit, goes through the layers as before.
+
+Buffer safety: only the intermediates between calls are reused; the logits a step returns are a new
+tensor every time. A plan runs one step at a time (a non-blocking lock: a second thread stepping the
+same model meanwhile takes the layers' path), and buffers are per batch size, so rows of other
+batches never share them. Weights written in place (a `load_state_dict` reload) bump the versions of
+the parameters the kernels' fp32 constants come from; the plan is rebuilt when they change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from .build import library
+from .gdn_short import _constants as gdn_constants
+from .panels import PanelWeight
+from .quant_panels import QuantPanelWeight, weights_struct
+from .rmsnorm import _scale, tensor_version
+
+_BF16 = torch.bfloat16
+MAX_PLANS = 8          # batch sizes kept prepared (an engine's batch size moves between a few values)
+
+
+def _linear_weight(module):
+    """(packed weight, None) of a kernel-packed map without bias or all-reduce, else None."""
+    from ..layers.packed import PackedLinear
+
+    if type(module) is not PackedLinear or module.bias is not None or module.parallel is not None:
+        return None
+    return module.packed if isinstance(module.packed, (PanelWeight, QuantPanelWeight)) else None
+
+
+def _fused_parts(fused):
+    """A `FusedProjection`'s runs as packed kernel weights (no biases), else None."""
+    if fused is None:
+        return None
+    parts = []
+    for packed, bias, sizes in fused.parts:
+        if bias is not None or not isinstance(packed, (PanelWeight, QuantPanelWeight)):
+            return None
+        parts.append((packed, sizes))
+    return parts
+
+
+def _sources(model) -> list:
+    """The parameters the kernels' fp32 constants are made from (their versions tell a reload)."""
+    out = [model.model.norm.weight]
+    for layer in model.model.layers:
+        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if layer.kind == "linear_attention":
+            m = layer.linear_attn
+            out += [m.conv1d.weight, m.conv1d_right.weight, m.A_log, m.dt_bias, m.block_mix_logits, m.norm.weight]
+        else:
+            out += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
+    return out
+
+
+def _versions(tensors) -> int:
+    return sum(tensor_version(t) for t in tensors)
+
+
+def supported(model) -> bool:
+    """Whether every call of a causal one-token step of `model` runs a native kernel the plan can bind."""
+    from ..layers.moe import SparseMoE
+    from .moe_block import packed_for_kernels
+
+    if (getattr(model, "packed", None) != "clover-kernels" or model.shard_config is not None
+            or getattr(model.backend, "name", None) != "cpu" or library() is None):
+        return False
+    embed = model.model.embed_tokens
+    if type(embed) is not nn.Embedding or embed.weight.dtype != _BF16 or embed.weight.device.type != "cpu":
+        return False
+    for layer in model.model.layers:
+        if type(layer.mlp) is not SparseMoE or not packed_for_kernels(layer.mlp):
+            return False
+        if layer.kind == "linear_attention":
+            m = layer.linear_attn
+            parts = _fused_parts(m.fused_input)
+            if parts is None or _linear_weight(m.out_proj) is None:
+                return False
+            # b and a must come from one stacked run (gdn_short reads them with one stride)
+            if not any(sizes[-2:] == [m.num_v_heads, m.num_v_heads] and len(sizes) in (2, 4) for _, sizes in parts):
+                return False
+        else:
+            a = layer.self_attn
+            if (_fused_parts(a.fused_input) is None or _linear_weight(a.o_proj) is None or a.head_dim > 512
+                    or a.num_heads // a.num_kv_heads > 16):
+                return False
+    return True
+
+
+class _Buffers:
+    """A step's intermediates for B rows, shared by layers where lifetimes allow: each layer's first
+    norm writes `h1` from (`h2`, `moe`), its second writes `h2` from (`h1`, `mixed`), no call writes a
+    tensor it reads."""
+
+    def __init__(self, B: int, H: int):
+        self.B = B
+        new = lambda *shape: torch.empty(*shape, dtype=_BF16)  # noqa: E731
+        self.embed, self.h1, self.h2, self.x, self.mixed, self.moe = (new(B, 1, H) for _ in range(6))
+        self.final_h, self.final_x = new(B, 1, H), new(B, 1, H)
+        self._scratch: dict = {}
+
+    def scratch(self, name: str, *shape) -> torch.Tensor:
+        key = (name, shape)
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty(*shape, dtype=_BF16)
+        return self._scratch[key]
+
+
+class _Plan:
+    """The bound calls of a one-token step for B rows (see the module docstring)."""
+
+    def __init__(self, model, B: int):
+        lib = library()
+        self.lib = lib
+        self.B = B
+        H = model.config.hidden_size
+        buf = self.buf = _Buffers(B, H)
+        self.calls: list = []          # [function, args list, name]
+        self.gdn: list = []            # per GDN layer: (layer index, 4 slot-pointer arrays)
+        self.attn: list = []           # per attention layer: (layer index, per-row args lists, row stride of cos)
+        self.keep: list = []           # ctypes structs the bound pointers point into
+        h_prev, delta = buf.embed, None
+        for i, layer in enumerate(model.model.layers):
+            h1 = buf.embed if delta is None else buf.h1
+            self._norm(h_prev, delta, layer.input_layernorm, h1, buf.x)
+            if layer.kind == "linear_attention":
+                self._gdn(layer.linear_attn)
+            else:
+                self._attention(layer.self_attn)
+            self._norm(h1, buf.mixed, layer.post_attention_layernorm, buf.h2, buf.x)
+            self._moe(layer.mlp)
+            h_prev, delta = buf.h2, buf.moe
+        self._norm(h_prev, delta, model.model.norm, buf.final_h, buf.final_x)
+        self.threads = None
+
+    # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
+    def _add(self, fn, args, name):
+        self.calls.append([fn, args, name])
+        return args
+
+    def _norm(self, h, delta, norm, out_h, out_x):
+        B, H = self.B, h.shape[-1]
+        self._add(self.lib.clover_add_rmsnorm,
+                  [B, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
+                   _scale(norm).data_ptr(), norm.eps, None if delta is None else out_h.data_ptr(), out_x.data_ptr(),
+                   1], "add_rmsnorm")
+
+    def _gemm(self, x, weight, out):
+        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear or quant_panels.linear, no bias)."""
+        K, N = weight.in_features, weight.out_features
+        if isinstance(weight, QuantPanelWeight):
+            struct = weight.struct()
+            self.keep.append(struct)
+            self._add(self.lib.clover_weights_gemm,
+                      [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N, out.data_ptr(), N, 0, 1], "linear")
+        else:
+            self._add(self.lib.clover_panel_gemm,
+                      [x.data_ptr(), K, 1, self.B, K, weight.panels.data_ptr(), N, out.data_ptr(), N, 0, 1], "linear")
+
+    def _project(self, module, tag):
+        """The module's fused input projections of buf.x → its pieces as [B, 1, n] views of scratch."""
+        pieces = []
+        for j, (packed, sizes) in enumerate(_fused_parts(module.fused_input)):
+            out = self.buf.scratch(f"{tag}{j}", self.B, packed.out_features)
+            self._gemm(self.buf.x, packed, out)
+            pieces += list(out.view(self.B, 1, -1).split(sizes, dim=-1))
+        return pieces
+
+    def _gdn(self, m):
+        B = self.B
+        u, z, b, a = self._project(m, "gdn")
+        if b.stride()[:2] != a.stride()[:2]:
+            raise ValueError("decode plan: GDN b and a not from one stacked projection")
+        conv_w, right_w, A_log, dt_bias, mix, norm_w = gdn_constants(m)
+        out = self.buf.scratch("gdn_out", B, 1, m.value_dim)
+        ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
+        self.gdn.append((m.layer_index, ptrs))
+        self._add(self.lib.clover_gdn_short,
+                  [B, 1, 1, m.num_k_heads, m.num_v_heads, m.dk, m.dv, m.kernel, right_w.shape[0],
+                   u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
+                   b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
+                   *(ctypes.addressof(p) for p in ptrs[:2]), conv_w.data_ptr(), right_w.data_ptr(),
+                   A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), *(ctypes.addressof(p) for p in ptrs[2:]),
+                   norm_w.data_ptr(), m.norm.eps, m.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), 1],
+                  "gdn_short")
+        self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
+
+    def _attention(self, attn):
+        B = self.B
+        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qg, k, v = self._project(attn, "attn")
+        if k.stride(0) != v.stride(0):
+            raise ValueError("decode plan: attention k and v with different row strides")
+        out = self.buf.scratch("attn_out", B, 1, Hq * D)
+        qs, ks = _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr()
+        rows = []
+        for r in range(B):
+            # cos, sin, K/V pages, page table, start: written per step (see `run`)
+            rows.append(self._add(self.lib.clover_attention_cached,
+                                  [Hq, Hkv, D, 0, 1, 1, qg[r].data_ptr(), qg[r].stride(0), k[r].data_ptr(),
+                                   v[r].data_ptr(), k[r].stride(0), qs, ks, attn.q_norm.eps, None, None, None, None,
+                                   None, 0, 0, out[r].data_ptr(), out[r].stride(0), 1], "attention_cached"))
+        self.attn.append((attn.layer_index, rows))
+        self._gemm(out, _linear_weight(attn.o_proj), self.buf.mixed)
+
+    def _moe(self, moe):
+        from .moe_block import _moe_constants
+
+        structs, split_input, I, Is = _moe_constants(moe)
+        w_in = structs[0]
+        shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
+        experts = moe.experts
+        addr = lambda s: None if s is None else ctypes.addressof(s)  # noqa: E731
+        self._add(self.lib.clover_moe_block,
+                  [self.B, 1, 0, None, moe.min_block_experts, self.buf.x.shape[-1], moe.num_experts,
+                   getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, self.buf.x.data_ptr(), None,
+                   addr(w_in), addr(shared_in), addr(gate_up), addr(down), addr(shared_down), self.buf.moe.data_ptr(),
+                   None, 1], "moe_block")
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def run(self, model, ids, batch) -> torch.Tensor:
+        buf, pool = self.buf, batch.pool
+        threads = torch.get_num_threads()
+        if threads != self.threads:                      # every call's last argument
+            for call in self.calls:
+                call[1][-1] = threads
+            self.threads = threads
+        torch.index_select(model.model.embed_tokens.weight, 0, ids.view(-1), out=buf.embed.view(self.B, -1))
+        read, write = batch.read_slots, batch.write_slots
+        for index, (tails, new_tails, states, new_states) in self.gdn:
+            conv, rec = pool.conv[index], pool.recurrent[index]
+            cb, cs = conv.data_ptr(), conv.stride(0) * conv.element_size()
+            rb, rs = rec.data_ptr(), rec.stride(0) * rec.element_size()
+            for r in range(self.B):
+                tails[r], new_tails[r] = cb + read[r] * cs, cb + write[r] * cs
+                states[r], new_states[r] = rb + read[r] * rs, rb + write[r] * rs
+        if self.attn:
+            starts = batch.starts
+            positions = torch.tensor(starts)[:, None]
+            cos, sin = model.model.rotary(positions, _BF16)          # [B, 1, R]
+            table = batch.page_table()
+            R, page, width = cos.shape[-1], pool.page_size, table.shape[1]
+            c, s, t = cos.data_ptr(), sin.data_ptr(), table.data_ptr()
+            for index, rows in self.attn:
+                kp, vp = pool.k[index].data_ptr(), pool.v[index].data_ptr()
+                for r, args in enumerate(rows):
+                    args[3] = R
+                    args[14:21] = c + 2 * R * r, s + 2 * R * r, kp, vp, t + 4 * width * r, page, starts[r]
+        for fn, args, name in self.calls:
+            status = fn(*args)
+            if status:
+                raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {name} returned {status}")
+        return model.lm_head(buf.final_x)
+
+
+class DecodePlans:
+    """A model's prepared one-token steps, one `_Plan` per batch size, built on first use (kept beside
+    the model, not in it: copies and pickles of a model carry none)."""
+
+    def __init__(self, model):
+        self.backend = model.backend
+        self.ok = supported(model)
+        self.sources = _sources(model) if self.ok else []
+        self.version = _versions(self.sources)
+        self.plans: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def step(self, model, ids, batch):
+        if (not self.ok or model.backend is not self.backend or batch.records is not None or batch.padded
+                or batch.write_slots is None or torch.is_grad_enabled() or ids.dtype != torch.long
+                or ids.device.type != "cpu"):
+            return None
+        if not self.lock.acquire(blocking=False):     # another thread is stepping this model
+            return None
+        try:
+            version = _versions(self.sources)
+            if version != self.version:             # parameters rewritten: constants and plans anew
+                self.plans.clear()
+                self.version = version
+            B = ids.shape[0]
+            plan = self.plans.get(B)
+            if plan is None:
+                plan = self.plans[B] = _Plan(model, B)
+                if len(self.plans) > MAX_PLANS:
+                    self.plans.popitem(last=False)
+            else:
+                self.plans.move_to_end(B)
+            return plan.run(model, ids, batch)
+        finally:
+            self.lock.release()
+
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decode_step(model, ids, batch):
+    """The logits [B, 1, V] of a causal one-token forward of `model` over `batch` (ids [B, 1]) through
+    its prepared plan, or None when the plan does not apply (the caller then runs the layers)."""
+    plans = _PLANS.get(model)
+    if plans is None or plans.backend is not model.backend:
+        plans = _PLANS[model] = DecodePlans(model)
+    return plans.step(model, ids, batch)
