@@ -12,7 +12,9 @@ runs the step `--repeats` times, and prints each one's share of the step with it
 (GFLOP/s) or, for one-row products, the rate it read the weights at (GB/s). What no timer covers is
 the Python and tensor-op glue between the calls (the wrappers' own Python is inside their calls).
 `--glue` (decode only) times all of a step's Python and tensor ops, wrappers included: the same step
-with every kernel call replaced by a no-op.
+with every kernel call replaced by a no-op. A decode step runs as a prepared list of kernel calls
+(`clover/kernels/decode_plan.py`), which bypasses the wrappers; the per-call timing turns it off (so
+it times the layers' path, whose glue is larger), `--glue` times it unless `--layers` is given.
 
 The timers cost ~1 µs per call; the machine's drift between steps is larger (see README).
 """
@@ -100,7 +102,7 @@ def disable_kernels() -> None:
             return lambda *args: 0
 
     noops = NoOps()
-    for face in ("panels", "quant_panels", *KERNEL_FACES):
+    for face in ("panels", "quant_panels", "decode_plan", *KERNEL_FACES):
         importlib.import_module(f"clover.kernels.{face}").library = lambda: noops
 
 
@@ -114,12 +116,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--glue", action="store_true", help="decode only: time the step with every kernel a no-op")
+    ap.add_argument("--layers", action="store_true",
+                    help="decode through the layers, not the prepared decode plan (always so without --glue)")
     args = ap.parse_args(argv)
     if args.glue and args.op != "decode":
         ap.error("--glue measures decode steps only")
 
     import clover
-    from clover.kernels import available
+    from clover.kernels import available, decode_plan
     from clover.runtime import flush_denormals
 
     flush_denormals(True)
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if not available():
         sys.exit("the native kernels are not available here: nothing to break down")
+    if args.layers or not args.glue:                  # each call timed through its wrapper
+        decode_plan.ENABLED = False
     path = args.model or checkpoints.ensure_checkpoint(args.variant)
     config = checkpoints.load_config(path)
     model = clover.load(path, dtype=torch.bfloat16, pack=True)
@@ -167,7 +173,8 @@ def main(argv=None) -> int:
     total = statistics.median(totals)
     what = f"{args.op} ({args.tokens} tokens)" if args.op == "prefill" else f"{args.op} after {args.tokens}"
     print(f"{args.model or args.variant}: {what}, {torch.get_num_threads()} threads, median of {args.repeats}: "
-          f"{total * 1e3:.2f} ms per step" + (" with every kernel a no-op (glue only)" if args.glue else ""))
+          f"{total * 1e3:.2f} ms per step" + (" with every kernel a no-op (glue only)" if args.glue else "")
+          + (" (decode plan)" if args.op == "decode" and decode_plan.ENABLED else ""))
     if args.glue:
         return 0
     covered = 0.0

@@ -33,11 +33,12 @@ from torch import nn
 from .build import library
 from .gdn_short import _constants as gdn_constants
 from .panels import PanelWeight
-from .quant_panels import QuantPanelWeight, weights_struct
+from .quant_panels import QuantPanelWeight
 from .rmsnorm import _scale, tensor_version
 
 _BF16 = torch.bfloat16
 MAX_PLANS = 8          # batch sizes kept prepared (an engine's batch size moves between a few values)
+ENABLED = True         # off: every step runs the layers (benchmarks.breakdown times each call's wrapper)
 
 
 def _linear_weight(module):
@@ -75,7 +76,10 @@ def _sources(model) -> list:
 
 
 def _versions(tensors) -> int:
-    return sum(tensor_version(t) for t in tensors)
+    try:
+        return sum(t._version for t in tensors)
+    except RuntimeError:                 # an inference tensor among them: it keeps no counter
+        return sum(tensor_version(t) for t in tensors)
 
 
 def supported(model) -> bool:
@@ -127,21 +131,68 @@ class _Buffers:
         return self._scratch[key]
 
 
+class RotaryTable:
+    """cos / sin rows of the model's `RotaryEmbedding` by position, computed by the module itself for
+    blocks of `BLOCK` positions and kept: a decode step looks its rows up instead of running six tensor
+    ops. Bit-identical to computing them per step: every op of the module is elementwise, and PyTorch's
+    vectorised cos / sin give each element the same result wherever it sits in a tensor (checked over
+    positions in tests/test_decode_plan.py)."""
+
+    BLOCK = 1024
+    MAX_BLOCKS = 64          # 64 blocks of 1024 positions (for rotary_dim 64: 16 MB) at most
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+        self.blocks: OrderedDict = OrderedDict()
+
+    def rows(self, position: int):
+        """(cos, sin) tensors [BLOCK, R] bf16 holding `position` and its row in them."""
+        block, row = divmod(position, self.BLOCK)
+        tables = self.blocks.get(block)
+        if tables is None:
+            positions = torch.arange(block * self.BLOCK, (block + 1) * self.BLOCK)[None]
+            cos, sin = self.rotary(positions, _BF16)
+            tables = self.blocks[block] = (cos[0].contiguous(), sin[0].contiguous())
+            if len(self.blocks) > self.MAX_BLOCKS:
+                self.blocks.popitem(last=False)
+        return tables, row
+
+
+class _PageTables:
+    """The rows' page tables as one int32 [B, width] tensor (the attention kernel's input), rewritten
+    only for rows whose pages changed (a new page every 32 tokens, or a copy-on-write page)."""
+
+    def __init__(self, B: int):
+        self.pages = [None] * B
+        self.table = torch.zeros(B, 1, dtype=torch.int32)
+
+    def update(self, pages_per_row) -> torch.Tensor:
+        width = max(len(p) for p in pages_per_row)
+        if width > self.table.shape[1]:                   # grow (doubling) and write every row again
+            self.table = torch.zeros(len(self.pages), max(width, 2 * self.table.shape[1]), dtype=torch.int32)
+            self.pages = [None] * len(self.pages)
+        for r, pages in enumerate(pages_per_row):
+            if pages != self.pages[r]:
+                self.table[r, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+                self.pages[r] = pages
+        return self.table
+
+
 class _Plan:
-    """The bound calls of a one-token step for B rows (see the module docstring)."""
+    """The bound calls of a one-token step for B rows (see the module docstring): [kernel name, args]
+    pairs, the kernel looked up in `library()` per step (benchmarks.breakdown --glue swaps it)."""
 
     def __init__(self, model, B: int):
-        lib = library()
-        self.lib = lib
         self.B = B
         H = model.config.hidden_size
         buf = self.buf = _Buffers(B, H)
-        self.calls: list = []          # [function, args list, name]
+        self.calls: list = []          # [kernel name, args list]
         self.gdn: list = []            # per GDN layer: (layer index, 4 slot-pointer arrays)
-        self.attn: list = []           # per attention layer: (layer index, per-row args lists, row stride of cos)
+        self.attn: list = []           # per attention layer: (layer index, per-row args lists)
         self.keep: list = []           # ctypes structs the bound pointers point into
+        self.tables = _PageTables(B)
         h_prev, delta = buf.embed, None
-        for i, layer in enumerate(model.model.layers):
+        for layer in model.model.layers:
             h1 = buf.embed if delta is None else buf.h1
             self._norm(h_prev, delta, layer.input_layernorm, h1, buf.x)
             if layer.kind == "linear_attention":
@@ -152,31 +203,36 @@ class _Plan:
             self._moe(layer.mlp)
             h_prev, delta = buf.h2, buf.moe
         self._norm(h_prev, delta, model.model.norm, buf.final_h, buf.final_x)
+        head = _linear_weight(model.lm_head)
+        self.head = None if head is None else (head, self._gemm(buf.final_x, head, None))
         self.threads = None
 
     # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
-    def _add(self, fn, args, name):
-        self.calls.append([fn, args, name])
+    def _add(self, name, args):
+        self.calls.append((name, args))
         return args
 
     def _norm(self, h, delta, norm, out_h, out_x):
         B, H = self.B, h.shape[-1]
-        self._add(self.lib.clover_add_rmsnorm,
+        self._add("clover_add_rmsnorm",
                   [B, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
                    _scale(norm).data_ptr(), norm.eps, None if delta is None else out_h.data_ptr(), out_x.data_ptr(),
-                   1], "add_rmsnorm")
+                   1])
 
     def _gemm(self, x, weight, out):
-        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear or quant_panels.linear, no bias)."""
+        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear or quant_panels.linear, no bias);
+        `out` None: the call is returned, not added (its output pointer is set per step)."""
         K, N = weight.in_features, weight.out_features
+        ptr = None if out is None else out.data_ptr()
         if isinstance(weight, QuantPanelWeight):
             struct = weight.struct()
             self.keep.append(struct)
-            self._add(self.lib.clover_weights_gemm,
-                      [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N, out.data_ptr(), N, 0, 1], "linear")
+            call = ("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N, ptr, N, 0, 1])
         else:
-            self._add(self.lib.clover_panel_gemm,
-                      [x.data_ptr(), K, 1, self.B, K, weight.panels.data_ptr(), N, out.data_ptr(), N, 0, 1], "linear")
+            call = ("clover_panel_gemm", [x.data_ptr(), K, 1, self.B, K, weight.panels.data_ptr(), N, ptr, N, 0, 1])
+        if out is not None:
+            self.calls.append(call)
+        return call
 
     def _project(self, module, tag):
         """The module's fused input projections of buf.x → its pieces as [B, 1, n] views of scratch."""
@@ -196,14 +252,13 @@ class _Plan:
         out = self.buf.scratch("gdn_out", B, 1, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
-        self._add(self.lib.clover_gdn_short,
+        self._add("clover_gdn_short",
                   [B, 1, 1, m.num_k_heads, m.num_v_heads, m.dk, m.dv, m.kernel, right_w.shape[0],
                    u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
                    b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
                    *(ctypes.addressof(p) for p in ptrs[:2]), conv_w.data_ptr(), right_w.data_ptr(),
                    A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), *(ctypes.addressof(p) for p in ptrs[2:]),
-                   norm_w.data_ptr(), m.norm.eps, m.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), 1],
-                  "gdn_short")
+                   norm_w.data_ptr(), m.norm.eps, m.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), 1])
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
 
     def _attention(self, attn):
@@ -216,11 +271,11 @@ class _Plan:
         qs, ks = _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr()
         rows = []
         for r in range(B):
-            # cos, sin, K/V pages, page table, start: written per step (see `run`)
-            rows.append(self._add(self.lib.clover_attention_cached,
+            # R, cos, sin, K/V pages, page table, start: written per step (see `run`)
+            rows.append(self._add("clover_attention_cached",
                                   [Hq, Hkv, D, 0, 1, 1, qg[r].data_ptr(), qg[r].stride(0), k[r].data_ptr(),
                                    v[r].data_ptr(), k[r].stride(0), qs, ks, attn.q_norm.eps, None, None, None, None,
-                                   None, 0, 0, out[r].data_ptr(), out[r].stride(0), 1], "attention_cached"))
+                                   None, 0, 0, out[r].data_ptr(), out[r].stride(0), 1]))
         self.attn.append((attn.layer_index, rows))
         self._gemm(out, _linear_weight(attn.o_proj), self.buf.mixed)
 
@@ -232,46 +287,62 @@ class _Plan:
         shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
         experts = moe.experts
         addr = lambda s: None if s is None else ctypes.addressof(s)  # noqa: E731
-        self._add(self.lib.clover_moe_block,
+        self._add("clover_moe_block",
                   [self.B, 1, 0, None, moe.min_block_experts, self.buf.x.shape[-1], moe.num_experts,
                    getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, self.buf.x.data_ptr(), None,
                    addr(w_in), addr(shared_in), addr(gate_up), addr(down), addr(shared_down), self.buf.moe.data_ptr(),
-                   None, 1], "moe_block")
+                   None, 1])
 
     # ---- one step ----------------------------------------------------------------------------------
-    def run(self, model, ids, batch) -> torch.Tensor:
-        buf, pool = self.buf, batch.pool
+    def run(self, model, ids, batch, rotary: RotaryTable) -> torch.Tensor:
+        buf, pool, B = self.buf, batch.pool, self.B
         threads = torch.get_num_threads()
         if threads != self.threads:                      # every call's last argument
-            for call in self.calls:
-                call[1][-1] = threads
+            for _, args in self.calls:
+                args[-1] = threads
+            if self.head is not None:
+                self.head[1][1][-1] = threads
             self.threads = threads
-        torch.index_select(model.model.embed_tokens.weight, 0, ids.view(-1), out=buf.embed.view(self.B, -1))
+        torch.index_select(model.model.embed_tokens.weight, 0, ids.view(-1), out=buf.embed.view(B, -1))
         read, write = batch.read_slots, batch.write_slots
         for index, (tails, new_tails, states, new_states) in self.gdn:
             conv, rec = pool.conv[index], pool.recurrent[index]
             cb, cs = conv.data_ptr(), conv.stride(0) * conv.element_size()
             rb, rs = rec.data_ptr(), rec.stride(0) * rec.element_size()
-            for r in range(self.B):
+            for r in range(B):
                 tails[r], new_tails[r] = cb + read[r] * cs, cb + write[r] * cs
                 states[r], new_states[r] = rb + read[r] * rs, rb + write[r] * rs
+        keep = []                                        # the rotary blocks this step reads
         if self.attn:
             starts = batch.starts
-            positions = torch.tensor(starts)[:, None]
-            cos, sin = model.model.rotary(positions, _BF16)          # [B, 1, R]
-            table = batch.page_table()
-            R, page, width = cos.shape[-1], pool.page_size, table.shape[1]
-            c, s, t = cos.data_ptr(), sin.data_ptr(), table.data_ptr()
+            table = self.tables.update(batch.pages)
+            page, t, width = pool.page_size, table.data_ptr(), 4 * table.shape[1]
+            rot = []
+            for r in range(B):
+                (cos, sin), row = rotary.rows(starts[r])
+                keep.append(cos)
+                R = cos.shape[1]
+                rot.append((R, cos.data_ptr() + 2 * R * row, sin.data_ptr() + 2 * R * row))
             for index, rows in self.attn:
                 kp, vp = pool.k[index].data_ptr(), pool.v[index].data_ptr()
                 for r, args in enumerate(rows):
+                    R, c, s = rot[r]
                     args[3] = R
-                    args[14:21] = c + 2 * R * r, s + 2 * R * r, kp, vp, t + 4 * width * r, page, starts[r]
-        for fn, args, name in self.calls:
-            status = fn(*args)
+                    args[14:21] = c, s, kp, vp, t + width * r, page, starts[r]
+        lib = library()
+        for name, args in self.calls:
+            status = getattr(lib, name)(*args)
             if status:
                 raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {name} returned {status}")
-        return model.lm_head(buf.final_x)
+        if self.head is None:
+            return model.lm_head(buf.final_x)
+        weight, (name, args) = self.head
+        logits = torch.empty(B, weight.out_features, dtype=_BF16)     # the caller's: new every step
+        args[7] = logits.data_ptr()
+        status = getattr(lib, name)(*args)
+        if status:
+            raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: lm_head {name} returned {status}")
+        return logits.view(B, 1, -1)
 
 
 class DecodePlans:
@@ -284,6 +355,7 @@ class DecodePlans:
         self.sources = _sources(model) if self.ok else []
         self.version = _versions(self.sources)
         self.plans: OrderedDict = OrderedDict()
+        self.rotary = RotaryTable(model.model.rotary) if self.ok else None
         self.lock = threading.Lock()
 
     def step(self, model, ids, batch):
@@ -306,7 +378,7 @@ class DecodePlans:
                     self.plans.popitem(last=False)
             else:
                 self.plans.move_to_end(B)
-            return plan.run(model, ids, batch)
+            return plan.run(model, ids, batch, self.rotary)
         finally:
             self.lock.release()
 
@@ -317,6 +389,8 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def decode_step(model, ids, batch):
     """The logits [B, 1, V] of a causal one-token forward of `model` over `batch` (ids [B, 1]) through
     its prepared plan, or None when the plan does not apply (the caller then runs the layers)."""
+    if not ENABLED:
+        return None
     plans = _PLANS.get(model)
     if plans is None or plans.backend is not model.backend:
         plans = _PLANS[model] = DecodePlans(model)
