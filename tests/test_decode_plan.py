@@ -1,0 +1,173 @@
+"""The prepared decode step (clover/kernels/decode_plan.py) against the layers' path it replaces:
+bit-identical logits and states, fresh logits every step, and the layers' path wherever the plan does
+not apply."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from clover.kernels import available as kernels_available
+from clover.kernels import decode_plan
+from clover.layers.packed import pack_for_cpu
+from clover.quantization import QuantSpec, quantize_model
+from tiny_models import make_model
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable")
+
+
+def _packed(variant="base", bits=None, seed=0):
+    model = make_model(variant, seed=seed, dtype=torch.bfloat16)
+    if bits:
+        quantize_model(model, QuantSpec(bits, 32))
+    assert pack_for_cpu(model, kernels=True) > 0
+    return model
+
+
+def _plan_runs(monkeypatch):
+    """Count the plan's steps."""
+    runs = []
+    run = decode_plan._Plan.run
+
+    def counted(self, *args):
+        runs.append(self.B)
+        return run(self, *args)
+    monkeypatch.setattr(decode_plan._Plan, "run", counted)
+    return runs
+
+
+def _decode_both(model, monkeypatch, rows=(30,), steps=40, seed=0):
+    """Decode `steps` tokens from prompts of `rows` lengths through the plan and, on forked caches,
+    through the layers; every step's logits must be identical (the next token: the plan's argmax)."""
+    g = torch.Generator().manual_seed(seed)
+    caches = []
+    for n in rows:
+        c = model.make_cache(capacity=n + steps + 8)
+        model.step(torch.randint(5, 90, (1, n), generator=g), [c])
+        caches.append(c)
+    forks = [c.fork() for c in caches]
+    token = torch.randint(5, 90, (len(rows), 1), generator=g)
+    for _ in range(steps):
+        monkeypatch.setattr(decode_plan, "ENABLED", True)
+        planned = model.step(token, caches, logits_at="last")
+        monkeypatch.setattr(decode_plan, "ENABLED", False)
+        layers = model.step(token, forks, logits_at="last")
+        assert planned.shape == (len(rows), 1, model.config.vocab_size)
+        assert torch.equal(planned, layers)
+        token = planned[:, -1].argmax(-1, keepdim=True)
+    monkeypatch.setattr(decode_plan, "ENABLED", True)
+    return caches, forks
+
+
+@pytest.mark.parametrize("variant", ["base", "tied_gqa4", "gdn_heavy", "attn_first"])
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_plan_equals_the_layers(variant, bits, monkeypatch):
+    """One and three rows (different lengths, crossing a page boundary: the page table changes; forked
+    caches share pages, so the first write to one is a copy-on-write page), bf16 and quantized."""
+    model = _packed(variant, bits)
+    runs = _plan_runs(monkeypatch)
+    with torch.inference_mode():
+        _decode_both(model, monkeypatch, rows=(30,), steps=36)
+        caches, forks = _decode_both(model, monkeypatch, rows=(20, 31, 7), steps=30, seed=1)
+        # the states the two paths left behind are the same too: a block step over them agrees
+        block = torch.full((3, 8), model.config.mask_token_id)
+        assert torch.equal(model.step(block, caches, block=True), model.step(block, forks, block=True))
+    assert runs.count(1) == 36 and runs.count(3) == 30
+
+
+def test_logits_are_new_every_step():
+    model = _packed()
+    with torch.inference_mode():
+        c = model.make_cache()
+        model.step(torch.arange(5, 25)[None], [c])
+        first = model.step(torch.tensor([[7]]), [c], logits_at="last")
+        kept = first.clone()
+        second = model.step(torch.tensor([[8]]), [c], logits_at="all")
+        assert torch.equal(first, kept) and second.data_ptr() != first.data_ptr()
+
+
+def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
+    """Autograd on, an open speculation (its GDN records need the reference), a step of two tokens, a
+    model packed for oneDNN, a reference backend: no plan step, same results as before."""
+    model = _packed()
+    runs = _plan_runs(monkeypatch)
+    ids = torch.arange(5, 25)[None]
+    c = model.make_cache()
+    with torch.no_grad():
+        model.step(ids, [c])
+        model.step(torch.tensor([[9]]), [c])                 # autograd off: the plan
+    assert runs == [1]
+    model.step(torch.tensor([[9]]), [c])                     # autograd on: the layers (the reference ops)
+    with torch.inference_mode():
+        c.begin_speculation()
+        model.step(torch.tensor([[10]]), [c])
+        c.end_speculation()
+        model.step(torch.tensor([[10, 11]]), [c])
+        onednn = make_model("base", seed=0, dtype=torch.bfloat16)
+        pack_for_cpu(onednn, kernels=False)
+        d = onednn.make_cache()
+        onednn.step(ids, [d])
+        onednn.step(torch.tensor([[9]]), [d])
+    assert runs == [1]
+
+
+def test_a_reload_rebuilds_the_plan():
+    """`load_state_dict` writes the weights in place; the plan's fp32 constants (norm scales, GDN
+    parameters) follow, as the layers' wrappers do."""
+    a, b = _packed(seed=1), _packed(seed=2)
+    ids = torch.arange(5, 25)[None]
+    with torch.no_grad():
+        ca = a.make_cache()
+        a.step(ids, [ca])
+        a.step(torch.tensor([[9]]), [ca])                    # a plan built on a's first weights
+        a.load_state_dict({k: v.clone() for k, v in b.state_dict().items()})
+        ca, cb = a.make_cache(), b.make_cache()
+        a.step(ids, [ca])
+        b.step(ids, [cb])
+        assert torch.equal(a.step(torch.tensor([[9]]), [ca]), b.step(torch.tensor([[9]]), [cb]))
+
+
+def test_rotary_table_equals_the_module():
+    model = make_model("base", dtype=torch.bfloat16)
+    table = decode_plan.RotaryTable(model.model.rotary)
+    positions = [0, 1, 31, 1023, 1024, 1025, 2047, 3000, 4095, 70_001]
+    for p in positions:
+        (cos, sin), row = table.rows(p)
+        c, s = model.model.rotary(torch.tensor([[p]]), torch.bfloat16)
+        assert torch.equal(cos[row], c[0, 0]) and torch.equal(sin[row], s[0, 0])
+    many = torch.tensor(positions)[:, None]
+    c, s = model.model.rotary(many, torch.bfloat16)         # a batch's rows as the layers compute them
+    for i, p in enumerate(positions):
+        (cos, sin), row = table.rows(p)
+        assert torch.equal(cos[row], c[i, 0]) and torch.equal(sin[row], s[i, 0])
+
+
+def test_threads_stepping_one_model_get_their_own_results():
+    """A second thread stepping the model while the plan runs takes the layers' path (the plan's
+    buffers are one step's); every thread's tokens equal a run alone."""
+    model = _packed()
+    prompts = [torch.arange(5 + i, 25 + i)[None] for i in range(3)]
+
+    def decode(prompt, out):
+        with torch.inference_mode():
+            c = model.make_cache(capacity=60)
+            token = model.step(prompt, [c], logits_at="last")[:, -1].argmax(-1, keepdim=True)
+            for _ in range(30):
+                logits = model.step(token, [c], logits_at="last")
+                out.append(logits.clone())
+                token = logits[:, -1].argmax(-1, keepdim=True)
+
+    alone = []
+    for p in prompts:
+        alone.append([])
+        decode(p, alone[-1])
+    together = [[] for _ in prompts]
+    threads = [threading.Thread(target=decode, args=(p, out)) for p, out in zip(prompts, together)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(alone, together):
+        assert len(a) == len(b) == 30 and all(torch.equal(x, y) for x, y in zip(a, b))
