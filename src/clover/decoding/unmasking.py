@@ -48,7 +48,8 @@ def candidates(
     top_p: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
     exclude: Optional[int] = None,
-) -> Tuple[Tensor, Tensor]:
+    with_confidence: bool = True,
+) -> Tuple[Tensor, Optional[Tensor]]:
     """One candidate token per row of ``logits[M, V]`` and its confidence (SPEC §5).
 
     Greedy (``do_sample=False`` or ``temperature == 0``): argmax, ties → lowest id; confidence = its
@@ -62,7 +63,8 @@ def candidates(
     and a model that keeps proposing it would never finish its block. A row whose candidate would be
     that id takes the most likely other id instead (confidence: that id's probability under the same
     distribution, 0 if a filter dropped it); every other row is exactly what it would be without it.
-    Returns ``(tokens LongTensor[M], confidence float32[M])``.
+    Returns ``(tokens LongTensor[M], confidence float32[M])``; greedy with ``with_confidence=False``
+    and no ``exclude``, ``(tokens, None)`` (a causal prediction reads no confidence: no softmax over V).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
@@ -72,6 +74,8 @@ def candidates(
 
     if not do_sample or temperature == 0:
         tokens = first_argmax(x, dim=-1)
+        if not with_confidence and exclude is None:
+            return tokens, None
         probs = torch.softmax(x, dim=-1)
         return _avoid(tokens, x, probs, exclude)
 

@@ -260,10 +260,10 @@ class Sequence:
         if self.constraint is not None:
             return self.constraint.choose_run(logits.float(), lambda row: int(self._candidates(row)[0][0]),
                                               extra[seen_first:], self.remaining - seen_first)
-        tokens, _ = self._candidates(logits.float())
+        tokens, _ = self._candidates(logits.float(), with_confidence=False)
         return tokens.tolist()
 
-    def _candidates(self, logits: torch.Tensor, exclude: int | None = None):
+    def _candidates(self, logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
         """`candidates()` on logits made safe first, so no NaN can reach `torch.multinomial` (which
         would raise inside the shared decoder step and fail every co-batched request): NaN scores
         become -inf, +inf the largest float32, a row with no finite score uniform; and a temperature so
@@ -283,4 +283,4 @@ class Sequence:
                 x = (scaled - scaled.amax(dim=-1, keepdim=True)).float()   # max 0; the rest <= 0, maybe -inf
                 temperature = 1.0
         return candidates(x, do_sample=s.do_sample, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
-                          generator=self._generator_for(x.device), exclude=exclude)
+                          generator=self._generator_for(x.device), exclude=exclude, with_confidence=with_confidence)
