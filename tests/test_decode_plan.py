@@ -19,7 +19,11 @@ pytestmark = pytest.mark.skipif(not kernels_available(), reason="native kernels 
 
 
 def _packed(variant="base", bits=None, seed=0):
-    model = make_model(variant, seed=seed, dtype=torch.bfloat16)
+    if variant == "attn_only":                  # no GDN layer: the pool has no slots to write
+        model = make_model("base", seed=seed, dtype=torch.bfloat16, layer_types=["full_attention"] * 2,
+                           num_hidden_layers=2)
+    else:
+        model = make_model(variant, seed=seed, dtype=torch.bfloat16)
     if bits:
         quantize_model(model, QuantSpec(bits, 32))
     assert pack_for_cpu(model, kernels=True) > 0
@@ -61,7 +65,7 @@ def _decode_both(model, monkeypatch, rows=(30,), steps=40, seed=0):
     return caches, forks
 
 
-@pytest.mark.parametrize("variant", ["base", "tied_gqa4", "gdn_heavy", "attn_first"])
+@pytest.mark.parametrize("variant", ["base", "tied_gqa4", "gdn_heavy", "attn_first", "attn_only"])
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_plan_equals_the_layers(variant, bits, monkeypatch):
     """One and three rows (different lengths, crossing a page boundary: the page table changes; forked
