@@ -1,4 +1,4 @@
-"""The tool-trained demo model (src/clover/demo/tools-model) as an agent: the two-step tool loop through `clover serve` with the official `openai`
+"""The demo model (trained on tool use) as an agent: the two-step tool loop through `clover serve` with the official `openai`
 client, on held-out problems of each demo tool, streaming and not.
 
 Step one: the question with DEMO_TOOLS offered (tool_choice auto: the model decides) must come back as
@@ -30,7 +30,6 @@ from test_server import Server
 openai = pytest.importorskip("openai")
 
 MODEL = "clover-demo"
-TOOLS_MODEL = clover.DEMO_MODEL_DIR.parent / "tools-model"     # the demo model trained on tool use
 PER_TOOL = 8
 
 
@@ -38,8 +37,8 @@ PER_TOOL = 8
 def client():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(clover.load(TOOLS_MODEL), EngineOptions(max_batch=4, max_queue=16))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(TOOLS_MODEL), MODEL))
+    engine = Engine(clover.load(), EngineOptions(max_batch=4, max_queue=16))
+    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
     assert srv.stop()
     torch.set_num_threads(threads)

@@ -1,10 +1,9 @@
 """One real agent framework, the OpenAI Agents SDK, driving `clover serve`'s chat completions on the
 demo model end to end: the SDK sends its strict tool schema, the server constrains the call's
 arguments, the SDK parses the call and runs the tool. First with the call forced (tool_choice names
-the tool; the default demo model was not trained on tools) and the run stopped at the tool's result:
-the framework ran the tool with arguments that follow its schema. Then the whole loop with the
-tool-trained demo model (src/clover/demo/tools-model) on a demo tool, the model deciding to call and
-answering from the result."""
+the tool, whose schema is not the demo tools') and the run stopped at the tool's result: the
+framework ran the tool with arguments that follow its schema. Then the whole loop on a demo tool, the
+model deciding to call and answering from the result."""
 
 from __future__ import annotations
 
@@ -26,20 +25,16 @@ pytest.importorskip("llguidance")
 MODEL = "clover-demo"
 
 
-def _serving(model_dir):
-    """`clover serve`'s app on loopback for `model_dir`, one thread, for a module's tests."""
+@pytest.fixture(scope="module")
+def server():
+    """`clover serve`'s app on loopback for the demo model, one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(clover.load(model_dir), EngineOptions(max_batch=2, max_queue=4))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(model_dir), MODEL))
+    engine = Engine(clover.load(), EngineOptions(max_batch=2, max_queue=4))
+    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
     yield srv
     assert srv.stop()
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def server():
-    yield from _serving(clover.DEMO_MODEL_DIR)
 
 
 def test_agents_sdk_runs_a_tool_through_clover(server):
@@ -72,12 +67,7 @@ def test_agents_sdk_runs_a_tool_through_clover(server):
     assert Converter.tool_to_openai(convert)["function"]["strict"] is True     # what the server enforced
 
 
-@pytest.fixture(scope="module")
-def tools_server():
-    yield from _serving(clover.DEMO_MODEL_DIR.parent / "tools-model")     # the demo model trained on tools
-
-
-def test_agents_sdk_agent_loop_on_the_demo_tools(tools_server):
+def test_agents_sdk_agent_loop_on_the_demo_tools(server):
     """The whole agent loop, the model deciding (tool_choice auto): the SDK offers `convert` as its
     function tool (pydantic-built, strict), the model calls it with the question's arguments, the SDK
     runs it and sends the result back, and the model's final answer reads it."""
@@ -96,7 +86,7 @@ def test_agents_sdk_agent_loop_on_the_demo_tools(tools_server):
         return run_tool("convert", {"value": value, "unit": unit, "to": to})
 
     async def run(question):
-        client = AsyncOpenAI(base_url=tools_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         agent = Agent(name="converter", instructions="Use the tools when they help.", tools=[convert],
                       model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(max_tokens=128, extra_body={"decoding": "self_speculative"}))

@@ -1,6 +1,6 @@
 """`clover export` and the model card's Hugging Face quick start (transformers, trust_remote_code=True).
 
-A small random Clover model (vocab 512, covering the demo tokenizer) is saved as a clover model
+A small random Clover model (the demo tokenizer's vocabulary) is saved as a clover model
 directory, exported, and then:
   (a) the card's quick-start script runs in a subprocess where `import clover` fails, in bfloat16, and
       prints what the package itself produces: the thinking, `</think>`, then the answer (its
@@ -38,7 +38,8 @@ from tiny_models import make_model, to_transformers
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-TOKENS = dict(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
+DEMO_VOCAB = json.loads((clover.DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
+TOKENS = dict(vocab_size=DEMO_VOCAB, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
               pad_token_id=0)
 GEN_DEFAULTS = {"block_size": 8, "threshold": 0.9, "max_new_tokens": 16}
 QUICK_START_NEW_TOKENS = 24
@@ -406,9 +407,9 @@ def same_logits(a, b):
 
 
 def test_forward_gives_causal_logits(hf_model, ours):
-    ids = torch.randint(6, 512, (2, 30), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(6, DEMO_VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
     out = hf_model(input_ids=ids)
-    assert out.logits.shape == (2, 30, 512)
+    assert out.logits.shape == (2, 30, DEMO_VOCAB)
     assert same_logits(out.logits, ours(ids))
     # Left padding: each row's real tokens give the logits of that row alone.
     mask = torch.ones_like(ids)
@@ -424,7 +425,7 @@ def test_save_pretrained_round_trip(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path / "saved")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True,
                                                  dtype=torch.float32).eval()
-    ids = torch.randint(6, 512, (1, 25), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(6, DEMO_VOCAB, (1, 25), generator=torch.Generator().manual_seed(1))
     # The saved weights are the same numbers (exact), the reloaded model the same function (to rounding).
     saved = {k: v for k, v in again.state_dict().items()}
     assert all(torch.equal(v, saved[k]) for k, v in hf_model.state_dict().items())
@@ -443,7 +444,7 @@ def test_package_class_saves_a_loadable_directory(dirs, tmp_path):
     model.save_pretrained(tmp_path / "saved")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True, dtype=torch.float32)
     assert type(again).__module__.startswith("transformers_modules.")
-    ids = torch.randint(6, 512, (1, 20), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(6, DEMO_VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
     assert same_logits(again(ids).logits, model(ids).logits)
 
 
@@ -456,7 +457,7 @@ def test_dtype_device_map_and_sharding(dirs, ours, tmp_path):
                                                  device_map="auto")
     assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    ids = torch.randint(6, 512, (1, 20), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(6, DEMO_VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
     bf16 = clover.load(dirs.src, dtype=torch.bfloat16)
     assert torch.equal(model(ids).logits, bf16(ids))
     assert export_main([str(dirs.src), str(sharded)]) == 2          # refuses a non-empty DST without --force
@@ -479,7 +480,7 @@ def test_missing_block_parameters_load_as_block_readout_off(dirs, ours, tmp_path
             assert not tensor[:, 0].any() and bool(torch.isneginf(tensor[:, 1]).all()), name
         else:
             assert torch.equal(tensor, stored[name]), name
-    ids = torch.randint(6, 512, (1, 20), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(6, DEMO_VOCAB, (1, 20), generator=torch.Generator().manual_seed(5))
     assert torch.equal(model(ids).logits, ours(ids))
 
 

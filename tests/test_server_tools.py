@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 MODEL = "tiny"
 DEMO = Path(clover.__file__).parent / "demo" / "model"
+DEMO_VOCAB = json.loads((DEMO / "config.json").read_text())["vocab_size"]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -98,7 +99,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def scripted(tok):
-    model = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
+    model = make_model(vocab_size=DEMO_VOCAB, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
                        max_position_embeddings=4096)
     engine = ScriptedEngine(model, tok)
     server = Server(create_app(engine, tok, MODEL, max_body_bytes=256 * 1024))
@@ -280,7 +281,7 @@ def test_bad_tool_requests_are_400(scripted, body, param):
 
 def test_template_errors_are_400(tok):
     """A model template's own raise_exception is the client's error, not a 500."""
-    model = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0])
+    model = make_model(vocab_size=DEMO_VOCAB, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0])
     strict = CloverTokenizer(tok.tokenizer, "{{ raise_exception('roles must alternate') }}")
     server = Server(create_app(ScriptedEngine(model, strict), strict, MODEL))
     try:
@@ -291,7 +292,7 @@ def test_template_errors_are_400(tok):
 
 
 def test_chat_template_kwargs_reach_the_template(tok):
-    model = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0])
+    model = make_model(vocab_size=DEMO_VOCAB, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0])
     custom = CloverTokenizer(tok.tokenizer, "{{ greeting }} {{ messages[0].content }}{{ enable_thinking }}")
     engine = ScriptedEngine(model, custom)
     server = Server(create_app(engine, custom, MODEL))
@@ -357,7 +358,7 @@ def test_control_token_text_in_messages_is_plain_text(client, scripted, hf):
 def real(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_tools_model")
     build_tokenizer(str(path))
-    m = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
+    m = make_model(vocab_size=DEMO_VOCAB, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
                    max_position_embeddings=1024)
     save_checkpoint(m, m.config, path)
     (path / "generation_config.json").write_text(json.dumps({"block_size": 4, "threshold": 0.9, "max_new_tokens": 16}))

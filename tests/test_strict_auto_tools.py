@@ -54,7 +54,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def grammars(tok):
-    return Grammars(tok.tokenizer, 512, [EOS, 0], tok.think_end_token_id)
+    return Grammars(tok.tokenizer, tok.vocab_size, [EOS, 0], tok.think_end_token_id)
 
 
 def compiled(grammars, tok, thinking=False, parallel=True, tools=TOOLS):
@@ -147,10 +147,13 @@ def test_an_opened_call_follows_the_schema(tok, grammars, budget):
 
 
 def test_a_call_that_cannot_close_in_the_budget_is_not_opened(tok, grammars):
-    """With 60 tokens no call fits (the shortest takes 75 in this character-level vocabulary), so
-    `<tool_call>` is never completed: the answer ends as text."""
-    tokens, finish = scripted_decode(tok, grammars, compiled(grammars, tok), "Let me check.\n" + BAD_CALL, 60)
+    """With 30 tokens no call fits after the text's 9 (the shortest call, an empty `key`, takes 33 in
+    the demo vocabulary), so `<tool_call>` is never completed: the answer ends as text."""
+    budget = 30
+    shortest = "<tool_call>\n<function=lookup>\n<parameter=key>\n\n</parameter>\n</function>\n</tool_call>"
+    assert len(tok.encode("Let me check.\n")) + len(tok.encode(shortest)) > budget     # the premise
+    tokens, finish = scripted_decode(tok, grammars, compiled(grammars, tok), "Let me check.\n" + BAD_CALL, budget)
     text = tok.decode(tokens, skip_special_tokens=False)
-    assert finish == "eos" and len(tokens) <= 60 and "<tool_call>" not in text
+    assert finish == "eos" and len(tokens) <= budget and "<tool_call>" not in text
     content, calls = parse_tool_calls(text.replace("<|im_end|>", ""), TOOLS)
     assert calls == [] and content.startswith("Let me check.")
