@@ -152,15 +152,11 @@ def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
     hs = list(histories)
     if len(hs) != N:
         raise ValueError(f"got {len(hs)} histories for {N} rows")
-    if N == 1:                    # one row (a decode token's prediction): no row index to build
+    if N == 1:                    # one row (a decode token's prediction): its history is a shared one
         h = torch.as_tensor(hs[0])
         if h.dim() != 1:
             raise ValueError("each per-row history must be 1-D")
-        h = h[-window:].to(device=device, dtype=torch.long)
-        h = h[(h >= 0) & (h < V)]
-        if h.numel():
-            out[0, h] = _penalise(out[0, h], r)
-        return out
+        return _apply_repetition(out, h, window, r)
     parts, lengths = [], []
     for h in hs:
         h = torch.as_tensor(h)
