@@ -86,11 +86,13 @@ static double fma_peak(int threads) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s THREADS M K N ROUNDS\n", argv[0]);
+    if (argc != 6 && argc != 7) {
+        fprintf(stderr, "usage: %s THREADS M K N ROUNDS [fma|pairs]\n", argv[0]);
         return 2;
     }
     int threads = atoi(argv[1]), M = atoi(argv[2]), K = atoi(argv[3]), N = atoi(argv[4]), rounds = atoi(argv[5]);
+    int pairs = argc == 7 && strcmp(argv[6], "pairs") == 0;
+    clover_panel_set_pairs(pairs);
     if (threads < 1 || M < 1 || K < 1 || N < 1 || rounds < 1) return 2;
     uint16_t *A = aligned_alloc(64, ((size_t)M * K * 2 + 63) / 64 * 64);
     size_t panels = (N + PANEL - 1) / PANEL;
@@ -110,7 +112,7 @@ int main(int argc, char **argv) {
             float *a = aligned_alloc(64, MAX_ROWS * LOOP_K * 4);
             uint16_t *w = aligned_alloc(64, LOOP_K * PANEL * 2);
             char c[MAX_ROWS * PANEL * 4];
-            kernel_fn volatile kernel = KERNELS[MAX_ROWS];   /* an opaque call: its stores stay */
+            kernel_fn volatile kernel = (pairs ? PAIR_KERNELS : KERNELS)[MAX_ROWS];   /* an opaque call: its stores stay */
             for (int i = 0; i < MAX_ROWS * LOOP_K; i++) a[i] = 0.001f * (float)(i % 7);
             for (int i = 0; i < LOOP_K * PANEL; i++) w[i] = 0x3f80 + (uint16_t)(i % 5);
             double start = now();

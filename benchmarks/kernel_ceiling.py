@@ -44,11 +44,12 @@ def compile_driver(out: Path) -> Path:
     return exe
 
 
-def measure(exe: Path, threads: int, shape: tuple[int, int, int], rounds: int) -> list[tuple[float, float, float]]:
-    """[(fma, loop, whole GFLOP/s)] per round."""
+def measure(exe: Path, threads: int, shape: tuple[int, int, int], rounds: int,
+            kernel: str = "fma") -> list[tuple[float, float, float]]:
+    """[(fma, loop, whole GFLOP/s)] per round; `kernel`: the FMA or the bf16-pair kernels (panel_gemm.c)."""
     M, K, N = shape
-    done = subprocess.run([str(exe), str(threads), str(M), str(K), str(N), str(rounds)], capture_output=True,
-                          text=True)
+    done = subprocess.run([str(exe), str(threads), str(M), str(K), str(N), str(rounds), kernel],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{exe.name} {threads} {M} {K} {N} exited with {done.returncode}: {done.stderr.strip()}")
     return [tuple(float(v) for v in line.split()) for line in done.stdout.splitlines()]
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--shape", default="192x2048x12352", help="M x K x N of the whole product")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--kernel", choices=("fma", "pairs"), default="fma",
+                    help="the fp32-FMA kernels or the bf16-pair (vdpbf16ps) ones, for loop and whole")
     args = ap.parse_args(argv)
     try:
         shape = tuple(int(v) for v in args.shape.lower().split("x"))
@@ -85,11 +88,11 @@ def main(argv=None) -> int:
         except RuntimeError as exc:
             sys.exit(str(exc))
         M, K, N = shape
-        print(f"FMAs alone, the 12-row kernel's loop on L1-resident operands, a whole {M}×{K}×{N} product; "
+        print(f"FMAs alone, the 12-row {args.kernel} kernel's loop on L1-resident operands, a whole {M}×{K}×{N} product; "
               f"GFLOP/s, alternating")
         for t in threads:
             try:
-                rows = measure(exe, t, shape, args.rounds)
+                rows = measure(exe, t, shape, args.rounds, args.kernel)
             except RuntimeError as exc:
                 sys.exit(str(exc))
             for i, (fma, loop, whole) in enumerate(rows, 1):

@@ -1,6 +1,8 @@
 """Native CPU kernels (clover/kernels): panel-layout bf16 products against fp64 `F.linear`, their
-batch and thread invariance, the grouped (experts) form, bad input, and the build cache."""
+batch and thread invariance, the grouped (experts) form — each with both bf16 kernels (fp32 FMAs and
+`vdpbf16ps` pairs, whichever this CPU would choose) — bad input, and the build cache."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -15,6 +17,15 @@ from clover.kernels.panels import PanelWeight, grouped_linear, linear, pack_pane
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable here")
 
 F64 = torch.float64
+kernel_build = importlib.import_module("clover.kernels.build")   # the module (the package exports its build())
+
+
+@pytest.fixture(params=kernels.BF16_KERNELS)
+def bf16_kernels(request):
+    """Run the test with the FMA and with the pair kernels for bf16 inputs (restored after)."""
+    previous = kernels.set_bf16_kernels(request.param)
+    yield request.param
+    kernels.set_bf16_kernels(previous)
 
 
 def _bound(x, w):
@@ -27,7 +38,7 @@ def _bound(x, w):
 
 @pytest.mark.parametrize("M", [1, 2, 5, 12, 13, 24, 25, 37, 200])
 @pytest.mark.parametrize("N,K", [(1, 7), (31, 64), (32, 129), (33, 1), (100, 64), (64, 513)])
-def test_linear_matches_fp64(M, N, K):
+def test_linear_matches_fp64(M, N, K, bf16_kernels):
     g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     x = torch.randn(M, K, generator=g).bfloat16()
@@ -51,7 +62,7 @@ def test_linear_leading_dims_and_bias():
     assert (y.to(F64) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
-def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
+def test_a_rows_result_does_not_depend_on_the_batch_or_threads(bf16_kernels):
     """One fp32 sum in k order per output: a row alone, inside any batch, on 1 or 2 threads — the same bits.
     (The server batches unrelated requests; their outputs must not depend on each other.) K = 600: a
     batch of several row blocks sums k in slices (256, 256, 88) carried between kernel calls, a row
@@ -73,7 +84,7 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
     assert torch.equal(linear(x[5:30], pw), whole[5:30])
 
 
-def test_grouped_linear_matches_per_group_products():
+def test_grouped_linear_matches_per_group_products(bf16_kernels):
     g = torch.Generator().manual_seed(2)
     E, N, K = 6, 72, 300                              # K > 256: the 14-row group sums k in slices
     stack = torch.randn(E, N, K, generator=g).bfloat16()
@@ -96,7 +107,7 @@ def test_grouped_linear_matches_per_group_products():
         assert torch.equal(shared[j], linear(one, PanelWeight(stack[e]))[0])
 
 
-def test_grouped_linear_epilogues_gather_swiglu_and_scale():
+def test_grouped_linear_epilogues_gather_swiglu_and_scale(bf16_kernels):
     """The grouped form's gather (`rows`), SwiGLU over interleaved gate/up panels and per-row scaling
     give what the tensor ops they replace give: x[rows], then `F.silu(gate) * up`, then `ys * w`
     on bf16 tensors (bit-equal: same roundings), including a zero-padded intermediate size."""
@@ -127,6 +138,37 @@ def test_grouped_linear_epilogues_gather_swiglu_and_scale():
         grouped_linear(x, fused, offsets, ids, rows=rows.clamp(max=8) + 1, swiglu=True)   # index 9 of 9 rows
     with pytest.raises(ValueError, match="offsets reach"):
         grouped_linear(x, fused, offsets, ids, swiglu=True)                              # 30 rows of 9
+
+
+def test_bf16_kernel_choice(monkeypatch):
+    """The two bf16 kernels compute the same sums in another rounding order: each within the fp64 bound,
+    close to each other, and fp32 inputs (always the FMA kernels) the same bits under both. The
+    environment picks them per process; a wrong value is named."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 515, generator=g).bfloat16(), torch.randn(14, 515, generator=g).bfloat16()
+    pw = PanelWeight(w)
+    previous = kernels.set_bf16_kernels("fma")
+    try:
+        fma, fma32 = linear(x, pw), linear(x.float(), pw)
+        kernels.set_bf16_kernels("pairs")
+        pairs, pairs32 = linear(x, pw), linear(x.float(), pw)
+    finally:
+        kernels.set_bf16_kernels(previous)
+    ref, bound = _bound(x, w)
+    assert ((pairs.to(F64) - ref).abs() <= bound).all() and ((fma.to(F64) - ref).abs() <= bound).all()
+    assert (pairs.float() - fma.float()).abs().max() <= 2 ** -7 * ref.abs().max()
+    assert torch.equal(fma32, pairs32)
+    for value, want in (("fma", "fma"), ("pairs", "pairs"), ("FMA", "fma")):
+        monkeypatch.setenv("CLOVER_BF16_DOT", value)
+        assert kernels.bf16_kernels() == want
+    monkeypatch.setenv("CLOVER_BF16_DOT", "auto")
+    vendor = kernel_build._cpuinfo_field("vendor_id")
+    assert kernels.bf16_kernels() == ("pairs" if vendor == "AuthenticAMD" else "fma")
+    monkeypatch.setenv("CLOVER_BF16_DOT", "amx")
+    with pytest.raises(ValueError, match="CLOVER_BF16_DOT must be auto, fma or pairs, not 'amx'"):
+        kernels.bf16_kernels()
+    with pytest.raises(ValueError, match="fma or pairs"):
+        kernels.set_bf16_kernels("dp")
 
 
 def test_panel_layout():

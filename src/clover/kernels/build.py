@@ -4,7 +4,11 @@ Why compile at all: this machine class (AVX-512 with BF16 but no AMX) runs bf16 
 (`vdpbf16ps`, what oneDNN's bf16 matmul uses) at half the rate of fp32 FMAs — measured 89 vs 178
 GFLOP/s on one core — so a bf16-weight product computed in fp32 after a one-instruction widening
 is ~1.7× faster than oneDNN's wherever the arithmetic, not memory, is the limit (prefill, block steps).
-The source ships with the package; `library()` builds it with the system C compiler into a cache
+Where `vdpbf16ps` is the faster one — AMD Zen 4 (this project's other machine class) runs it at ~1.9×
+the fp32-FMA kernels' rate on whole products (`python -m benchmarks.kernel_ceiling --kernel pairs`) —
+bf16 inputs go through `panel_gemm.c`'s pair kernels instead, on the same packed weights; which one is
+chosen per process (`bf16_kernels()`, `CLOVER_BF16_DOT`), never per call, so a row's result still does
+not depend on the batch it shares a call with. The source ships with the package; `library()` builds it with the system C compiler into a cache
 directory keyed by the source, compiler and flags, and returns None (callers fall back) when the CPU
 lacks AVX-512 BF16, no compiler is present, the build fails, or `CLOVER_KERNELS=0`.
 """
@@ -40,13 +44,49 @@ def cache_dir() -> Path:
     return Path(base) / "clover" / "kernels"
 
 
-def cpu_supported() -> bool:
+def _cpuinfo_field(name: str) -> str:
+    """The first `name : value` of /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.split(":", 1)[0].strip() == name), "")
+
+
+def cpu_supported() -> bool:
+    flags = _cpuinfo_field("flags").split()
     return all(f in flags for f in REQUIRED_CPU_FLAGS)
+
+
+BF16_KERNELS = ("fma", "pairs")
+
+
+def bf16_kernels() -> str:
+    """Which kernels multiply bf16 inputs by bf16 weights in this process: "fma" (widened to fp32, one
+    FMA per input) or "pairs" (`vdpbf16ps`, two inputs per instruction). `CLOVER_BF16_DOT` = auto
+    (default) | fma | pairs; auto takes pairs on AMD CPUs (Zen 4 measured ~1.9× on whole products) and
+    FMA elsewhere (Intel CPUs without AMX issue `vdpbf16ps` at half the FMA rate). Both sum fp32
+    products of the same bf16 values; they differ in rounding order only."""
+    choice = os.environ.get("CLOVER_BF16_DOT", "auto").strip().lower()
+    if choice == "auto":
+        return "pairs" if _cpuinfo_field("vendor_id") == "AuthenticAMD" else "fma"
+    if choice not in BF16_KERNELS:
+        raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")
+    return choice
+
+
+def set_bf16_kernels(choice: str) -> str:
+    """Switch the loaded library's bf16 kernels ("fma" | "pairs"); returns the previous choice. For
+    tests and benchmarks: a running model's results change with it."""
+    if choice not in BF16_KERNELS:
+        raise ValueError(f"bf16 kernels are fma or pairs, not {choice!r}")
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available here")
+    previous = BF16_KERNELS[lib.clover_panel_pairs()]
+    lib.clover_panel_set_pairs(int(choice == "pairs"))
+    return previous
 
 
 def _compiler() -> str | None:
@@ -88,6 +128,7 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None when kernels are disabled or unavailable here."""
     if os.environ.get("CLOVER_KERNELS", "1") == "0" or not cpu_supported():
         return None
+    pairs = bf16_kernels() == "pairs"           # a bad CLOVER_BF16_DOT is an error, not a fallback
     import torch  # noqa: F401  -- loads torch's OpenMP runtime first, so the kernels share its threads
 
     try:
@@ -98,6 +139,11 @@ def library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.clover_panel_gemm.argtypes = [ptr, i64, i32, i32, i32, ptr, i32, ptr, i64, i32, i32]
     lib.clover_panel_gemm.restype = i32
+    lib.clover_panel_set_pairs.argtypes = [i32]
+    lib.clover_panel_set_pairs.restype = None
+    lib.clover_panel_pairs.argtypes = []
+    lib.clover_panel_pairs.restype = i32
+    lib.clover_panel_set_pairs(int(pairs))
     lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32,
                                               ptr, i32]
     lib.clover_panel_gemm_grouped.restype = i32

@@ -1,11 +1,12 @@
-/* bf16-weight matrix products computed in fp32 FMAs (clover/kernels/build.py says why).
+/* bf16-weight matrix products summed in fp32 (clover/kernels/build.py says why and which kernels).
  *
  * C[M, N] = A[M, K] . W[N, K]^T with A in bf16 or fp32, W in bf16 "panels", C in bf16 (rounded to
  * nearest even, as torch rounds) or fp32. A panel is 32 output columns: for each k one 64-byte line whose
  * 16-bit slot 2j holds column j and slot 2j+1 column 16+j, so one shift and one mask turn a line
- * into two fp32 vectors. Every output element is one fp32 accumulator summed over k in order
- * (one fused multiply-add per k), whatever M, the row blocking or the thread count: a row's result
- * does not depend on which other rows share the call. */
+ * into two fp32 vectors. Two kernel families read it: fp32 FMAs (one per k, every input type) and,
+ * for bf16 inputs where the process chose them, `vdpbf16ps` pairs (one per two k). Every output
+ * element is one fp32 accumulator summed over k in order, whatever M, the row blocking or the thread
+ * count: a row's result does not depend on which other rows share the call. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,6 +81,79 @@ typedef void (*kernel_fn)(const float *, const uint16_t *, int, char *, long, in
 static const kernel_fn KERNELS[MAX_ROWS + 1] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
                                                 kernel_7, kernel_8, kernel_9, kernel_10, kernel_11, kernel_12};
 
+/* The same products as bf16 pair dot products (`vdpbf16ps`), for bf16 inputs on CPUs where that
+ * instruction outruns fp32 FMAs (AMD Zen 4: ~2× the FLOP rate; Intel without AMX: half, hence the
+ * FMA kernels above stay the default; clover/kernels/build.py chooses per process). The weights keep
+ * the panel layout: the lines of inputs k and k+1, interleaved 16 bits at a time
+ * (`vpunpck{l,h}wd`), give 32-bit lanes holding one column's weights for k and k+1 — 32 columns in
+ * two vectors, in the order COLUMNS_OF_PAIRS — and each row's inputs k, k+1 are one 32-bit
+ * broadcast. The products are exact in fp32; each k pair is added to one fp32 accumulator per
+ * output (the instruction's two roundings), in k order. The input block is stored as pairs, k-major:
+ * [ceil(K/2)][R] 32-bit words (an odd K's last pair has a zero second half, and meets a zero line).
+ * Like the FMA kernels, a row's result depends neither on the other rows nor on the threads. */
+static const int32_t PAIR_LO[16] = {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30};
+static const int32_t PAIR_HI[16] = {1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31};
+
+static inline void pair_lines(const uint16_t *line0, const uint16_t *line1, __m512bh *p0, __m512bh *p1) {
+    __m512i l0 = _mm512_loadu_si512((const void *)line0);
+    __m512i l1 = line1 ? _mm512_loadu_si512((const void *)line1) : _mm512_setzero_si512();
+    *p0 = (__m512bh)_mm512_unpacklo_epi16(l0, l1);
+    *p1 = (__m512bh)_mm512_unpackhi_epi16(l0, l1);
+}
+
+#define PAIR_STEP(R, line1, k2)                                                                  \
+    {                                                                                             \
+        __m512bh p0, p1;                                                                          \
+        pair_lines(W + 2L * (k2) * PANEL, line1, &p0, &p1);                                       \
+        _Pragma("GCC unroll 12")                                                                  \
+        for (int r = 0; r < R; r++) {                                                             \
+            __m512bh a = (__m512bh)_mm512_set1_epi32(A[(long)(k2) * R + r]);                      \
+            acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], p0, a);                                     \
+            acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], p1, a);                             \
+        }                                                                                         \
+    }
+
+#define DEFINE_PAIR_KERNEL(R)                                                                     \
+static void pair_kernel_##R(const float *Af, const uint16_t *W, int K, char *C, long ldc_bytes,   \
+                            int ncols, int c_fp32, const uint16_t *pf, int every, const Epilogue *ep, \
+                            long row0) {                                                          \
+    const int32_t *A = (const int32_t *)Af;                                                       \
+    __m512 acc[2 * R];                                                                            \
+    for (int i = 0; i < 2 * R; i++) acc[i] = _mm512_setzero_ps();                                 \
+    int countdown = 1, full = K / 2;                                                              \
+    const long ahead = R == 1 ? PREFETCH_AHEAD : PREFETCH_AHEAD_ROWS;                             \
+    for (int k2 = 0; k2 < full; k2++) {                                                           \
+        for (int t = 0; t < 2; t++)                                                               \
+            if (pf && --countdown == 0) {                                                         \
+                _mm_prefetch((const char *)pf, _MM_HINT_T1);                                      \
+                pf += (long)every * PANEL;                                                        \
+                countdown = every;                                                                \
+            }                                                                                     \
+        _mm_prefetch((const char *)(W + (2L * k2 + ahead) * PANEL), _MM_HINT_T0);                 \
+        _mm_prefetch((const char *)(W + (2L * k2 + 1 + ahead) * PANEL), _MM_HINT_T0);             \
+        PAIR_STEP(R, W + (2L * k2 + 1) * PANEL, k2)                                               \
+    }                                                                                             \
+    if (K & 1) PAIR_STEP(R, 0, full)                                                              \
+    const __m512i lo_idx = _mm512_loadu_si512((const void *)PAIR_LO);                             \
+    const __m512i hi_idx = _mm512_loadu_si512((const void *)PAIR_HI);                             \
+    for (int r = 0; r < R; r++)                                                                   \
+        store_row(C + r * ldc_bytes, ncols, c_fp32, _mm512_permutex2var_ps(acc[2 * r], lo_idx, acc[2 * r + 1]), \
+                  _mm512_permutex2var_ps(acc[2 * r], hi_idx, acc[2 * r + 1]), ep, row0 + r);     \
+}
+DEFINE_PAIR_KERNEL(1) DEFINE_PAIR_KERNEL(2) DEFINE_PAIR_KERNEL(3) DEFINE_PAIR_KERNEL(4) DEFINE_PAIR_KERNEL(5)
+DEFINE_PAIR_KERNEL(6) DEFINE_PAIR_KERNEL(7) DEFINE_PAIR_KERNEL(8) DEFINE_PAIR_KERNEL(9) DEFINE_PAIR_KERNEL(10)
+DEFINE_PAIR_KERNEL(11) DEFINE_PAIR_KERNEL(12)
+
+static const kernel_fn PAIR_KERNELS[MAX_ROWS + 1] = {0, pair_kernel_1, pair_kernel_2, pair_kernel_3, pair_kernel_4,
+                                                     pair_kernel_5, pair_kernel_6, pair_kernel_7, pair_kernel_8,
+                                                     pair_kernel_9, pair_kernel_10, pair_kernel_11, pair_kernel_12};
+
+/* Which kernels bf16 inputs take in this process (0: FMA, 1: pairs); fp32 inputs always take FMA. */
+static int bf16_pairs;
+
+void clover_panel_set_pairs(int on) { bf16_pairs = on != 0; }
+int clover_panel_pairs(void) { return bf16_pairs; }
+
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 /* Split rows [m0, m1) into blocks of at most MAX_ROWS (a tail split evenly); returns the count. */
@@ -134,6 +208,30 @@ static void pack_block(const void *A, long lda, int a_bf16, int K, Block b, floa
     }
 }
 
+/* The pair kernels' input block (bf16 inputs only): row r's inputs k, k+1 as one 32-bit word at
+ * [k/2][R] (a 16-bit zero after an odd K's last input). Tiled over K like pack_block. */
+static void pack_block_pairs(const void *A, long lda, int K, Block b, float *dst, const int64_t *a_rows) {
+    int32_t *out = (int32_t *)dst;
+    int pairs = (K + 1) / 2;
+    int tile = (long)pairs * b.rows * 4 <= PACK_L1_BYTES ? pairs : PACK_TILE;
+    for (int p0 = 0; p0 < pairs; p0 += tile) {
+        int p1 = min_int(pairs, p0 + tile);
+        for (int r = 0; r < b.rows; r++) {
+            long row = (a_rows ? a_rows[b.row + r] : (long)(b.row + r)) * lda;
+            const uint16_t *s = (const uint16_t *)A + row;
+            for (int p = p0; p < p1; p++) {
+                uint32_t lo = s[2 * p], hi = 2 * p + 1 < K ? s[2 * p + 1] : 0;
+                out[(long)p * b.rows + r] = (int32_t)(lo | hi << 16);
+            }
+        }
+    }
+}
+
+static void pack_any(const void *A, long lda, int a_bf16, int pairs, int K, Block b, float *dst, const int64_t *a_rows) {
+    if (pairs) pack_block_pairs(A, lda, K, b, dst, a_rows);
+    else pack_block(A, lda, a_bf16, K, b, dst, a_rows);
+}
+
 /* Per calling thread, grown on demand: a fresh allocation per call would be fresh pages (faults) each time. */
 static __thread float *scratch;
 static __thread long scratch_floats;
@@ -155,11 +253,12 @@ static int reserve(long floats, long blocks) {
 }
 
 /* Blocks [first, last) of one panel; `next` is the following panel (0: none) to prefetch meanwhile. */
-static void run_blocks(const Block *blk, int first, int last, const float *packed, const uint16_t *W, int K,
-                       const uint16_t *next, char *C, long ldc_bytes, int ncols, int c_fp32, const Epilogue *ep) {
+static void run_blocks(const kernel_fn *kernels, const Block *blk, int first, int last, const float *packed,
+                       const uint16_t *W, int K, const uint16_t *next, char *C, long ldc_bytes, int ncols, int c_fp32,
+                       const Epilogue *ep) {
     int n = last - first;
     for (int i = first; i < last; i++)
-        KERNELS[blk[i].rows](packed + blk[i].offset, W, K, C + (long)blk[i].row * ldc_bytes, ldc_bytes, ncols,
+        kernels[blk[i].rows](packed + blk[i].offset, W, K, C + (long)blk[i].row * ldc_bytes, ldc_bytes, ncols,
                              c_fp32, next ? next + (long)(i - first) * PANEL : 0, n, ep, blk[i].row);
 }
 
@@ -184,7 +283,8 @@ static inline int work_chunk(int items, int threads) {
  * out of memory. */
 int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
                       void *C, long ldc, int c_fp32, int threads) {
-    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(panels, threads);
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(panels, threads), pairs = bf16_pairs && a_bf16;
+    const kernel_fn *kernels = pairs ? PAIR_KERNELS : KERNELS;
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize, panel_size = (long)K * PANEL;
     int mc = (int)(ROW_CHUNK_BYTES / (4L * K)) / MAX_ROWS * MAX_ROWS;
     if (mc < MAX_ROWS) mc = MAX_ROWS;
@@ -198,18 +298,18 @@ int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const u
         const char *A0 = a_bf16 ? (const char *)A + m0 * lda * 2 : (const char *)A + m0 * lda * 4;
         int serial = offset <= SERIAL_PACK_FLOATS;
         if (serial)
-            for (int i = 0; i < blocks; i++) pack_block(A0, lda, a_bf16, K, blk[i], buf + blk[i].offset, 0);
+            for (int i = 0; i < blocks; i++) pack_any(A0, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, 0);
         #pragma omp parallel num_threads(threads)
         {
             if (!serial) {
                 #pragma omp for schedule(static)
-                for (int i = 0; i < blocks; i++) pack_block(A0, lda, a_bf16, K, blk[i], buf + blk[i].offset, 0);
+                for (int i = 0; i < blocks; i++) pack_any(A0, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, 0);
             }
             #pragma omp for schedule(dynamic, chunk)
             for (int p = 0; p < panels; p++) {
                 const uint16_t *next = p + 1 < panels && (p + 1) % chunk ? W + (p + 1) * panel_size : 0;
                 char *Cp = (char *)C + m0 * ldc_bytes + (long)p * PANEL * esize;
-                run_blocks(blk, 0, blocks, buf, W + p * panel_size, K, next, Cp, ldc_bytes,
+                run_blocks(kernels, blk, 0, blocks, buf, W + p * panel_size, K, next, Cp, ldc_bytes,
                            min_int(PANEL, N - p * PANEL), c_fp32, 0);
             }
         }
@@ -229,7 +329,8 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
     if ((swiglu || scale) && c_fp32) return -2;
     if (swiglu && N % PANEL) return -2;
     Epilogue epilogue = {swiglu, scale}, *ep = (swiglu || scale) ? &epilogue : 0;
-    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads);
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads), pairs = bf16_pairs && a_bf16;
+    const kernel_fn *kernels = pairs ? PAIR_KERNELS : KERNELS;
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize, panel_size = (long)K * PANEL;
     long rows = offsets[G] - offsets[0];
     if (!reserve(rows * K, rows + G)) return -1;
@@ -246,12 +347,12 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
     }
     first[G] = blocks;
     int serial = offset <= SERIAL_PACK_FLOATS;
-    for (int i = 0; serial && i < blocks; i++) pack_block(A, lda, a_bf16, K, blk[i], buf + blk[i].offset, a_rows);
+    for (int i = 0; serial && i < blocks; i++) pack_any(A, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, a_rows);
     #pragma omp parallel num_threads(threads)
     {
         if (!serial) {
             #pragma omp for schedule(static)
-            for (int i = 0; i < blocks; i++) pack_block(A, lda, a_bf16, K, blk[i], buf + blk[i].offset, a_rows);
+            for (int i = 0; i < blocks; i++) pack_any(A, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, a_rows);
         }
         #pragma omp for schedule(dynamic, chunk)
         for (int item = 0; item < G * panels; item++) {
@@ -260,7 +361,7 @@ int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const 
             /* the next item's panel, when it is this expert's next one in this thread's chunk */
             const uint16_t *next = p + 1 < panels && (item + 1) % chunk ? w + panel_size : 0;
             char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
-            run_blocks(blk, first[g], first[g + 1], buf, w, K, next, Cp, ldc_bytes, min_int(PANEL, N - p * PANEL),
+            run_blocks(kernels, blk, first[g], first[g + 1], buf, w, K, next, Cp, ldc_bytes, min_int(PANEL, N - p * PANEL),
                        c_fp32, ep);
         }
     }
