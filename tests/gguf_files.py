@@ -185,11 +185,14 @@ def encode(t: torch.Tensor, qtype: T) -> np.ndarray:
 
 def write_gguf(path, model, qtype: T = T.BF16, *, include_clover: bool = True, tokenizer: Tokenizer | None = None,
                fallback: T = T.F16, types: dict | None = None, skip: tuple = (), extra=None,
-               arch: str = "qwen35moe", mtp_blocks: int = 0) -> dict[str, T]:
+               arch: str = "qwen35moe", mtp_blocks: int = 0, split_max_tensors: int = 0,
+               small_first_shard: bool = False) -> dict[str, T]:
     """Write `model` as llama.cpp would (see the module docstring); returns each tensor's type.
-    `skip`: GGUF names to leave out; `extra(writer)`: a hook for the bad-file tests."""
+    `skip`: GGUF names to leave out; `extra(writer)`: a hook for the bad-file tests; `split_max_tensors`:
+    a split set of that many tensors per shard, by the package's own writer (`{stem}-0000k-of-0000n.gguf`;
+    `small_first_shard`: shard 1 holds the metadata only)."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
     w.add_block_count(c.num_hidden_layers + mtp_blocks)
     if mtp_blocks:
         w.add_nextn_predict_layers(mtp_blocks)

@@ -1,6 +1,6 @@
 """GGUF files (clover/gguf): round trips on files written here the way llama.cpp's converter writes them
-(tests/gguf_files.py), block conversions against the `gguf` package's own dequantizer, the tokenizer,
-and bad files.
+(tests/gguf_files.py), split sets (the `gguf` package's own writer) against the unsplit file, block
+conversions against the `gguf` package's own dequantizer, the tokenizer, and bad files and sets.
 
 Tolerances (stated once):
 - BF16 file: every parameter equals the original rounded to bf16 (relative 2⁻⁸; F32-stored norms /
@@ -35,6 +35,7 @@ import clover  # noqa: E402
 from clover.gguf import GGUFError, load_gguf, load_tokenizer, read_config  # noqa: E402
 from clover.gguf.blocks import FORMATS, codes_to_float, decode_codes, to_fp16  # noqa: E402
 from clover.quantization import QuantizedWeight, QuantSpec, dequantize  # noqa: E402
+import gguf_files  # noqa: E402
 from gguf_files import CORPUS, qwen_tokenizer, write_gguf  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
@@ -167,7 +168,7 @@ def test_clover_load_file_and_directory(tmp_path):
     assert fast.dtype == torch.bfloat16
     assert torch.isfinite(fast(ids)).all()
     write_gguf(tmp_path / "d" / "other.gguf", model, T.F16, tokenizer=TOKENIZER)
-    with pytest.raises(GGUFError, match="2 GGUF files"):
+    with pytest.raises(GGUFError, match=r"2 GGUF models \(m\.gguf, other\.gguf\)"):
         clover.load(tmp_path / "d", backend="reference")
 
 
@@ -178,6 +179,130 @@ def test_mtp_blocks_are_skipped(tmp_path):
     loaded = load_gguf(path)
     assert loaded.config.num_hidden_layers == model.config.num_hidden_layers
     assert max_diff(loaded(inputs(model)), model(inputs(model))) < 1e-5
+
+
+# ---- split sets ---------------------------------------------------------------------------------
+SHARD_NAMES = [f"m-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
+
+
+def split_set(directory, model=None, qtype=T.F32, per_shard=30, **kw):
+    """`model` (default tiny()) as a split set m-0000k-of-0000n.gguf in `directory`, written by the
+    `gguf` package's own writer; 77 tensors: 30 per shard make 3 shards, 26 make 3, 20 make 4."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_gguf(directory / "m.gguf", model or tiny(), qtype, tokenizer=TOKENIZER, split_max_tensors=per_shard, **kw)
+    return sorted(directory.glob("m-*-of-*.gguf"))
+
+
+@pytest.mark.parametrize("qtype", [T.BF16, T.Q8_0], ids=["BF16", "Q8_0"])
+def test_split_set_loads_as_the_whole_file(tmp_path, qtype, capsys):
+    """A set of 3 shards loads from its first shard, a later shard or its directory into the model the
+    unsplit file gives: equal logits, types, config, tokenizer and chat template; the CLI takes the directory."""
+    import json
+
+    from clover.cli import main
+
+    model = tiny(**Q32)
+    whole = tmp_path / "whole.gguf"
+    write_gguf(whole, model, qtype, tokenizer=TOKENIZER)
+    shards = split_set(tmp_path / "d", model, qtype)
+    assert [p.name for p in shards] == SHARD_NAMES
+    ids = inputs(model)
+    ref = clover.load(whole, backend="reference")
+    want = ref(ids)
+    for target in (shards[0], shards[2], tmp_path / "d"):
+        got = clover.load(target, backend="reference")
+        assert torch.equal(got(ids), want), target
+        assert got.gguf_types == ref.gguf_types and got.quantization == ref.quantization
+    assert read_config(shards[1]) == read_config(whole) == ref.config
+    tok, want_tok = clover.load_tokenizer(tmp_path / "d"), load_tokenizer(whole)
+    assert tok.chat_template == want_tok.chat_template == gguf_files.TEMPLATE
+    assert tok.template_tokens == want_tok.template_tokens
+    for text in CORPUS[:5] + ["<|im_start|>user\nhi<|im_end|>"]:
+        assert tok.encode(text) == want_tok.encode(text)
+    if qtype == T.Q8_0:
+        assert main(["generate", "hello", "--model", str(tmp_path / "d"), "--max-new-tokens", "4", "--no-think",
+                     "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert 1 <= len(out["completion_ids"]) <= 4
+
+
+def test_split_set_with_a_metadata_only_first_shard(tmp_path):
+    """`gguf-split --no-tensor-first-split` (the writer's small_first_shard): shard 1 holds no tensors."""
+    model = tiny()
+    shards = split_set(tmp_path, model, per_shard=40, small_first_shard=True)
+    assert len(shards) == 3 and not gguf.GGUFReader(shards[0]).tensors
+    ids = inputs(model)
+    assert max_diff(clover.load(shards[1], backend="reference")(ids), model(ids)) < 1e-5
+
+
+def test_split_set_missing_shard(tmp_path):
+    shards = split_set(tmp_path)
+    shards[1].unlink()
+    for target in (shards[0], shards[2], tmp_path):
+        with pytest.raises(GGUFError, match=r"split set of 3: missing shard m-00002-of-00003\.gguf"):
+            clover.load(target, backend="reference")
+    shards[0].unlink()
+    with pytest.raises(GGUFError, match=r"missing shard m-00001-of-00003\.gguf, m-00002-of-00003\.gguf"):
+        clover.load(tmp_path, backend="reference")
+
+
+def test_split_shard_of_another_set(tmp_path):
+    shards = split_set(tmp_path / "m")
+    other = split_set(tmp_path / "o", per_shard=20)                            # a set of 4
+    assert len(other) == 4
+    other[1].replace(shards[1])
+    with pytest.raises(GGUFError, match=r"m-00002-of-00003\.gguf: split\.count is 4, m-00001-of-00003\.gguf says 3"):
+        clover.load(shards[0], backend="reference")
+
+
+def test_split_shard_renamed_or_truncated(tmp_path):
+    shards = split_set(tmp_path)
+    data2, data3 = shards[1].read_bytes(), shards[2].read_bytes()
+    shards[1].write_bytes(data3)
+    shards[2].write_bytes(data2)
+    with pytest.raises(GGUFError, match=r"m-00002-of-00003\.gguf: split\.no makes it shard 3, its name says 2"):
+        clover.load(shards[0], backend="reference")
+    shards[1].write_bytes(data2)
+    shards[2].write_bytes(data3[:-100])
+    with pytest.raises(GGUFError, match=r"m-00003-of-00003\.gguf: (truncated file|not a readable GGUF file)"):
+        clover.load(shards[0], backend="reference")
+
+
+def test_split_tensor_in_two_shards(tmp_path):
+    a = split_set(tmp_path / "a")                         # tensors 0–29 | 30–59 | 60–76
+    b = split_set(tmp_path / "b", per_shard=26)           # tensors 0–25 | 26–51 | 52–76
+    b[1].replace(a[1])
+    with pytest.raises(GGUFError, match=r"m-00002-of-00003\.gguf: tensor '[^']+' is also in m-00001-of-00003\.gguf"):
+        clover.load(a[0], backend="reference")
+
+
+def test_split_tensor_total_mismatch(tmp_path):
+    a = split_set(tmp_path / "a", per_shard=26)           # tensors 0–25 | 26–51 | 52–76
+    b = split_set(tmp_path / "b")                         # tensors 0–29 | 30–59 | 60–76
+    b[1].replace(a[1])
+    b[2].replace(a[2])                                    # 0–25 | 30–59 | 60–76: 73 of 77
+    with pytest.raises(GGUFError, match=r"the 3 shards hold 73 tensors, split\.tensors\.count says 77"):
+        clover.load(a[0], backend="reference")
+
+
+def test_split_shard_without_split_keys(tmp_path):
+    """A whole file under a later shard's name: found from shard 1 it is no shard; given itself, its name
+    claims a set its keys do not."""
+    shards = split_set(tmp_path)
+    write_gguf(shards[1], tiny(), T.F32, tokenizer=TOKENIZER)
+    with pytest.raises(GGUFError, match=r"m-00002-of-00003\.gguf: no split\.no / split\.count / split\.tensors\.count "
+                                        r"keys: not a shard of a split set"):
+        clover.load(shards[0], backend="reference")
+    with pytest.raises(GGUFError, match=r"m-00002-of-00003\.gguf: named as shard 2 of a split set of 3, but has no "
+                                        r"split\.count key"):
+        clover.load(shards[1], backend="reference")
+
+
+def test_directory_with_a_split_set_and_another_model(tmp_path):
+    split_set(tmp_path)
+    write_gguf(tmp_path / "other.gguf", tiny(), T.F32, tokenizer=TOKENIZER)
+    with pytest.raises(GGUFError, match=r"holds 2 GGUF models \(m-00001-of-00003\.gguf \(\+2 shards\), other\.gguf\)"):
+        clover.load(tmp_path, backend="reference")
 
 
 # ---- quantized round trips ----------------------------------------------------------------------

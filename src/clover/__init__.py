@@ -24,7 +24,8 @@ BACKENDS = ("auto", "cpu", "cuda", "reference")
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
          flush_denormal: bool = True, tensor_parallel=False):
     """Load a Clover (or Qwen3.5-MoE) model directory, a GGUF file (llama.cpp's `qwen35moe` layout,
-    clover/gguf/) or a directory holding one; `path=None` loads the bundled demo model.
+    clover/gguf/; a split set by any of its shards) or a directory holding one; `path=None` loads the
+    bundled demo model.
 
     `backend`: "auto" (default) gives the fastest path whose results equal the reference to bf16
     rounding: on CPU, bf16 weights (unless `dtype` asks for another precision) repacked for Clover's
@@ -154,7 +155,8 @@ def load_tokenizer(path=None):
 
 
 def gguf_file(path: Path):
-    """The GGUF file to load for `path` (a `.gguf` file, or a directory holding one and no safetensors)."""
+    """The GGUF file to load for `path` (a `.gguf` file or a split set's shard, or a directory holding one
+    GGUF model and no safetensors)."""
     if path.is_file() or not any(path.glob("*.safetensors")):
         from .gguf.file import find_gguf
 

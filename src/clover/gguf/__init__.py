@@ -1,12 +1,14 @@
 """GGUF files (llama.cpp's `qwen35moe` layout) as Clover models, tokenizers and chat templates.
 
-    model = clover.load("model.gguf")                      # or a directory holding one .gguf
+    model = clover.load("model.gguf")                      # or a directory holding one model
+    model = clover.load("model-00002-of-00003.gguf")       # a split set: any shard, or its directory
     tokenizer = clover.gguf.load_tokenizer("model.gguf")    # CloverTokenizer with the file's template
 
-Modules: `file` (metadata through the `gguf` package, tensor bytes memory-mapped), `config` (metadata →
-CloverConfig), `names` (GGUF tensor ↔ Clover parameter), `layout` (the converter's transforms and their
-inverses), `blocks` (GGML encodings → Clover's int8/int4 codes), `loader` (checks, then fills the model
-tensor by tensor), `tokenizer`. Needs the optional `gguf` package (`pip install 'clover[gguf]'`).
+Modules: `file` (metadata through the `gguf` package, tensor bytes memory-mapped; a split set read as
+one), `split` (how a split set's shards are named and found), `config` (metadata → CloverConfig), `names`
+(GGUF tensor ↔ Clover parameter), `layout` (the converter's transforms and their inverses), `blocks`
+(GGML encodings → Clover's int8/int4 codes), `loader` (checks, then fills the model tensor by tensor),
+`tokenizer`. Needs the optional `gguf` package (`pip install 'clover[gguf]'`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,14 @@
-"""One GGUF file: its metadata (read by the `gguf` package) and its tensors' raw bytes (memory-mapped).
+"""One GGUF model, a file or the shards of a split set read as one: its metadata (read by the `gguf`
+package) and its tensors' raw bytes (memory-mapped).
 
 The `gguf` package parses the header (metadata key/values, tensor names, types, shapes, offsets).
 The tensor bytes are read through our own memory map, chunk by chunk, and each chunk's pages are
 released after use (`MADV_DONTNEED`), as checkpoint.py does for safetensors: loading never holds the
 file's pages and the converted weights at the same time.
+
+A split set (split.py says how its files are named) is opened from any shard: every shard is read and
+checked to belong to one complete set; the metadata is the first shard's (the only one holding it),
+each tensor's bytes come from its own shard's map.
 
 Shapes are given in PyTorch order (GGUF lists `ne` innermost first; we reverse it), so a matrix is
 `[N, K]` with K — the axis quantization blocks run along — last.
@@ -12,13 +17,14 @@ Shapes are given in PyTorch order (GGUF lists `ne` innermost first; we reverse i
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, MappedBytes
+from .split import describe_model, group_models, parse_shard_name
 
 
 class GGUFError(CheckpointError):
@@ -42,37 +48,34 @@ class TensorInfo:
     name: str
     type_name: str               # GGML type name: "BF16", "Q8_0", "Q4_K", …
     shape: tuple[int, ...]       # PyTorch order (last = GGUF ne[0])
-    offset: int                  # absolute byte offset in the file
+    offset: int                  # absolute byte offset in its file
     nbytes: int
+    shard: int = 0               # its file: index into GGUFFile.paths (0 unless split)
 
     def describe(self) -> str:
         return f"{self.name} {list(self.shape)} {self.type_name}"
 
 
 class GGUFFile:
-    """Metadata and tensor index of a GGUF file, plus chunked access to tensor bytes."""
+    """Metadata and tensor index of a GGUF model (one file, or a split set given by any shard), plus
+    chunked access to tensor bytes. `path` is the file holding the metadata; `paths` all its files."""
 
     def __init__(self, path: str | Path):
-        gguf = import_gguf()
         self.path = Path(path)
-        try:
-            reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-        self._fields = reader.fields
-        size = self.path.stat().st_size
-        self.tensors: dict[str, TensorInfo] = {}
-        for t in reader.tensors:
-            info = TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                              int(t.data_offset), int(t.n_bytes))
-            if info.offset + info.nbytes > size:
-                raise GGUFError(f"{self.path}: truncated file: tensor {info.describe()} needs bytes "
-                                f"{info.offset}..{info.offset + info.nbytes}, the file has {size}")
-            if info.name in self.tensors:
-                raise GGUFError(f"{self.path}: tensor {info.name!r} is stored twice")
-            self.tensors[info.name] = info
-        del reader                          # drops the package's own memory map of the file
-        self._mapped = MappedBytes(self.path)
+        fields, tensors = _read_header(self.path, 0)
+        count = _value(fields, "split.count")
+        if count is not None and count > 1:
+            self.paths, fields, tensors = _open_split_set(self.path, fields, tensors)
+            self.path = self.paths[0]
+        else:                                   # gguf-split --merge leaves split.count 0: one whole file
+            name = parse_shard_name(self.path)
+            if count is None and name is not None and name.count > 1:
+                raise GGUFError(f"{self.path}: named as shard {name.number} of a split set of {name.count}, but has "
+                                "no split.count key (every shard of a set has split.no / split.count)")
+            self.paths = [self.path]
+        self._fields = fields
+        self.tensors: dict[str, TensorInfo] = tensors
+        self._mapped = [MappedBytes(p) for p in self.paths]
 
     # ---- metadata ------------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
@@ -80,15 +83,7 @@ class GGUFFile:
 
     def get(self, key: str, default=None):
         """A metadata value as Python data (str, int, float, bool or list), or `default`."""
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        if field.types and field.types[0].name == "FLOAT32" and isinstance(value, float):
-            return float(str(np.float32(value)))   # as its shortest decimal (1e-06, not 9.99…e-07)
-        if isinstance(value, np.generic):
-            value = value.item()
-        return value
+        return _value(self._fields, key, default)
 
     def require(self, key: str):
         value = self.get(key)
@@ -103,14 +98,19 @@ class GGUFFile:
     def raw(self, info: TensorInfo, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Bytes `start:end` of tensor `info` as a uint8 tensor viewing the mapped file (no copy)."""
         end = info.nbytes if end is None else end
-        return self._mapped.bytes[info.offset + start: info.offset + end]
+        return self._mapped[info.shard].bytes[info.offset + start: info.offset + end]
 
     def release(self, info: TensorInfo, start: int, end: int) -> None:
         """Drop the mapped pages of bytes `start:end` of `info` (they were copied out)."""
-        self._mapped.release(info.offset + start, info.offset + end)
+        self._mapped[info.shard].release(info.offset + start, info.offset + end)
+
+    def file_of(self, info: TensorInfo) -> Path:
+        """The file tensor `info` is stored in (for messages)."""
+        return self.paths[info.shard]
 
     def close(self) -> None:
-        self._mapped.close()
+        for mapped in self._mapped:
+            mapped.close()
 
     def __enter__(self):
         return self
@@ -119,18 +119,98 @@ class GGUFFile:
         self.close()
 
 
+def _read_header(path: Path, shard: int) -> tuple[dict, dict[str, TensorInfo]]:
+    """One file's metadata fields and tensor index, each tensor checked to lie inside the file."""
+    gguf = import_gguf()
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    size = path.stat().st_size
+    tensors: dict[str, TensorInfo] = {}
+    for t in reader.tensors:
+        info = TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                          int(t.data_offset), int(t.n_bytes), shard)
+        if info.offset + info.nbytes > size:
+            raise GGUFError(f"{path}: truncated file: tensor {info.describe()} needs bytes "
+                            f"{info.offset}..{info.offset + info.nbytes}, the file has {size}")
+        if info.name in tensors:
+            raise GGUFError(f"{path}: tensor {info.name!r} is stored twice")
+        tensors[info.name] = info
+    return reader.fields, tensors       # the reader's own memory map lives on only in the fields' values
+
+
+def _value(fields: dict, key: str, default=None):
+    """A metadata field as Python data (str, int, float, bool or list), or `default`."""
+    field = fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    if field.types and field.types[0].name == "FLOAT32" and isinstance(value, float):
+        return float(str(np.float32(value)))   # as its shortest decimal (1e-06, not 9.99…e-07)
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value
+
+
+def _open_split_set(given: Path, fields: dict, tensors: dict[str, TensorInfo]):
+    """(shard paths, the first shard's metadata, every tensor) of the split set `given` belongs to, after
+    checking that its shards make one complete set: each of split.no 0…count−1 present once under its
+    name, the same split.count and split.tensors.count in each, no tensor twice, all tensors counted."""
+    no, count, total = (_value(fields, k) for k in ("split.no", "split.count", "split.tensors.count"))
+    if no is None or total is None:
+        raise GGUFError(f"{given}: has split.count {count} but no split.no / split.tensors.count key")
+    name = parse_shard_name(given)
+    if name is None or (name.number, name.count) != (no + 1, count):
+        raise GGUFError(f"{given}: its keys make it shard {no + 1} of a split set of {count}, so it must be named "
+                        f"PREFIX-{no + 1:05d}-of-{count:05d}.gguf for the other shards to be found")
+    paths = [name.path(given.parent, k) for k in range(1, count + 1)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise GGUFError(f"{given}: split set of {count}: missing shard {', '.join(missing)} in {given.parent}")
+    first_fields, found = None, {}
+    for i, path in enumerate(paths):
+        if path == given:                     # read first, as shard 0: its tensors are shard i's
+            shard_fields, shard_tensors = fields, {n: replace(t, shard=i) for n, t in tensors.items()}
+        else:
+            shard_fields, shard_tensors = _read_header(path, i)
+        keys = [_value(shard_fields, k) for k in ("split.no", "split.count", "split.tensors.count")]
+        if None in keys:
+            raise GGUFError(f"{path}: no split.no / split.count / split.tensors.count keys: not a shard of a "
+                            f"split set (its name makes it shard {i + 1} of {count})")
+        if keys[1] != count:
+            raise GGUFError(f"{path}: split.count is {keys[1]}, {given.name} says {count}: a shard of another set")
+        if keys[0] != i:
+            raise GGUFError(f"{path}: split.no makes it shard {keys[0] + 1}, its name says {i + 1}: "
+                            "renamed, or a shard of another set")
+        if keys[2] != total:
+            raise GGUFError(f"{path}: split.tensors.count is {keys[2]}, {given.name} says {total}: "
+                            "a shard of another set")
+        for tensor, info in shard_tensors.items():
+            if tensor in found:
+                raise GGUFError(f"{path}: tensor {tensor!r} is also in {paths[found[tensor].shard].name}")
+            found[tensor] = info
+        if i == 0:
+            first_fields = shard_fields
+    if len(found) != total:
+        raise GGUFError(f"{paths[0]}: the {count} shards hold {len(found)} tensors, split.tensors.count says "
+                        f"{total}: shards of different sets")
+    return paths, first_fields, found
+
+
 def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file `path` names: the file itself, or the one `.gguf` in a directory (None if neither).
-    A directory with several `.gguf` files is ambiguous and raises."""
+    """The GGUF file `path` names: the file itself (a split set's shard stands for the set), or the one
+    model's file in a directory (a split set's lowest shard present); None if neither. A directory
+    holding several models is ambiguous and raises."""
     path = Path(path)
     if path.is_file():
         return path if path.suffix.lower() == ".gguf" or _has_magic(path) else None
     if path.is_dir():
-        found = sorted(p for p in path.glob("*.gguf") if p.is_file())
-        if len(found) > 1:
-            raise GGUFError(f"{path}: holds {len(found)} GGUF files ({', '.join(p.name for p in found[:4])}); "
-                            "pass the one to load (split GGUFs are not supported)")
-        return found[0] if found else None
+        models = group_models(sorted(p for p in path.glob("*.gguf") if p.is_file()))
+        if len(models) > 1:
+            raise GGUFError(f"{path}: holds {len(models)} GGUF models "
+                            f"({', '.join(describe_model(m) for m in models[:4])}); pass the one to load")
+        return models[0][0] if models else None
     return None
 
 

@@ -8,10 +8,10 @@ the router, convolutions, float-typed matrices — is dequantized or cast to the
 A matrix whose value heads must be reordered by whole groups is dequantized when a head is not a
 whole number of groups (never for Qwen3.5-MoE's 128-wide heads).
 
-Streaming: each tensor is read in chunks of rows from the memory-mapped file straight into its
-destination buffer, and the chunk's file pages are released; nothing holds a second copy of the
-model. Every problem (missing or unexpected tensors, wrong shapes, unsupported types) is reported
-before anything is read, naming each tensor.
+Streaming: each tensor is read in chunks of rows from its memory-mapped file (its shard, when split)
+straight into its destination buffer, and the chunk's file pages are released; nothing holds a second
+copy of the model. Every problem (missing or unexpected tensors, wrong shapes, unsupported types) is
+reported before anything is read, naming each tensor.
 """
 
 from __future__ import annotations
@@ -218,12 +218,12 @@ def _fill_float(f: GGUFFile, entry: Entry, tensor: torch.Tensor) -> None:
                 if layout.value is not None:
                     values = layout.value(values.to(torch.float32))
                     if not torch.isfinite(values).all():
-                        raise GGUFError(f"{f.path}: tensor {src.name}: undoing the converter's transform "
+                        raise GGUFError(f"{f.file_of(info)}: tensor {src.name}: undoing the converter's transform "
                                         f"({layout.value_name}) gives non-finite values")
                 values = layout.apply_cols(values, layout.col_perm[0]) if layout.col_perm else values
                 _put_rows(dest, src.rows, r0, r1, values)
         except ValueError as exc:
-            raise GGUFError(f"{f.path}: tensor {info.describe()}: {exc}") from None
+            raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
 
 
 def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
@@ -251,7 +251,7 @@ def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
                 if mins is not None:
                     _put_rows(mins, src.rows, r0, r1, to_fp16(c.mins, "mins"))
         except ValueError as exc:
-            raise GGUFError(f"{f.path}: tensor {info.describe()}: {exc}") from None
+            raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
 
 
 def _assign(model, name: str, tensor: torch.Tensor) -> None:
