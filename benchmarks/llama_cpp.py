@@ -309,6 +309,10 @@ def worker_main(argv: list[str]) -> int:
         model = clover.load(path)
         engine = CloverEngine(model)
         info["backend"] = getattr(model.backend, "name", str(model.backend))
+        from clover import kernels
+
+        if kernels.available():                      # which bf16 products ran (FMA or vdpbf16ps pairs)
+            info["bf16_kernels"] = kernels.bf16_kernels()
         info["clover_version"] = clover.__version__
         context = torch.inference_mode()
     else:

@@ -43,6 +43,25 @@ def test_info_reports_the_demo_architecture():
     model = clover.load(DEMO, backend="reference")                 # plain modules: every parameter counted
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     assert "linear_attention" in info["layer_types"] and "full_attention" in info["layer_types"]
+    from clover import kernels
+
+    if kernels.cpu_supported():
+        want = "vdpbf16ps pairs" if kernels.bf16_kernels() == "pairs" else "fp32 FMAs"
+        assert info["cpu_kernels"].startswith("native") and want in info["cpu_kernels"]
+
+
+def test_a_wrong_bf16_kernel_choice_is_named():
+    """CLOVER_BF16_DOT is read when the kernels load: a wrong value is a clear error, not a traceback
+    or a silent fallback."""
+    from clover import kernels
+
+    if not kernels.cpu_supported():
+        pytest.skip("no native kernels on this CPU")
+    out = subprocess.run([sys.executable, "-m", "clover.cli", "generate", "hi", "--max-new-tokens", "4"],
+                         capture_output=True, text=True, timeout=240, env={**ENV, "CLOVER_BF16_DOT": "amx"})
+    assert out.returncode != 0
+    assert "CLOVER_BF16_DOT must be auto, fma or pairs, not 'amx'" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("flags", [[], ["--block-size", "1"], ["--decoding", "self_speculative"], ["--no-think"]])

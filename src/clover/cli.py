@@ -236,6 +236,20 @@ def cmd_chat(args) -> int:
 
 
 # ---- info -------------------------------------------------------------------------------------
+def _cpu_kernels() -> str:
+    """Which CPU path a packed bf16 / quantized model takes here (without compiling anything)."""
+    import os
+
+    from clover.kernels import bf16_kernels, cpu_supported
+
+    if os.environ.get("CLOVER_KERNELS", "1") == "0":
+        return "off (CLOVER_KERNELS=0): oneDNN"
+    if not cpu_supported():
+        return "unavailable (no AVX-512 BF16/VNNI): oneDNN"
+    kind = {"pairs": "vdpbf16ps pairs", "fma": "fp32 FMAs"}[bf16_kernels()]
+    return f"native (bf16 products: {kind}; int8/int4: VNNI)"
+
+
 def cmd_info(args) -> int:
     model, tokenizer, path = _load(args, pack=False)            # unpacked: count every parameter
     c = model.config
@@ -258,6 +272,7 @@ def cmd_info(args) -> int:
         "weight_bytes": _weight_bytes(model),
         "block_expert_top_p": c.block_expert_top_p, "generation_defaults": model.generation_defaults,
         "tokenizer_vocab": tokenizer.vocab_size,
+        "cpu_kernels": _cpu_kernels(),
     }
     if args.json:
         print(json.dumps(info))
