@@ -27,13 +27,20 @@ from benchmarks.ab import import_revision
 
 
 def _moe_args(moe, x, h, top_p, out, distinct):
+    """`clover_moe_block`'s arguments for a whole-block step of `x` (as kernels/moe_block.py passes them)."""
+    import ctypes
+
     from clover.kernels.moe_block import _moe_constants
 
-    w_in, gate_up, down, shared_down, inter, shared = _moe_constants(moe)
+    structs, split_input, inter, shared = _moe_constants(moe)
+    w_in = structs[0]
+    shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
+    experts = moe.experts
     B, T, H = x.shape
-    return (B, T, T, top_p.data_ptr(), moe.min_block_experts, H, moe.num_experts, moe.top_k, inter, shared,
-            x.data_ptr(), h.data_ptr(), w_in.data_ptr(), gate_up.data_ptr(), gate_up[0].numel(), down.data_ptr(),
-            down[0].numel(), shared_down.data_ptr(), out.data_ptr(), distinct.data_ptr(), torch.get_num_threads())
+    ref = lambda s: None if s is None else ctypes.byref(s)  # noqa: E731
+    return (B, T, T, top_p.data_ptr(), moe.min_block_experts, H, moe.num_experts, getattr(experts, "first", 0),
+            experts.num_experts, moe.top_k, inter, shared, x.data_ptr(), h.data_ptr(), ref(w_in), ref(shared_in),
+            ref(gate_up), ref(down), ref(shared_down), out.data_ptr(), distinct.data_ptr(), torch.get_num_threads())
 
 
 def main(argv=None) -> int:
