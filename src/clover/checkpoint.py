@@ -296,6 +296,17 @@ def plan_checkpoint(path: Path, config: CloverConfig) -> CheckpointPlan:
     return CheckpointPlan(model, expected, sources, stored, headers, files, quant_buffers)
 
 
+def planned_nbytes(plan: CheckpointPlan, dtype: torch.dtype) -> int:
+    """Bytes the model's tensors will take once `read_tensors` has filled them: floating-point ones in
+    `dtype`, quantized codes and scales as stored (tied weights once)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, shape in plan.expected.items():
+        quant = name in plan.quant_buffers and name.endswith(QUANT_SUFFIXES)
+        total += math.prod(shape) * (plan.quant_buffers[name].element_size() if quant else size)
+    return total
+
+
 def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu"):
     """Yield (name, tensor) for every tensor of a planned checkpoint, one at a time, floating-point ones in
     `dtype` and quantized codes and scales as stored. Memory-mapped, converted chunk by chunk."""
@@ -330,6 +341,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     plan = plan_checkpoint(path, config)
     model, quant_buffers = plan.model, plan.quant_buffers
     dtype = dtype or _stored_dtype(plan.stored)
+    if torch.device(device).type == "cpu":
+        from .runtime import check_memory
+
+        check_memory(planned_nbytes(plan, dtype), str(path))
     for name, tensor in read_tensors(plan, dtype, device):
         _assign(model, name, tensor)
     if config.tie_word_embeddings:

@@ -37,3 +37,42 @@ def release_free_memory() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+class InsufficientMemoryError(MemoryError, ValueError):
+    """A model that cannot fit in this machine's available memory, refused before loading (a
+    ValueError too, so the CLI and server report it like other bad settings)."""
+
+
+HEADROOM = 512 << 20     # Python, PyTorch, the kernels and a first batch's buffers beside the weights
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (`MemAvailable`: free memory plus the
+    reclaimable page cache), or None where /proc/meminfo does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(needed: int, what: str) -> None:
+    """Refuse, before anything is allocated, a load that would need more than the available memory:
+    otherwise the kernel's OOM killer ends the process minutes into reading the files, with no message.
+    `CLOVER_MEMORY_CHECK=0` skips the check (e.g. where swap or a cgroup limit changes the picture)."""
+    import os
+
+    if os.environ.get("CLOVER_MEMORY_CHECK", "1") == "0":
+        return
+    available = available_memory()
+    if available is None or needed + HEADROOM <= available:
+        return
+    raise InsufficientMemoryError(
+        f"{what} needs {needed / 1e9:.2f} GB of memory as loaded, and this machine has {available / 1e9:.2f} GB "
+        f"available (MemAvailable, with {HEADROOM >> 20} MB kept for the process itself): loading it would be "
+        "killed for lack of memory. Free memory, or load a smaller form (`clover quantize SRC DST --bits 4`, or "
+        "another dtype); CLOVER_MEMORY_CHECK=0 loads anyway.")

@@ -49,7 +49,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu"):
             dtype = _default_dtype(f, entries)
         with torch.device("meta"), _no_weight_init():
             model = CloverForCausalLM(config)
-        quantized = _install_quantized(model, f, entries, dtype, device)
+        quantized = _install_quantized(model, f, entries, dtype, device)   # (buffers not yet touched)
+        if torch.device(device).type == "cpu":
+            from ..runtime import check_memory
+
+            check_memory(_planned_nbytes(model, entries, quantized, dtype), str(f.path))
         for entry in entries:
             if entry.param in defaults:
                 shape = model.get_parameter(entry.param).shape
@@ -117,6 +121,17 @@ def _default_dtype(f: GGUFFile, entries: list[Entry]) -> torch.dtype:
     if "BF16" in types or any(FORMATS[t].quantized for t in types if t in FORMATS):
         return torch.bfloat16
     return torch.float16 if "F16" in types else torch.float32
+
+
+def _planned_nbytes(model, entries: list[Entry], quantized: dict, dtype: torch.dtype) -> int:
+    """Bytes the loaded model will hold: the quantized modules' buffers (allocated, not yet filled)
+    plus every other parameter in `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    total = sum(b.numel() * b.element_size() for m in quantized.values() for b in m.buffers())
+    for entry in entries:
+        if entry.param not in quantized:
+            total += model.get_parameter(entry.param).numel() * size
+    return total
 
 
 # ---- quantized modules --------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""`clover.load` refuses, before reading any weights, a model that cannot fit in the available memory
+(clover.runtime.check_memory): its estimate equals the bytes the loaded model really holds (safetensors,
+a quantized checkpoint, a GGUF file), the error names both sizes and the way out, CLOVER_MEMORY_CHECK=0
+skips it, and the CLI reports it as an error line, not a traceback."""
+
+import pytest
+import torch
+
+import clover
+from clover import runtime
+from clover.checkpoint import plan_checkpoint, planned_nbytes
+from clover.config import CloverConfig
+
+
+def _held_bytes(model) -> int:
+    """What the model's saved tensors occupy (parameters, quantized codes and scales), tied ones once."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.fixture
+def little_memory(monkeypatch):
+    """MemAvailable as 1 MB: every model is too large."""
+    monkeypatch.delenv("CLOVER_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_estimate_is_what_the_loaded_model_holds(dtype):
+    path = clover.DEMO_MODEL_DIR
+    plan = plan_checkpoint(path, CloverConfig.from_file(path))
+    model = clover.load(path, dtype=dtype, backend="reference")
+    assert planned_nbytes(plan, dtype) == _held_bytes(model)
+
+
+def test_quantized_estimate(tmp_path):
+    from clover.cli import main
+
+    dst = tmp_path / "int4"
+    assert main(["quantize", str(clover.DEMO_MODEL_DIR), str(dst), "--bits", "4"]) == 0
+    plan = plan_checkpoint(dst, CloverConfig.from_file(dst))
+    model = clover.load(dst, dtype=torch.bfloat16, backend="reference")
+    assert planned_nbytes(plan, torch.bfloat16) == _held_bytes(model)
+
+
+def test_gguf_estimate(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import write_gguf
+    from test_gguf import Q32, TOKENIZER, tiny
+
+    from clover.gguf import loader
+
+    path = tmp_path / "q.gguf"
+    write_gguf(path, tiny(**Q32), T.Q8_0, tokenizer=TOKENIZER)
+    seen = []
+    real = loader._planned_nbytes
+    monkeypatch.setattr(loader, "_planned_nbytes", lambda *a: seen.append(real(*a)) or seen[-1])
+    model = clover.load(path, backend="reference")
+    assert seen == [_held_bytes(model)]
+
+
+def test_a_model_too_large_is_refused_before_loading(little_memory, monkeypatch):
+    with pytest.raises(runtime.InsufficientMemoryError) as err:
+        clover.load(backend="reference")
+    message = str(err.value)
+    assert str(clover.DEMO_MODEL_DIR) in message and "GB of memory as loaded" in message
+    assert "0.00 GB available" in message and "CLOVER_MEMORY_CHECK=0" in message
+    assert isinstance(err.value, MemoryError) and isinstance(err.value, ValueError)
+    monkeypatch.setenv("CLOVER_MEMORY_CHECK", "0")
+    assert clover.load(backend="reference") is not None
+
+
+def test_unknown_available_memory_does_not_refuse(monkeypatch):
+    monkeypatch.setattr(runtime, "available_memory", lambda: None)
+    runtime.check_memory(1 << 60, "a model")            # no /proc/meminfo: nothing to compare against
+
+
+def test_available_memory_reads_meminfo():
+    value = runtime.available_memory()
+    assert value is None or value > 0
+
+
+def test_cli_reports_it_as_an_error(little_memory, capsys):
+    from clover.cli import main
+
+    assert main(["generate", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "GB of memory as loaded" in err and "Traceback" not in err
