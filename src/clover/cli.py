@@ -238,11 +238,9 @@ def cmd_chat(args) -> int:
 # ---- info -------------------------------------------------------------------------------------
 def _cpu_kernels() -> str:
     """Which CPU path a packed bf16 / quantized model takes here (without compiling anything)."""
-    import os
+    from clover.kernels.build import bf16_kernels, cpu_supported, switched_off
 
-    from clover.kernels import bf16_kernels, cpu_supported
-
-    if os.environ.get("CLOVER_KERNELS", "1") == "0":
+    if switched_off():
         return "off (CLOVER_KERNELS=0): oneDNN"
     if not cpu_supported():
         return "unavailable (no AVX-512 BF16/VNNI): oneDNN"

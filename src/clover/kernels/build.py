@@ -8,8 +8,8 @@ Where `vdpbf16ps` is the faster one — AMD Zen 4 (this project's other machine 
 the fp32-FMA kernels' rate on whole products (`python -m benchmarks.kernel_ceiling --kernel pairs`) —
 bf16 inputs go through `panel_gemm.c`'s pair kernels instead, on the same packed weights; which one is
 chosen per process (`bf16_kernels()`, `CLOVER_BF16_DOT`), never per call, so a row's result still does
-not depend on the batch it shares a call with. The source ships with the package; `library()` builds it with the system C compiler into a cache
-directory keyed by the source, compiler and flags, and returns None (callers fall back) when the CPU
+not depend on the batch it shares a call with. The source ships with the package; `library()` builds
+it with the system C compiler into a cache directory keyed by the source, compiler and flags, and returns None (callers fall back) when the CPU
 lacks AVX-512 BF16, no compiler is present, the build fails, or `CLOVER_KERNELS=0`.
 """
 
@@ -57,6 +57,11 @@ def _cpuinfo_field(name: str) -> str:
 def cpu_supported() -> bool:
     flags = _cpuinfo_field("flags").split()
     return all(f in flags for f in REQUIRED_CPU_FLAGS)
+
+
+def switched_off() -> bool:
+    """Whether the user turned the kernels off (`CLOVER_KERNELS=0`)."""
+    return os.environ.get("CLOVER_KERNELS", "1") == "0"
 
 
 BF16_KERNELS = ("fma", "pairs")
@@ -126,7 +131,7 @@ def build(out_dir: Path | None = None) -> Path:
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None when kernels are disabled or unavailable here."""
-    if os.environ.get("CLOVER_KERNELS", "1") == "0" or not cpu_supported():
+    if switched_off() or not cpu_supported():
         return None
     pairs = bf16_kernels() == "pairs"           # a bad CLOVER_BF16_DOT is an error, not a fallback
     import torch  # noqa: F401  -- loads torch's OpenMP runtime first, so the kernels share its threads
