@@ -23,6 +23,8 @@ kernel_build = importlib.import_module("clover.kernels.build")   # the module (t
 @pytest.fixture(params=kernels.BF16_KERNELS)
 def bf16_kernels(request):
     """Run the test with the FMA and with the pair kernels for bf16 inputs (restored after)."""
+    if request.param == "pairs" and kernel_build.isa() != "avx512":
+        pytest.skip("no bf16 pair kernels in the AVX2 build")
     previous = kernels.set_bf16_kernels(request.param)
     yield request.param
     kernels.set_bf16_kernels(previous)
@@ -140,6 +142,7 @@ def test_grouped_linear_epilogues_gather_swiglu_and_scale(bf16_kernels):
         grouped_linear(x, fused, offsets, ids, swiglu=True)                              # 30 rows of 9
 
 
+@pytest.mark.skipif(kernels.available() and kernel_build.isa() != "avx512", reason="no pair kernels in the AVX2 build")
 def test_bf16_kernel_choice(monkeypatch):
     """The two bf16 kernels compute the same sums in another rounding order: each within the fp64 bound,
     close to each other, and fp32 inputs (always the FMA kernels) the same bits under both. The
@@ -433,3 +436,71 @@ def test_gdn_kernel_from_scratch_matches_the_pytorch_path(variant):
             want = mixer(x, None, block_len)
             got = mixer(x, None, block_len, cpu)
             assert (got.float() - want.float()).abs().max() <= 8e-3 * want.float().abs().max(), (B, T, block_len)
+
+
+def test_isa_choice(monkeypatch):
+    """The build follows the CPU (AVX-512 where it has BF16 and VNNI, else AVX2) unless CLOVER_ISA names
+    one; the AVX2 build has no bf16 pair kernels, so auto means FMAs there and asking for pairs is an
+    error that says why. A wrong or unsupported CLOVER_ISA is named."""
+    flags = kernel_build._cpuinfo_field("flags").split()
+    has = {name for name, (_, needs) in kernel_build.ISAS.items() if all(f in flags for f in needs)}
+    assert kernel_build.isa() == ("avx512" if "avx512" in has else "avx2")
+    monkeypatch.setenv("CLOVER_ISA", "neon")
+    with pytest.raises(ValueError, match="CLOVER_ISA must be one of avx512, avx2, not 'neon'"):
+        kernel_build.isa()
+    if "avx512" not in has:
+        monkeypatch.setenv("CLOVER_ISA", "avx512")
+        with pytest.raises(ValueError, match="CLOVER_ISA=avx512: this CPU lacks avx512"):
+            kernel_build.isa()
+    monkeypatch.setenv("CLOVER_ISA", "avx2")
+    assert kernel_build.isa() == "avx2" and "-mavx2" in kernel_build.flags() and "-mavx512f" not in kernel_build.flags()
+    monkeypatch.setenv("CLOVER_BF16_DOT", "auto")
+    assert kernels.bf16_kernels() == "fma"
+    monkeypatch.setenv("CLOVER_BF16_DOT", "pairs")
+    with pytest.raises(ValueError, match="CLOVER_BF16_DOT=pairs needs AVX-512 BF16"):
+        kernels.bf16_kernels()
+
+
+def _isa_outputs(path):
+    """Logits of packed tiny models (bf16, int8, int4) through every native kernel: prefill, a block
+    step and cached decode steps. Written to `path` for the comparison across builds below."""
+    from clover.layers.packed import pack_for_cpu
+    from clover.quantization import QuantSpec, quantize_model
+    from tiny_models import make_model
+
+    out = {}
+    for bits in (None, 8, 4):
+        model = make_model("base", seed=3, dtype=torch.bfloat16)
+        if bits:
+            quantize_model(model, QuantSpec(bits, 32))
+        assert pack_for_cpu(model, kernels=True) > 0
+        ids = torch.randint(6, 90, (2, 37), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            cache = model.make_cache(capacity=64)
+            out[f"{bits}-prefill"] = model.step(ids[:1], [cache])
+            for t in range(3):
+                out[f"{bits}-decode{t}"] = model.step(ids[:1, t:t + 1], [cache], logits_at="last")
+            out[f"{bits}-batch"] = model(ids)
+    torch.save(out, path)
+
+
+@pytest.mark.skipif(kernels.available() and kernel_build.isa() != "avx512", reason="needs an AVX-512 CPU")
+def test_avx2_build_gives_the_avx512_builds_bits(tmp_path):
+    """avx2_compat.h promises the AVX-512 build's arithmetic on 256-bit halves: whole packed models (bf16,
+    int8, int4 weights; GDN, attention, MoE and norm kernels) give the same logits bit for bit from the
+    AVX2 build, in a process of its own, as from the AVX-512 build's FMA kernels here."""
+    here, there = tmp_path / "avx512.pt", tmp_path / "avx2.pt"
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "CLOVER_ISA": "avx2", "CLOVER_BF16_DOT": "fma", "PYTHONPATH": tests}
+    done = subprocess.run([sys.executable, "-c", f"from test_kernels import _isa_outputs; _isa_outputs({str(there)!r})"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    previous = kernels.set_bf16_kernels("fma")
+    try:
+        _isa_outputs(here)
+    finally:
+        kernels.set_bf16_kernels(previous)
+    a, b = torch.load(here), torch.load(there)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -7,6 +7,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef __AVX512F__
+#include "avx2_compat.h"    /* the AVX2 build: the same sources on pairs of 256-bit vectors */
+#endif
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;

@@ -9,8 +9,14 @@ the fp32-FMA kernels' rate on whole products (`python -m benchmarks.kernel_ceili
 bf16 inputs go through `panel_gemm.c`'s pair kernels instead, on the same packed weights; which one is
 chosen per process (`bf16_kernels()`, `CLOVER_BF16_DOT`), never per call, so a row's result still does
 not depend on the batch it shares a call with. The source ships with the package; `library()` builds
-it with the system C compiler into a cache directory keyed by the source, compiler and flags, and returns None (callers fall back) when the CPU
-lacks AVX-512 BF16, no compiler is present, the build fails, or `CLOVER_KERNELS=0`.
+it with the system C compiler into a cache directory keyed by the source, compiler and flags, and returns
+None (callers fall back) when the CPU has neither instruction set below, no compiler is present, the
+build fails, or `CLOVER_KERNELS=0`.
+
+Two builds of the same sources (`isa()`): "avx512" (AVX-512 with BF16 and VNNI) and "avx2" (AVX2 with
+FMA and F16C: AMD Zen 2/3, Intel client cores), where `avx2_compat.h` carries each 512-bit vector as
+two 256-bit halves with the same arithmetic — the same results bit for bit, except that the AVX2
+build has no `vdpbf16ps` pair kernels. `CLOVER_ISA=avx2` takes the AVX2 build on an AVX-512 CPU.
 """
 
 from __future__ import annotations
@@ -29,12 +35,17 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
                                                           "attention_cached.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-         "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma")
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# per instruction set, best first: its compiler flags and the /proc/cpuinfo flags it needs
+ISAS = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+               ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma")),
+    # row blocks sized for 16 ymm registers (each 512-bit accumulator is two)
+    "avx2": (["-mavx2", "-mfma", "-mf16c", "-DAVX2_MAX_ROWS=3", "-DAVX2_QROWS=2"], ("avx2", "fma", "f16c")),
+}
 
 
 def cache_dir() -> Path:
@@ -54,9 +65,28 @@ def _cpuinfo_field(name: str) -> str:
                  if line.split(":", 1)[0].strip() == name), "")
 
 
-def cpu_supported() -> bool:
+def isa() -> str | None:
+    """The instruction set the kernels are built for here: the best of ISAS this CPU has, or the one
+    `CLOVER_ISA` names (which it must have); None where it has none."""
     flags = _cpuinfo_field("flags").split()
-    return all(f in flags for f in REQUIRED_CPU_FLAGS)
+    usable = [name for name, (_, needs) in ISAS.items() if all(f in flags for f in needs)]
+    wanted = os.environ.get("CLOVER_ISA", "").strip().lower()
+    if not wanted:
+        return usable[0] if usable else None
+    if wanted not in ISAS:
+        raise ValueError(f"CLOVER_ISA must be one of {', '.join(ISAS)}, not {wanted!r}")
+    if wanted not in usable:
+        raise ValueError(f"CLOVER_ISA={wanted}: this CPU lacks {', '.join(f for f in ISAS[wanted][1] if f not in flags)}")
+    return wanted
+
+
+def flags(name: str | None = None) -> list[str]:
+    """The compiler flags of one build (default: this CPU's)."""
+    return [*COMMON_FLAGS, *ISAS[name or isa()][0]]
+
+
+def cpu_supported() -> bool:
+    return isa() is not None
 
 
 def switched_off() -> bool:
@@ -74,10 +104,15 @@ def bf16_kernels() -> str:
     FMA elsewhere (Intel CPUs without AMX issue `vdpbf16ps` at half the FMA rate). Both sum fp32
     products of the same bf16 values; they differ in rounding order only."""
     choice = os.environ.get("CLOVER_BF16_DOT", "auto").strip().lower()
+    if choice not in ("auto", *BF16_KERNELS):
+        raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")
+    if isa() != "avx512":              # no vdpbf16ps in the AVX2 build
+        if choice == "pairs":
+            raise ValueError("CLOVER_BF16_DOT=pairs needs AVX-512 BF16 (vdpbf16ps); this build is "
+                             f"{isa() or 'unavailable'}: use fma or auto")
+        return "fma"
     if choice == "auto":
         return "pairs" if _cpuinfo_field("vendor_id") == "AuthenticAMD" else "fma"
-    if choice not in BF16_KERNELS:
-        raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")
     return choice
 
 
@@ -89,6 +124,8 @@ def set_bf16_kernels(choice: str) -> str:
     lib = library()
     if lib is None:
         raise RuntimeError("the native kernels are not available here")
+    if choice == "pairs" and isa() != "avx512":
+        raise RuntimeError(f"the {isa()} build has no bf16 pair kernels (vdpbf16ps needs AVX-512 BF16)")
     previous = BF16_KERNELS[lib.clover_panel_pairs()]
     lib.clover_panel_set_pairs(int(choice == "pairs"))
     return previous
@@ -106,9 +143,10 @@ def build(out_dir: Path | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
     sources = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + " ".join([cc, *version, *FLAGS]).encode()).hexdigest()[:16]
+    build_flags = flags()
+    key = hashlib.sha256(sources + " ".join([cc, *version, *build_flags]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
-    target = out_dir / f"clover_kernels-{key}.so"
+    target = out_dir / f"clover_kernels-{isa()}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +155,7 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *build_flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{done.stderr.strip()}")

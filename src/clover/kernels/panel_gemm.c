@@ -14,7 +14,12 @@
 #include "bf16.h"
 
 #define PANEL 32
+#ifdef __AVX512F__
 #define MAX_ROWS 12         /* 2 accumulators per row + 2 weight vectors + 1 broadcast <= 32 zmm */
+#else
+#define MAX_ROWS AVX2_MAX_ROWS  /* the AVX2 build (avx2_compat.h): each vector is two of 16 ymm registers */
+#endif
+#define KERNEL_VARIANTS 12  /* kernels defined for 1..12 rows; the build uses 1..MAX_ROWS */
 #define PREFETCH_AHEAD 64   /* lines ahead in the one-row kernel (measured: 16 < 64 on DRAM streams) */
 #define PREFETCH_AHEAD_ROWS 16  /* with several rows, into L1 from L2 (in-process A/B: +3-7%) */
 
@@ -78,9 +83,10 @@ DEFINE_KERNEL(7) DEFINE_KERNEL(8) DEFINE_KERNEL(9) DEFINE_KERNEL(10) DEFINE_KERN
 
 typedef void (*kernel_fn)(const float *, const uint16_t *, int, char *, long, int, int, const uint16_t *, int,
                           const Epilogue *, long);
-static const kernel_fn KERNELS[MAX_ROWS + 1] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
+static const kernel_fn KERNELS[KERNEL_VARIANTS + 1] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
                                                 kernel_7, kernel_8, kernel_9, kernel_10, kernel_11, kernel_12};
 
+#ifdef __AVX512BF16__
 /* The same products as bf16 pair dot products (`vdpbf16ps`), for bf16 inputs on CPUs where that
  * instruction outruns fp32 FMAs (AMD Zen 4: ~2× the FLOP rate; Intel without AMX: half, hence the
  * FMA kernels above stay the default; clover/kernels/build.py chooses per process). The weights keep
@@ -144,14 +150,19 @@ DEFINE_PAIR_KERNEL(1) DEFINE_PAIR_KERNEL(2) DEFINE_PAIR_KERNEL(3) DEFINE_PAIR_KE
 DEFINE_PAIR_KERNEL(6) DEFINE_PAIR_KERNEL(7) DEFINE_PAIR_KERNEL(8) DEFINE_PAIR_KERNEL(9) DEFINE_PAIR_KERNEL(10)
 DEFINE_PAIR_KERNEL(11) DEFINE_PAIR_KERNEL(12)
 
-static const kernel_fn PAIR_KERNELS[MAX_ROWS + 1] = {0, pair_kernel_1, pair_kernel_2, pair_kernel_3, pair_kernel_4,
-                                                     pair_kernel_5, pair_kernel_6, pair_kernel_7, pair_kernel_8,
-                                                     pair_kernel_9, pair_kernel_10, pair_kernel_11, pair_kernel_12};
+static const kernel_fn PAIR_KERNELS[KERNEL_VARIANTS + 1] = {0, pair_kernel_1, pair_kernel_2, pair_kernel_3, pair_kernel_4,
+                                                            pair_kernel_5, pair_kernel_6, pair_kernel_7, pair_kernel_8,
+                                                            pair_kernel_9, pair_kernel_10, pair_kernel_11, pair_kernel_12};
+#define HAVE_PAIRS 1
+#else
+#define HAVE_PAIRS 0        /* no `vdpbf16ps` in this build (AVX2): bf16 inputs take the FMA kernels */
+#define PAIR_KERNELS KERNELS
+#endif
 
 /* Which kernels bf16 inputs take in this process (0: FMA, 1: pairs); fp32 inputs always take FMA. */
 static int bf16_pairs;
 
-void clover_panel_set_pairs(int on) { bf16_pairs = on != 0; }
+void clover_panel_set_pairs(int on) { bf16_pairs = HAVE_PAIRS && on != 0; }
 int clover_panel_pairs(void) { return bf16_pairs; }
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }

@@ -27,7 +27,12 @@
 #include "weights.h"
 
 #define PANEL 32
+#ifdef __AVX512F__
 #define QROWS 6             /* 4 zmm accumulators per row (two int32, two fp32) + weights + scales <= 32 */
+#else
+#define QROWS AVX2_QROWS    /* the AVX2 build (avx2_compat.h): each vector is two of 16 ymm registers */
+#endif
+#define QKERNEL_VARIANTS 6  /* kernels defined for 1..6 rows; the build uses 1..QROWS */
 #define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2).
                                One row (decode) streams from DRAM with no software prefetch: on AMD Zen 4
                                the hardware prefetchers alone read faster (README, What makes it fast) */
@@ -165,9 +170,9 @@ DEFINE_QKERNEL(6, 4)
 
 typedef void (*qkernel_fn)(const char *, int, int, const uint8_t *, const uint16_t *, const uint16_t *, char *, long,
                            int, int, const Epilogue *, long);
-static const qkernel_fn QKERNELS8[QROWS + 1] = {0, qkernel_8_1, qkernel_8_2, qkernel_8_3, qkernel_8_4, qkernel_8_5,
+static const qkernel_fn QKERNELS8[QKERNEL_VARIANTS + 1] = {0, qkernel_8_1, qkernel_8_2, qkernel_8_3, qkernel_8_4, qkernel_8_5,
                                                 qkernel_8_6};
-static const qkernel_fn QKERNELS4[QROWS + 1] = {0, qkernel_4_1, qkernel_4_2, qkernel_4_3, qkernel_4_4, qkernel_4_5,
+static const qkernel_fn QKERNELS4[QKERNEL_VARIANTS + 1] = {0, qkernel_4_1, qkernel_4_2, qkernel_4_3, qkernel_4_4, qkernel_4_5,
                                                 qkernel_4_6};
 
 static inline int imin(int a, int b) { return a < b ? a : b; }

@@ -27,7 +27,11 @@ from torch import nn
 
 
 def onednn_available() -> bool:
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+    """oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere (AVX2 CPUs) torch
+    raises on the first packed matrix, so there is nothing to pack for."""
+    mkldnn = torch.ops.mkldnn
+    return (hasattr(mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+            and mkldnn._is_mkldnn_bf16_supported())
 
 
 def packing_available() -> bool:
