@@ -44,7 +44,7 @@ ISAS = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma"],
                ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma")),
     # row blocks sized for 16 ymm registers (each 512-bit accumulator is two)
-    "avx2": (["-mavx2", "-mfma", "-mf16c", "-DAVX2_MAX_ROWS=3", "-DAVX2_QROWS=2"], ("avx2", "fma", "f16c")),
+    "avx2": (["-mavx2", "-mfma", "-mf16c", "-DAVX2_MAX_ROWS=4", "-DAVX2_QROWS=2"], ("avx2", "fma", "f16c")),
 }
 
 

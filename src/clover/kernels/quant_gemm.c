@@ -32,6 +32,9 @@
 #else
 #define QROWS AVX2_QROWS    /* the AVX2 build (avx2_compat.h): each vector is two of 16 ymm registers */
 #endif
+#ifndef DPBUSD_NIBBLES       /* two vpdpbusd on codes below 16 (the AVX2 build has a cheaper form for them) */
+#define DPBUSD_NIBBLES(acc, u, s, v, t) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u, s), v, t)
+#endif
 #define QKERNEL_VARIANTS 6  /* kernels defined for 1..6 rows; the build uses 1..QROWS */
 #define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2).
                                One row (decode) streams from DRAM with no software prefetch: on AMD Zen 4
@@ -139,8 +142,8 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                 for (int r = 0; r < R; r++) {                                                             \
                     __m512i alo = _mm512_set1_epi32(wg[(2 * o) * R + r]);                                 \
                     __m512i ahi = _mm512_set1_epi32(wg[(2 * o + 1) * R + r]);                             \
-                    iacc[2 * r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[2 * r], l0, alo), h0, ahi);  \
-                    iacc[2 * r + 1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[2 * r + 1], l1, alo), h1, ahi); \
+                    iacc[2 * r] = DPBUSD_NIBBLES(iacc[2 * r], l0, alo, h0, ahi);                             \
+                    iacc[2 * r + 1] = DPBUSD_NIBBLES(iacc[2 * r + 1], l1, alo, h1, ahi);                     \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
