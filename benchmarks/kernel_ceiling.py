@@ -33,9 +33,9 @@ def compile_driver(out: Path) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     if not build.cpu_supported():
-        raise RuntimeError("this CPU lacks AVX-512 BF16: the panel kernels do not run here")
+        raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2: the panel kernels do not run here")
     gemm = Path(build.__file__).with_name("panel_gemm.c")
-    flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in build.flags() if f not in ("-shared", "-fPIC")]
     exe = out / "kernel_ceiling"
     done = subprocess.run([cc, *flags, "-include", str(gemm), str(DRIVER), "-o", str(exe), "-lm"],
                           capture_output=True, text=True, timeout=300)
@@ -82,13 +82,15 @@ def main(argv=None) -> int:
         ap.error("--shape is MxKxN and --threads a comma-separated list of integers")
     if len(shape) != 3 or min(shape) < 1 or min(threads) < 1 or args.rounds < 1:
         ap.error("--shape needs three positive sizes, --threads and --rounds positive values")
+    if args.kernel == "pairs" and build.isa() != "avx512":
+        ap.error(f"--kernel pairs needs AVX-512 BF16 (vdpbf16ps); this CPU's build is {build.isa()}")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             exe = compile_driver(Path(tmp))
         except RuntimeError as exc:
             sys.exit(str(exc))
         M, K, N = shape
-        print(f"FMAs alone, the 12-row {args.kernel} kernel's loop on L1-resident operands, a whole {M}×{K}×{N} product; "
+        print(f"FMAs alone, the {build.isa()} build's widest-row {args.kernel} kernel's loop on L1-resident operands, a whole {M}×{K}×{N} product; "
               f"GFLOP/s, alternating")
         for t in threads:
             try:

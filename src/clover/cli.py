@@ -238,14 +238,15 @@ def cmd_chat(args) -> int:
 # ---- info -------------------------------------------------------------------------------------
 def _cpu_kernels() -> str:
     """Which CPU path a packed bf16 / quantized model takes here (without compiling anything)."""
-    from clover.kernels.build import bf16_kernels, cpu_supported, switched_off
+    from clover.kernels.build import bf16_kernels, isa, switched_off
 
     if switched_off():
-        return "off (CLOVER_KERNELS=0): oneDNN"
-    if not cpu_supported():
-        return "unavailable (no AVX-512 BF16/VNNI): oneDNN"
+        return "off (CLOVER_KERNELS=0): PyTorch"
+    if isa() is None:
+        return "unavailable (neither AVX-512 BF16/VNNI nor AVX2/FMA/F16C): PyTorch"
     kind = {"pairs": "vdpbf16ps pairs", "fma": "fp32 FMAs"}[bf16_kernels()]
-    return f"native (bf16 products: {kind}; int8/int4: VNNI)"
+    dots = "VNNI" if isa() == "avx512" else "vpmaddubsw/vpmaddwd"
+    return f"native {isa()} (bf16 products: {kind}; int8/int4: {dots})"
 
 
 def cmd_info(args) -> int:
