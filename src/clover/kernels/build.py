@@ -82,7 +82,10 @@ def isa() -> str | None:
 
 def flags(name: str | None = None) -> list[str]:
     """The compiler flags of one build (default: this CPU's)."""
-    return [*COMMON_FLAGS, *ISAS[name or isa()][0]]
+    name = name or isa()
+    if name is None:
+        raise RuntimeError("this CPU has neither AVX-512 BF16/VNNI nor AVX2/FMA/F16C: no kernel build runs here")
+    return [*COMMON_FLAGS, *ISAS[name][0]]
 
 
 def cpu_supported() -> bool:
