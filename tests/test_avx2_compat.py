@@ -100,7 +100,9 @@ def test_exp_matches_libm(probe):
     want = np.exp(x.astype(np.float64))
     normal = (want > 1.2e-38) & (want < 3.4e38)
     assert np.all(np.abs(out[normal] - want[normal]) <= 4e-7 * want[normal])
-    assert out[x == 100.0][0] == np.inf and out[x == -200.0][0] == 0.0 and out[x == -100.0][0] < 1e-43
+    # e^-100 is a float32 denormal, 0 where denormals are flushed (clover.load flushes them in its
+    # process: the comparison itself must stay in the normal range, or it flushes too)
+    assert out[x == 100.0][0] == np.inf and out[x == -200.0][0] == 0.0 and 0.0 <= out[x == -100.0][0] < 1e-30
 
 
 def test_saturating_narrowing(probe):
