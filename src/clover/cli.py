@@ -242,11 +242,12 @@ def _cpu_kernels() -> str:
 
     if switched_off():
         return "off (CLOVER_KERNELS=0): PyTorch"
-    if isa() is None:
+    build = isa()
+    if build is None:
         return "unavailable (neither AVX-512 BF16/VNNI nor AVX2/FMA/F16C): PyTorch"
     kind = {"pairs": "vdpbf16ps pairs", "fma": "fp32 FMAs"}[bf16_kernels()]
-    dots = "VNNI" if isa() == "avx512" else "vpmaddubsw/vpmaddwd"
-    return f"native {isa()} (bf16 products: {kind}; int8/int4: {dots})"
+    dots = "VNNI" if build == "avx512" else "vpmaddubsw/vpmaddwd"
+    return f"native {build} (bf16 products: {kind}; int8/int4: {dots})"
 
 
 def cmd_info(args) -> int:

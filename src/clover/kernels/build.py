@@ -146,10 +146,11 @@ def build(out_dir: Path | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
     sources = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-    build_flags = flags()
+    name = isa()
+    build_flags = flags(name)
     key = hashlib.sha256(sources + " ".join([cc, *version, *build_flags]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
-    target = out_dir / f"clover_kernels-{isa()}-{key}.so"
+    target = out_dir / f"clover_kernels-{name}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
