@@ -76,18 +76,22 @@ def test_reduce_add_sums_in_gccs_order(probe):
 def test_dpbusd_is_exact_and_wraps(probe, nibbles):
     rng = np.random.default_rng(1)
     for trial in range(20):
-        top = 16 if nibbles else 256
+        top = 64 if nibbles else 256         # the nibble form takes int4 and int6 codes
         u = rng.integers(0, top, 64).astype(np.uint8)
         s = rng.integers(-127, 128, 64).astype(np.int8)
         if trial == 0:                       # the extremes: largest pair sums, both signs
             u[:] = top - 1
             s[::2], s[1::2] = 127, -128 if not nibbles else -127
+        if nibbles and trial in (2, 3):      # the nibble form's largest 16-bit sums: 4·63·(±127)
+            u[:] = top - 1
+            s[:] = 127 if trial == 2 else -127
         acc = rng.integers(-2 ** 31, 2 ** 31, 16).astype(np.int32)
         if trial == 1:
             acc[:] = 2 ** 31 - 1             # wraps, as vpdpbusd (not vpdpbusds) does
         out = np.zeros(16, dtype=np.int32)
         probe.probe_dpbusd(ptr(acc), ptr(u), ptr(s), int(nibbles), ptr(out))
-        sums = (u.astype(np.int64) * s.astype(np.int64)).reshape(16, 4).sum(1) + acc.astype(np.int64)
+        # the nibble probe passes (u, s) twice: both of the form's products
+        sums = (1 + nibbles) * (u.astype(np.int64) * s.astype(np.int64)).reshape(16, 4).sum(1) + acc.astype(np.int64)
         want = ((sums + 2 ** 31) % 2 ** 32 - 2 ** 31).astype(np.int32)
         assert out.tolist() == want.tolist(), trial
 
@@ -111,6 +115,26 @@ def test_saturating_narrowing(probe):
     out = np.zeros(16, dtype=np.int8)
     probe.probe_saturate(ptr(x), ptr(out))
     assert out.tolist() == np.clip(x, -128, 127).tolist()
+
+
+@pytest.mark.parametrize("n", [4, 2, -2, -4])
+def test_int6_bit_moves(probe, n):
+    """16-bit lane shifts (bits cross the byte boundary inside a lane, never between lanes), or, and
+    int8 → int32 sign extension: what the int6 kernel and two-level scales use."""
+    rng = np.random.default_rng(n + 10)
+    x = rng.integers(0, 256, 64, dtype=np.uint8)
+    out = np.zeros(64, dtype=np.uint8)
+    probe.probe_shift16(ptr(x), n, ptr(out))
+    lanes = x.view(np.uint16)
+    want = (lanes << np.uint16(n)) if n > 0 else (lanes >> np.uint16(-n))
+    assert out.view(np.uint16).tolist() == want.astype(np.uint16).tolist()
+    y = rng.integers(0, 256, 64, dtype=np.uint8)
+    probe.probe_or(ptr(x), ptr(y), ptr(out))
+    assert out.tolist() == (x | y).tolist()
+    codes = np.array([0, 1, -1, 127, -128, 63, -64, 5, -5, 100, -100, 32, -32, 2, -2, 77], dtype=np.int8)
+    wide = np.zeros(16, dtype=np.int32)
+    probe.probe_cvtepi8_epi32(ptr(codes), ptr(wide))
+    assert wide.tolist() == codes.astype(np.int32).tolist()
 
 
 def _guarded(nbytes: int):

@@ -175,3 +175,18 @@ def test_threads_stepping_one_model_get_their_own_results():
         t.join()
     for a, b in zip(alone, together):
         assert len(a) == len(b) == 30 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_quantized_embedding_table(monkeypatch):
+    """A quantized token table (GGUF's `token_embd`, a `QuantizedEmbedding`): the plan still binds, and
+    its lookup (the rows dequantized) gives the layers' logits step for step."""
+    from clover.quantization.modules import QuantizedEmbedding
+
+    model = make_model("base", seed=3, dtype=torch.bfloat16)
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens = QuantizedEmbedding(*weight.shape, QuantSpec(4, 32), dtype=torch.bfloat16).fill(weight)
+    assert pack_for_cpu(model, kernels=True) > 0 and decode_plan.supported(model)
+    runs = _plan_runs(monkeypatch)
+    with torch.inference_mode():
+        _decode_both(model, monkeypatch, rows=(12, 5), steps=6)
+    assert runs.count(2) == 6

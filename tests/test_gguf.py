@@ -12,11 +12,10 @@ Tolerances (stated once):
   equal (to 1e-5 of the largest logit) those of the original with every tensor replaced by gguf's
   dequantize of what the file stores; the library's bf16 load within 2× what bf16 compute costs that
   reference (+1% of the largest logit).
-- K-quant mix: the same comparison within 1% of the largest logit: Clover's fp16 scales move each
-  weight by ≤ 2⁻¹¹ relative, which these random models amplify ~10× (they turn the ~0.3% error of
-  int8 weights into ~3% of the logits).
-- K-quants: codes with unrounded scales equal gguf's dequantize bit-exactly; with Clover's fp16
-  scales within |q|·ε(s) + ε(m), ε(x) = max(2⁻¹¹|x|, 2⁻²⁵) (fp16 rounding, blocks.py).
+- K-quant mix: the same comparison as Q8_0 / Q4_0 (K-quants keep their two-level scales: exact).
+- K-quants: codes with two-level scales equal gguf's dequantize bit-exactly; flattened to fp16
+  scales per group (matrices mixing types) within |q|·ε(s) + ε(m), ε(x) = max(2⁻¹¹|x|, 2⁻²⁵)
+  (fp16 rounding, blocks.py).
 """
 
 from __future__ import annotations
@@ -33,8 +32,10 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 import clover  # noqa: E402
 from clover.gguf import GGUFError, load_gguf, load_tokenizer, read_config  # noqa: E402
-from clover.gguf.blocks import FORMATS, codes_to_float, decode_codes, to_fp16  # noqa: E402
+from clover.gguf.blocks import FORMATS, codes_to_float, decode_codes, promote, to_fp16  # noqa: E402
+from clover.quantization.format import codes as format_codes  # noqa: E402
 from clover.quantization import QuantizedWeight, QuantSpec, dequantize  # noqa: E402
+from clover.quantization.modules import QuantizedEmbedding  # noqa: E402
 import gguf_files  # noqa: E402
 from gguf_files import CORPUS, qwen_tokenizer, write_gguf  # noqa: E402
 from tiny_models import make_model  # noqa: E402
@@ -391,22 +392,26 @@ def test_k_quant_conversion(name, source):
         raw = K_ENCODERS[T[name]](x.reshape(-1, 256)).reshape(4, -1)
     want = torch.from_numpy(gguf.quants.dequantize(raw, T[name]).copy())
     c = decode_codes(FORMATS[name], torch.from_numpy(raw), 768)
-    assert torch.equal(codes_to_float(c), want)                                   # exact codes and factors
-    scales, mins = to_fp16(c.scales, ""), None if c.mins is None else to_fp16(c.mins, "")
-    got = dequantize(c.qweight, scales, mins, c.bits)
-    codes = c.qweight.to(torch.float32) if c.bits == 8 else torch.stack(
-        [c.qweight & 0xF, c.qweight >> 4], -1).reshape(4, -1).float()
+    assert c.form() == {"Q4_K": (4, 32, True, 256), "Q5_K": (6, 32, True, 256), "Q6_K": (6, 16, False, 256)}[name]
+    assert torch.equal(codes_to_float(c), want)              # two-level scales: the file's values exactly
+    # flattened to one fp16 scale per group (a matrix mixing types): within half an fp16 unit per scale
+    flat = promote(c, c.bits, c.group_size, c.mins is not None)
+    assert flat.super_scales is None and torch.equal(codes_to_float(flat), want)   # exact before rounding
+    scales, mins = to_fp16(flat.scales, ""), None if flat.mins is None else to_fp16(flat.mins, "")
+    got = dequantize(flat.qweight, scales, mins, flat.bits)
+    values = format_codes(flat.qweight, flat.bits).float() - (0 if flat.mins is not None else 32)
     G = c.group_size
-    bound = codes.abs().reshape(4, -1, G) * _eps(c.scales)[..., None]
-    if c.mins is not None:
-        bound = bound + _eps(c.mins)[..., None]
+    bound = values.abs().reshape(4, -1, G) * _eps(flat.scales)[..., None]
+    if flat.mins is not None:
+        bound = bound + _eps(flat.mins)[..., None]
     assert ((got - want).abs().reshape(4, -1, G) <= bound * (1 + 1e-6)).all()
-    assert (c.bits, G, c.mins is not None) == {"Q4_K": (4, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}[name]
+    assert not torch.equal(got, want)                        # the rounding did happen
 
 
 def test_k_quant_model(tmp_path):
     """A Q4_K_M-like mix (Q4_K, Q6_K for down/output, Q5_K for attn_v, Q8_0 where rows are not whole
-    256-blocks) loads into Clover's int4/int8 forms and runs on the reference backend."""
+    256-blocks) loads exactly, at the file's size, into Clover's two-level int4/int6 forms, and runs
+    on the reference backend and on the quantized kernels."""
     model = tiny(seed=2, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                  linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
     path = tmp_path / "k.gguf"
@@ -416,9 +421,19 @@ def test_k_quant_model(tmp_path):
     loaded = load_gguf(path, dtype=torch.float32)
     assert loaded.quantization is None                                            # mixed forms
     experts = loaded.model.layers[0].mlp.experts
-    assert (experts.gate_up_proj.bits, experts.gate_up_proj.group_size, experts.gate_up_proj.mins is not None) == (4, 32, True)
-    assert (experts.down_proj.bits, experts.down_proj.group_size) == (8, 16)
-    assert loaded.model.layers[1].self_attn.v_proj.mins is not None
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    assert (gate_up.bits, gate_up.group_size, gate_up.mins is not None, gate_up.super_group) == (4, 32, True, 256)
+    assert (down.bits, down.group_size, down.mins is not None, down.super_group) == (6, 16, False, 256)
+    embed = loaded.model.embed_tokens                       # the Q4_K token table stays quantized
+    assert isinstance(embed, QuantizedEmbedding) and embed.super_group == 256
+    rows = torch.tensor([[0, 5, 5], [17, 2, 0]])
+    assert torch.equal(embed(rows), embed.dequantize(torch.float32)[rows])
+    v_proj = loaded.model.layers[1].self_attn.v_proj
+    assert (v_proj.bits, v_proj.mins is not None, v_proj.super_group) == (6, True, 256)
+    # in memory at the file's size: Q4_K 0.5625 bytes per weight → 0.578, Q6_K 0.8203 → 0.8203
+    for module, per_weight in ((gate_up, 0.578125), (down, 0.8203125)):
+        held = sum(b.numel() * b.element_size() for b in module.buffers())
+        assert held == per_weight * module.qweight.shape[0] * module.shape[-2] * module.shape[-1]
     for name, p in params(model).items():
         got = loaded_value(loaded, name)
         err = ((got - p).norm() / p.norm().clamp_min(1e-12)).item()
@@ -428,9 +443,9 @@ def test_k_quant_model(tmp_path):
                                               "v_proj.weight": T.Q5_K})
     want = ref(ids)
     scale = want.abs().max().item()
-    assert max_diff(loaded(ids), want) <= 1e-2 * scale          # fp16 rounding of the K-quant scales
+    assert max_diff(loaded(ids), want) <= 1e-5 * scale          # two-level scales: the file's values exactly
     lib = clover.load(path, backend="reference")
-    assert max_diff(lib(ids), want) <= bf16_bound(ref, ids) + 1e-2 * scale
+    assert max_diff(lib(ids), want) <= bf16_bound(ref, ids)
     from clover.kernels import available
 
     if available():            # the default backend: every form of the mix on the quantized kernels

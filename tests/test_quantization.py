@@ -131,6 +131,73 @@ def test_quantized_grouped_kernel_matches_reference(bits):
     assert rel(one, want_one) < 0.01
 
 
+def _stored_codes(shape, bits, group, offsets, two_level, g):
+    """Random stored tensors of any form (format.py), codes drawn directly: int8, int6, int4; fp16
+    scales, or int8 codes with fp16 super-scales per 256 inputs (GGUF K-quants as loaded)."""
+    from clover.quantization.format import pack_nibbles, pack_six
+
+    *lead, N, K = shape
+    if bits == 8:
+        q = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+    else:
+        u = torch.randint(0, 1 << bits, shape, generator=g, dtype=torch.uint8)
+        q = pack_nibbles(u) if bits == 4 else pack_six(u)
+    out = {"qweight": q, "bits": bits, "mins": None, "super_scales": None, "super_mins": None}
+    groups = (*lead, N, K // group)
+    if two_level:
+        supers = (*lead, N, K // 256)
+        out["scales"] = torch.randint(-128, 128, groups, generator=g, dtype=torch.int8)
+        out["super_scales"] = (torch.rand(supers, generator=g) * 2e-4).half()
+        if offsets:
+            out["mins"] = torch.randint(0, 64, groups, generator=g, dtype=torch.int8)
+            out["super_mins"] = (-torch.rand(supers, generator=g) * 1e-3).half()
+    else:
+        out["scales"] = (torch.rand(groups, generator=g) * 0.02).half()
+        if offsets:
+            out["mins"] = (torch.randn(groups, generator=g) * 0.01).half()
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("two_level", [False, True])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
+    """int6 codes and two-level scales (GGUF K-quants held as loaded) beside int8/int4: the kernels equal
+    their float64 reference to fp32 rounding for 1…13 rows, and the dense and grouped forms agree."""
+    from clover.kernels.quant_panels import QuantPanelWeight, grouped_linear, linear, reference_linear, swiglu_rows
+    from clover.quantization.format import dequantize
+
+    g = torch.Generator().manual_seed(bits * 10 + 2 * two_level + offsets)
+    N, K, group = 70, 512, 16 if bits == 6 and not offsets else 32
+    st = _stored_codes((N, K), bits, group, offsets, two_level, g)
+    packed = QuantPanelWeight(**st)
+    weight = dequantize(**st).double()
+    for M in (1, 2, 5, 6, 7, 13):
+        x = torch.randn(M, K, generator=g)
+        want = reference_linear(x, st["qweight"], st["scales"], st["mins"], bits, st["super_scales"], st["super_mins"])
+        got = linear(x, packed)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), M
+        assert rel(got, x.double() @ weight.T) < 0.02
+    # an expert stack: entry strides of codes, scales and super-scales; the SwiGLU row order pads rows
+    E, I = 3, 40
+    stack = _stored_codes((E, 2 * I, K), bits, group, offsets, two_level, g)
+    plain, interleaved = QuantPanelWeight(**stack), QuantPanelWeight(**stack, rows=swiglu_rows(I))
+    x = torch.randn(6, K, generator=g).bfloat16()
+    ids, offsets_ = torch.tensor([2, 0]), torch.tensor([0, 4, 6])
+    got = grouped_linear(x, plain, offsets_, ids)
+    for i, e in enumerate(ids.tolist()):
+        one = {k: (v[e] if isinstance(v, torch.Tensor) else v) for k, v in stack.items()}
+        rows = x[int(offsets_[i]):int(offsets_[i + 1])]
+        want = reference_linear(rows, one["qweight"], one["scales"], one["mins"], bits, one["super_scales"],
+                                one["super_mins"])
+        assert (got[int(offsets_[i]):int(offsets_[i + 1])].double() - want).abs().max() <= 8e-3 * want.abs().max()
+    act = grouped_linear(x, interleaved, offsets_, ids, swiglu=True)
+    bf = got.float()
+    assert act.shape == (6, 48) and not act[:, I:].any()                 # I padded to whole half-panels, zeros
+    assert rel(act[:, :I], torch.nn.functional.silu(bf[:, :I]) * bf[:, I:]) < 0.02
+
+
 @needs_kernels
 def test_quantized_kernel_rejects_bad_shapes():
     from clover.kernels.quant_panels import QuantPanelWeight, linear

@@ -84,11 +84,13 @@ class CloverForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        embed = self.model.embed_tokens
+        return embed.compute_dtype if hasattr(embed, "compute_dtype") else embed.weight.dtype   # (quantized table)
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        embed = self.model.embed_tokens
+        return embed.qweight.device if hasattr(embed, "qweight") else embed.weight.device
 
     # ---- state ---------------------------------------------------------------------------------
     # The state pool's default size for library use (generate(), make_cache()), raised where one model's

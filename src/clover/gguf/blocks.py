@@ -1,24 +1,26 @@
 """GGML tensor encodings → Clover's weights: floats as floats, quantized blocks as Clover's integer codes.
 
 Every decoder takes the raw bytes of whole rows, `[R, nblocks, block_bytes]` uint8, and returns a
-`Codes` in Clover's quantized layout (clover/quantization/format.py) with the scales (and mins) still
-in float32 — the exact products of the block's fp16 super-scale and its integer sub-scales. Rounding
-them to fp16, as Clover stores them, is the only inexact step, and only for the K-quants:
+`Codes` in Clover's quantized layout (clover/quantization/format.py): the legacy types with float32
+scales (fp16 values already), the K-quants with two-level scales — int8 sub-scale codes and the
+block's fp16 super-scales, exactly as stored, at nearly the file's own size:
 
-    type   Clover form                         exact?
-    Q8_0   int8,  group 32, symmetric          yes (d is fp16 already, codes copied)
-    Q4_0   int4,  group 32, symmetric          yes (w = d·(u − 8): Clover's int4 form, nibbles repacked)
-    Q4_1   int4,  group 32, mins               yes (d and m are fp16 already)
-    Q5_0   int8,  group 32, symmetric          yes (code q − 16)
-    Q5_1   int8,  group 32, mins               yes
-    Q4_K   int4,  group 32, mins               s = fp16(d·sc), m = fp16(−dmin·mn)
-    Q5_K   int8,  group 32, mins               same as Q4_K
-    Q6_K   int8,  group 16, symmetric          s = fp16(d·sc)
+    type   Clover form                                  bytes/weight (file)   exact?
+    Q8_0   int8,  group 32, symmetric                   1.0625 (1.0625)       yes (d is fp16, codes copied)
+    Q4_0   int4,  group 32, symmetric                   0.5625 (0.5625)       yes (w = d·(u − 8), nibbles repacked)
+    Q4_1   int4,  group 32, mins                        0.625  (0.625)        yes (d and m are fp16 already)
+    Q5_0   int8,  group 32, symmetric                   1.0625 (0.6875)       yes (code q − 16)
+    Q5_1   int8,  group 32, mins                        1.125  (0.75)         yes
+    Q4_K   int4,  group 32, mins, two-level (256)       0.578  (0.5625)       yes (s = d·sc, m = −dmin·mn)
+    Q5_K   int6,  group 32, mins, two-level (256)       0.828  (0.6875)       yes (codes 0…31)
+    Q6_K   int6,  group 16, symmetric, two-level (256)  0.820  (0.8203)       yes (s = d·sc)
 
-For the K-quants d·sc is exact in float32 (an 11-bit by 6- or 8-bit product), and its rounding to
-fp16 is off by at most half an fp16 unit: |ŝ − s| ≤ max(2⁻¹¹·|s|, 2⁻²⁵) (the second term where s is
-an fp16 subnormal, below 6.1e-5), the same for m; a weight w = s·q + m is then off by at most
-|q|·|ŝ − s| + |m̂ − m|. Products beyond fp16's range (|s| > 65504) raise.
+Where a matrix cannot keep the two-level form — two GGUF tensors of different types made into one
+Clover matrix (`promote`), or value heads reordered across a 256-input super-block — the K-quant
+scales are flattened to one fp16 per group, s = fp16(d·sc) (d·sc is exact in float32, an 11-bit by
+6- or 8-bit product): off by at most half an fp16 unit, |ŝ − s| ≤ max(2⁻¹¹·|s|, 2⁻²⁵) (the second
+term where s is an fp16 subnormal, below 6.1e-5), the same for m; a weight w = s·q + m is then off by
+at most |q|·|ŝ − s| + |m̂ − m|. Products beyond fp16's range (|s| > 65504) raise.
 
 The layouts follow the `gguf` package's reference decoders (gguf/quants.py, `dequantize_blocks`),
 which the tests compare against; the codes here are produced directly, with no float round trip.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quantization.format import dequantize, pack_nibbles, unpack_nibbles
+from ..quantization.format import ZERO_POINT, codes, dequantize, group_scales, pack_nibbles, pack_six
 
 QK_K = 256
 FP16_MAX = 65504.0
@@ -38,14 +40,26 @@ FP16_MAX = 65504.0
 
 @dataclass
 class Codes:
-    """Decoded rows in Clover's stored layout: qweight [R, K] int8 or [R, K/2] uint8 nibbles (input 2j
-    in the low nibble of byte j), scales/mins float32 [R, K/group]."""
+    """Decoded rows in Clover's stored layout: qweight [R, K] int8, [R, 3K/4] or [R, K/2] uint8 (int6,
+    int4), scales/mins float32 [R, K/group] — or, with `super_scales` (/ `super_mins`) fp16 [R, K/256],
+    int8 codes [R, K/group] (two-level scales)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     bits: int
     group_size: int
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
+
+    @property
+    def super_group(self) -> int | None:
+        if self.super_scales is None:
+            return None
+        return self.scales.shape[-1] * self.group_size // self.super_scales.shape[-1]
+
+    def form(self) -> tuple:
+        return self.bits, self.group_size, self.mins is not None, self.super_group
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,7 @@ class GGMLFormat:
     bits: int | None      # Clover code width (None for float types)
     group_size: int | None
     asymmetric: bool
-    exact: bool           # whether the Clover form equals the GGUF values exactly
+    super_group: int | None = None    # two-level scales (the K-quants' 256-element super-blocks)
 
     @property
     def quantized(self) -> bool:
@@ -129,51 +143,53 @@ def _q5_1(b: torch.Tensor) -> Codes:
 
 
 def _k_scales(s: torch.Tensor):
-    """Q4_K/Q5_K's 12 scale bytes → 8 six-bit scales and 8 six-bit mins per super-block (float32).
+    """Q4_K/Q5_K's 12 scale bytes → 8 six-bit scales and 8 six-bit mins per super-block (int8).
     Bytes 0–3 / 4–7 hold scales / mins 0–3 in their low 6 bits and the top 2 bits of scales / mins
     4–7; bytes 8–11 hold the low 4 bits of scales 4–7 (low nibble) and mins 4–7 (high nibble)."""
     a, m, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     scales = torch.cat([a & 63, (hi & 0xF) | ((a >> 2) & 0x30)], dim=-1)
     mins = torch.cat([m & 63, (hi >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return scales.to(torch.float32), mins.to(torch.float32)
+    return scales.view(torch.int8), mins.view(torch.int8)
 
 
-def _k_factors(b: torch.Tensor):
-    """d·sc and −dmin·mn per 32-element sub-block [R, nb·8] (exact in float32)."""
+def _fp16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from the last axis of 2 bytes, kept in fp16."""
+    return raw.contiguous().view(torch.float16).squeeze(-1)
+
+
+def _k_factors(b: torch.Tensor) -> dict:
+    """Q4_K/Q5_K's scales as two-level codes: sc, mn [R, nb·8] int8 with d and −dmin [R, nb] fp16
+    (w = d·sc·q − dmin·mn: the mins' super-scale carries the sign, an exact fp16 negation)."""
     R, nb, _ = b.shape
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales(b[..., 4:16])
-    scales = (d.unsqueeze(-1) * sc).reshape(R, nb * 8)
-    mins = (dmin.unsqueeze(-1) * mn).neg_().reshape(R, nb * 8)
-    return scales, mins
+    return {"scales": sc.reshape(R, nb * 8), "mins": mn.reshape(R, nb * 8), "super_scales": _fp16(b[..., 0:2]),
+            "super_mins": _fp16(b[..., 2:4]).neg()}
 
 
 def _q4_k(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
-    scales, mins = _k_factors(b)
     # 128 bytes = 4 runs of 32: run i holds sub-block 2i in its low nibbles, 2i+1 in its high ones
     qs = _repack_halves(b[..., 16:144].reshape(R, nb, 4, 32))
-    return Codes(qs.reshape(R, nb * 128), scales, mins, 4, 32)
+    return Codes(qs.reshape(R, nb * 128), bits=4, group_size=32, **_k_factors(b))
 
 
 def _q5_k(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
-    scales, mins = _k_factors(b)
     qh = b[..., 16:48]                                                        # bit j of byte l: sub-block j, element l
     runs = b[..., 48:176].reshape(R, nb, 4, 32)
     q = torch.empty(R, nb, 8, 32, dtype=torch.uint8)
     for j in range(8):
         low = runs[:, :, j // 2] & 0xF if j % 2 == 0 else runs[:, :, j // 2] >> 4
         q[:, :, j] = low | (((qh >> j) & 1) << 4)
-    return Codes(q.view(torch.int8).reshape(R, nb * QK_K), scales, mins, 8, 32)
+    return Codes(pack_six(q.reshape(R, nb * QK_K)), bits=6, group_size=32, **_k_factors(b))
 
 
 def _q6_k(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     ql = b[..., 0:128].reshape(R, nb, 2, 2, 32)                              # half, run, element
     qh = b[..., 128:192].reshape(R, nb, 2, 32)
-    sc = b[..., 192:208].contiguous().view(torch.int8).to(torch.float32)     # [R, nb, 16]
-    d = _f16(b[..., 208:210])
+    sc = b[..., 192:208].contiguous().view(torch.int8)                       # [R, nb, 16]
+    d = _fp16(b[..., 208:210])
     # each half of 128 elements, in quarters of 32: low 4 bits from the low nibbles of run 0, run 1,
     # then the high nibbles of run 0, run 1; top 2 bits from bit pairs 0, 2, 4, 6 of the half's qh
     q = torch.empty(R, nb, 2, 4, 32, dtype=torch.uint8)
@@ -181,23 +197,21 @@ def _q6_k(b: torch.Tensor) -> Codes:
         run = ql[:, :, :, t % 2]
         low = run & 0xF if t < 2 else run >> 4
         q[:, :, :, t] = low | (((qh >> (2 * t)) & 3) << 4)
-    q.sub_(32)                                                                # uint8 wraps: q − 32 as int8
-    scales = (d.unsqueeze(-1) * sc).reshape(R, nb * 16)
-    return Codes(q.view(torch.int8).reshape(R, nb * QK_K), scales, None, 8, 16)
+    return Codes(pack_six(q.reshape(R, nb * QK_K)), sc.reshape(R, nb * 16), None, 6, 16, super_scales=d)
 
 
 FORMATS = {
-    "F32": GGMLFormat("F32", 1, 4, None, None, False, True),
-    "F16": GGMLFormat("F16", 1, 2, None, None, False, True),
-    "BF16": GGMLFormat("BF16", 1, 2, None, None, False, True),
-    "Q8_0": GGMLFormat("Q8_0", 32, 34, 8, 32, False, True),
-    "Q4_0": GGMLFormat("Q4_0", 32, 18, 4, 32, False, True),
-    "Q4_1": GGMLFormat("Q4_1", 32, 20, 4, 32, True, True),
-    "Q5_0": GGMLFormat("Q5_0", 32, 22, 8, 32, False, True),
-    "Q5_1": GGMLFormat("Q5_1", 32, 24, 8, 32, True, True),
-    "Q4_K": GGMLFormat("Q4_K", QK_K, 144, 4, 32, True, False),
-    "Q5_K": GGMLFormat("Q5_K", QK_K, 176, 8, 32, True, False),
-    "Q6_K": GGMLFormat("Q6_K", QK_K, 210, 8, 16, False, False),
+    "F32": GGMLFormat("F32", 1, 4, None, None, False),
+    "F16": GGMLFormat("F16", 1, 2, None, None, False),
+    "BF16": GGMLFormat("BF16", 1, 2, None, None, False),
+    "Q8_0": GGMLFormat("Q8_0", 32, 34, 8, 32, False),
+    "Q4_0": GGMLFormat("Q4_0", 32, 18, 4, 32, False),
+    "Q4_1": GGMLFormat("Q4_1", 32, 20, 4, 32, True),
+    "Q5_0": GGMLFormat("Q5_0", 32, 22, 8, 32, False),
+    "Q5_1": GGMLFormat("Q5_1", 32, 24, 8, 32, True),
+    "Q4_K": GGMLFormat("Q4_K", QK_K, 144, 4, 32, True, QK_K),
+    "Q5_K": GGMLFormat("Q5_K", QK_K, 176, 6, 32, True, QK_K),
+    "Q6_K": GGMLFormat("Q6_K", QK_K, 210, 6, 16, False, QK_K),
 }
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
              "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
@@ -225,7 +239,7 @@ def decode_float(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> torch.Tensor:
 
 def codes_to_float(c: Codes) -> torch.Tensor:
     """What the GGUF block means, in float32, from unrounded scales (gguf's own dequantize)."""
-    return dequantize(c.qweight, c.scales, c.mins, c.bits)
+    return dequantize(c.qweight, c.scales, c.mins, c.bits, super_scales=c.super_scales, super_mins=c.super_mins)
 
 
 def to_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
@@ -236,21 +250,21 @@ def to_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def promote(c: Codes, bits: int, group_size: int, asymmetric: bool) -> Codes:
-    """The same weights in a wider Clover form (more bits, smaller groups, with mins) — exact.
-    Used when two GGUF tensors that Clover stores as one matrix (an expert's gate and up) differ."""
+    """The same weights in a wider one-level Clover form (more bits, smaller groups, with mins): exact
+    codes, and two-level scales flattened to float32 per group (d·sc, exact). Used when two GGUF
+    tensors that Clover stores as one matrix (an expert's gate and up) differ, or when value heads are
+    reordered across super-blocks."""
     if bits < c.bits or c.group_size % group_size or (c.mins is not None and not asymmetric):
         raise ValueError(f"cannot widen int{c.bits}/group {c.group_size} to int{bits}/group {group_size}")
-    qweight, scales, mins = c.qweight, c.scales, c.mins
-    if c.bits == 4 and (bits == 8 or asymmetric):
-        u = unpack_nibbles(qweight)
-        if mins is None and asymmetric:
-            mins = -8 * scales                                               # s·(u − 8) = s·u − 8s
-        if bits == 8:
-            qweight = (u.to(torch.int8) - (8 if mins is None else 0))
-        else:
-            qweight = pack_nibbles(u)
-    if asymmetric and mins is None:
-        mins = torch.zeros_like(scales)
+    scales = group_scales(c.scales, c.super_scales)
+    mins = None if c.mins is None else group_scales(c.mins, c.super_mins)
+    # value codes v: int8 signed, int4/int6 unsigned; w = s·(v − Z) symmetric, s·v + m with mins
+    v = codes(c.qweight, c.bits)
+    if mins is None:
+        v = v - ZERO_POINT[c.bits] + ZERO_POINT[bits]
+        if asymmetric:
+            mins = -ZERO_POINT[bits] * scales                               # s·(v − Z) = s·v − Z·s
+    qweight = v.to(torch.int8) if bits == 8 else (pack_nibbles if bits == 4 else pack_six)(v.to(torch.uint8))
     k = c.group_size // group_size
     if k > 1:
         scales = scales.repeat_interleave(k, dim=-1)

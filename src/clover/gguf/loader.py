@@ -2,9 +2,10 @@
 
 Quantized GGUF tensors are converted once, at load, into Clover's own quantized layout (format.py
 of clover.quantization): each matrix Clover can quantize (every linear map but the router and the
-shared expert's output gate, the untied lm_head, the routed experts) becomes a `QuantizedLinear` /
-`QuantizedWeight` with the GGUF type's Clover form (blocks.py). Everything else — embeddings, norms,
-the router, convolutions, float-typed matrices — is dequantized or cast to the model's dtype.
+shared expert's output gate, the untied lm_head, the routed experts, the untied token embeddings)
+becomes a `QuantizedLinear` / `QuantizedWeight` / `QuantizedEmbedding` with the GGUF type's Clover
+form (blocks.py). Everything else — norms, the router, convolutions, tied embeddings, float-typed
+matrices — is dequantized or cast to the model's dtype.
 A matrix whose value heads must be reordered by whole groups is dequantized when a head is not a
 whole number of groups (never for Qwen3.5-MoE's 128-wide heads).
 
@@ -23,8 +24,8 @@ import torch
 from torch import nn
 
 from ..checkpoint import _clover_default, _no_weight_init
-from ..quantization.format import QuantSpec
-from ..quantization.modules import KEPT, QuantizedLinear, QuantizedWeight
+from ..quantization.format import QuantSpec, codes, pack_nibbles, pack_six
+from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, promote, to_fp16
 from .config import read_config
 from .file import GGUFError, GGUFFile, TensorInfo
@@ -143,7 +144,9 @@ def _quantizable_modules(model) -> dict[str, tuple[str, object]]:
     out = {}
     for name, m in model.named_modules():
         leaf = name.rpartition(".")[2]
-        if isinstance(m, nn.Linear) and leaf not in KEPT and not (tied and name == "lm_head"):
+        if isinstance(m, nn.Embedding) and not tied:       # (a tied table is also the lm_head: kept in float)
+            out[f"{name}.weight"] = (name, m)
+        elif isinstance(m, nn.Linear) and leaf not in KEPT and not (tied and name == "lm_head"):
             out[f"{name}.weight"] = (name, m)
         elif isinstance(m, Experts):
             out[f"{name}.gate_up_proj"] = (name, m)
@@ -152,17 +155,23 @@ def _quantizable_modules(model) -> dict[str, tuple[str, object]]:
 
 
 def _target_form(f: GGUFFile, entry: Entry):
-    """(bits, group, asymmetric) all of the entry's stored tensors convert to exactly, or None when
-    it stays in float (a float type, or value heads that do not fall on whole groups)."""
+    """(bits, group, asymmetric, super_group) all of the entry's stored tensors convert to, or None
+    when it stays in float (a float type, or value heads that do not fall on whole groups). A K-quant
+    keeps its two-level scales when it is the entry's only type and no value-head reordering cuts its
+    super-blocks; otherwise its scales are flattened to fp16 per group (blocks.py)."""
     fmts = [FORMATS[f.tensors[s.name].type_name] for s in entry.sources]
     if not all(fmt.quantized for fmt in fmts):
         return None
+    head = None if entry.layout.col_perm is None else entry.layout.col_perm[0]
+    first = fmts[0]
+    if first.super_group and all(fmt == first for fmt in fmts) and (head is None or head % first.super_group == 0):
+        return first.bits, first.group_size, first.asymmetric, first.super_group
     bits = max(fmt.bits for fmt in fmts)
     group = min(fmt.group_size for fmt in fmts)
     asym = any(fmt.asymmetric for fmt in fmts)
-    if entry.layout.col_perm is not None and entry.layout.col_perm[0] % group:
+    if head is not None and head % group:
         return None
-    return bits, group, asym
+    return bits, group, asym, None
 
 
 def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, QuantizedWeight]:
@@ -176,12 +185,16 @@ def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, 
         form = _target_form(f, entry)
         if form is None:
             continue
-        bits, group, asym = form
-        spec = QuantSpec(bits, group)
+        bits, group, asym, super_group = form
+        spec = QuantSpec(bits, group, super_group)
         module_name, module = candidates[entry.param]
         parent_name, _, leaf = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Embedding):
+            new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, spec, mins=asym, dtype=dtype,
+                                     device=device)
+            setattr(parent, leaf, new)
+        elif isinstance(module, nn.Linear):
             new = QuantizedLinear(module.in_features, module.out_features, spec, bias=module.bias is not None,
                                   mins=asym, dtype=dtype, device=device)
             setattr(parent, leaf, new)
@@ -241,30 +254,52 @@ def _fill_float(f: GGUFFile, entry: Entry, tensor: torch.Tensor) -> None:
             raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
 
 
+def _reorder_columns(c: Codes, layout) -> Codes:
+    """Undo the converter's value-head reordering of input columns on codes and (super-)scales."""
+    head = layout.col_perm[0]
+    u = codes(c.qweight, c.bits)
+    u = layout.apply_cols(u, head)
+    qweight = u.to(torch.int8) if c.bits == 8 else (pack_nibbles if c.bits == 4 else pack_six)(u.to(torch.uint8))
+
+    def cols(t, width):
+        return None if t is None else layout.apply_cols(t, head // width)
+
+    supers = c.super_group
+    return Codes(qweight, cols(c.scales, c.group_size), cols(c.mins, c.group_size), c.bits, c.group_size,
+                 cols(c.super_scales, supers), cols(c.super_mins, supers))
+
+
 def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
     """Convert each stored tensor of `entry` into the buffers of the quantized `module`."""
     layout = entry.layout
-    qweight = module.qweight.view(-1, module.qweight.shape[-1])
-    scales = module.scales.view(-1, module.scales.shape[-1])
-    mins = None if module.mins is None else module.mins.view(-1, module.mins.shape[-1])
+
+    def rows_of(t):
+        return None if t is None else t.view(-1, t.shape[-1])
+
+    qweight, scales, mins = rows_of(module.qweight), rows_of(module.scales), rows_of(module.mins)
+    supers, super_mins = rows_of(module.super_scales), rows_of(module.super_mins)
+    form = (module.bits, module.group_size, mins is not None, module.super_group)
     for src in entry.sources:
         info = f.tensors[src.name]
         fmt = FORMATS[info.type_name]
         try:
             for r0, r1, K, raw in _row_chunks(f, info, fmt):
                 c = decode_codes(fmt, raw, K)
-                if (c.bits, c.group_size, c.mins is not None) != (module.bits, module.group_size, mins is not None):
+                if c.form() != form:
                     c = promote(c, module.bits, module.group_size, mins is not None)
                 if layout.col_perm is not None:
-                    head = layout.col_perm[0]
-                    c = Codes(layout.apply_cols(c.qweight, head // (2 if c.bits == 4 else 1)),
-                              layout.apply_cols(c.scales, head // c.group_size),
-                              None if c.mins is None else layout.apply_cols(c.mins, head // c.group_size),
-                              c.bits, c.group_size)
+                    c = _reorder_columns(c, layout)
                 _put_rows(qweight, src.rows, r0, r1, c.qweight)
-                _put_rows(scales, src.rows, r0, r1, to_fp16(c.scales, "scales"))
+                if supers is None:
+                    _put_rows(scales, src.rows, r0, r1, to_fp16(c.scales, "scales"))
+                    if mins is not None:
+                        _put_rows(mins, src.rows, r0, r1, to_fp16(c.mins, "mins"))
+                    continue
+                _put_rows(scales, src.rows, r0, r1, c.scales)
+                _put_rows(supers, src.rows, r0, r1, c.super_scales)
                 if mins is not None:
-                    _put_rows(mins, src.rows, r0, r1, to_fp16(c.mins, "mins"))
+                    _put_rows(mins, src.rows, r0, r1, c.mins)
+                    _put_rows(super_mins, src.rows, r0, r1, c.super_mins)
         except ValueError as exc:
             raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
 

@@ -114,6 +114,8 @@ CLV_I(clv_and_si512)(__m512i a, __m512i b) { return (__m512i){_mm256_and_si256(a
 CLV_I(clv_add_epi32)(__m512i a, __m512i b) { return (__m512i){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 CLV_I(clv_slli_epi32)(__m512i a, int n) { return (__m512i){_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 CLV_I(clv_srli_epi16)(__m512i a, int n) { return (__m512i){_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
+CLV_I(clv_slli_epi16)(__m512i a, int n) { return (__m512i){_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }
+CLV_I(clv_or_si512)(__m512i a, __m512i b) { return (__m512i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 static inline int clv_reduce_add_epi32(__m512i a) {
     __m256i t3 = _mm256_add_epi32(a.hi, a.lo);
     __m128i t6 = _mm_add_epi32(_mm256_extracti128_si256(t3, 1), _mm256_castsi256_si128(t3));
@@ -129,9 +131,10 @@ static inline __m256i clv_dpbusd8(__m256i acc, __m256i u, __m256i s) {
 CLV_I(clv_dpbusd_epi32)(__m512i acc, __m512i u, __m512i s) {
     return (__m512i){clv_dpbusd8(acc.lo, u.lo, s.lo), clv_dpbusd8(acc.hi, u.hi, s.hi)};
 }
-/* Two such sums where every u is below 16 (int4 codes): `vpmaddubsw` sums byte pairs into 16 bits
- * without saturating (each pair within ±2·15·127, both sums within ±7620), `vpmaddwd` by ones sums
- * those into the 32-bit lanes — five instructions where the general form takes fourteen */
+/* Two such sums where every u is below 64 (int4 and int6 codes) and every s above −128 (the kernels'
+ * input codes): `vpmaddubsw` sums byte pairs into 16 bits without saturating (each pair within
+ * ±2·63·127, both sums within ±32004), `vpmaddwd` by ones sums those into the 32-bit lanes — five
+ * instructions where the general form takes fourteen */
 static inline __m256i clv_dpbusd_nibbles8(__m256i acc, __m256i u, __m256i s, __m256i v, __m256i t) {
     __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(v, t));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
@@ -147,6 +150,9 @@ CLV_F(clv_cvtepi32_ps)(__m512i a) { return (__m512){_mm256_cvtepi32_ps(a.lo), _m
 CLV_I(clv_cvtps_epi32)(__m512 a) { return (__m512i){_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 CLV_I(clv_cvtepu16_epi32)(__m256i a) {
     return (__m512i){_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1))};
+}
+CLV_I(clv_cvtepi8_epi32)(__m128i a) {
+    return (__m512i){_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))};
 }
 CLV_F(clv_cvtph_ps)(__m256i h) {
     return (__m512){_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
@@ -222,6 +228,9 @@ static inline void clv_mask_storeu_epi16(void *p, __mmask16 m, __m256i x) {
 #define _mm512_slli_epi32 clv_slli_epi32
 #undef _mm512_srli_epi16
 #define _mm512_srli_epi16 clv_srli_epi16
+#define _mm512_slli_epi16 clv_slli_epi16
+#define _mm512_or_si512 clv_or_si512
+#define _mm512_cvtepi8_epi32 clv_cvtepi8_epi32
 #define _mm512_reduce_add_epi32 clv_reduce_add_epi32
 #define _mm512_dpbusd_epi32 clv_dpbusd_epi32
 #define _mm512_castsi512_ps clv_castsi512_ps

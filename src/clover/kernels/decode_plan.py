@@ -94,7 +94,11 @@ def supported(model) -> bool:
             or getattr(model.backend, "name", None) != "cpu" or library() is None):
         return False
     embed = model.model.embed_tokens
-    if type(embed) is not nn.Embedding or embed.weight.dtype != _BF16 or embed.weight.device.type != "cpu":
+    quantized = type(embed).__name__ == "QuantizedEmbedding"
+    if not quantized and (type(embed) is not nn.Embedding or embed.weight.dtype != _BF16
+                          or embed.weight.device.type != "cpu"):
+        return False
+    if quantized and (embed.compute_dtype != _BF16 or embed.qweight.device.type != "cpu"):
         return False
     for layer in model.model.layers:
         if type(layer.mlp) is not SparseMoE or not packed_for_kernels(layer.mlp):
@@ -313,7 +317,11 @@ class _Plan:
             if self.head is not None:
                 self.head[1][1][-1] = threads
             self.threads = threads
-        torch.index_select(model.model.embed_tokens.weight, 0, ids.view(-1), out=buf.embed.view(B, -1))
+        embed = model.model.embed_tokens
+        if isinstance(embed, nn.Embedding):
+            torch.index_select(embed.weight, 0, ids.view(-1), out=buf.embed.view(B, -1))
+        else:                                            # a quantized table: the looked-up rows dequantized
+            buf.embed.view(B, -1).copy_(embed(ids.view(-1)))
         read, write = batch.read_slots, batch.write_slots
         for index, (tails, new_tails, states, new_states) in self.gdn:
             conv, rec = pool.conv[index], pool.recurrent[index]

@@ -1,4 +1,4 @@
-/* Matrix products with int8 / int4 weights (group-wise fp16 scales) and int8-quantized inputs.
+/* Matrix products with int8 / int6 / int4 weights (group-wise scales) and int8-quantized inputs.
  *
  * Why integer dot products: dequantizing int4 weights to fp32 in registers costs ~4 vector
  * instructions per 16 weights before the fused multiply-add, which caps a one-row product (decode)
@@ -8,13 +8,18 @@
  * unsigned operand (int8 weights stored as q + 128, int4 codes 0…15), the input codes the signed one.
  * Per group and output column, with input codes a (scale α, sum Σa) and weight codes u:
  *     Σ_k w_k·x_k ≈ α·s·(Σ u·a − z·Σa) [+ α·m·Σa]
- * z = 128 for int8, 8 for symmetric int4, 0 with offsets (mins: w = s·u + m). The integer part is exact;
- * each group's term is added to an fp32 accumulator. clover/kernels/quant_panels.py has the reference
- * (the same arithmetic in PyTorch) and the layout.
+ * z = 128 for int8, 32 for symmetric int6, 8 for symmetric int4, 0 with offsets (mins: w = s·u + m).
+ * The integer part is exact; each group's term is added to an fp32 accumulator. The scales s (and m)
+ * are fp16 per group, or with two-level scales (GGUF's K-quants held as loaded) an int8 code per group
+ * times an fp16 super-scale per `super_group` inputs, multiplied here (exact in fp32).
+ * clover/kernels/quant_panels.py has the reference (the same arithmetic in PyTorch) and the layout.
  *
  * Panel layout (32 output columns, two halves of 16; per group, in input order):
  *   int8: per 4 inputs 128 bytes: half h, column j, input i at byte 64h + 4j + i;
- *   int4: per 8 inputs 128 bytes: byte 64h + 4j + i holds input i (low nibble) and input 4 + i (high).
+ *   int4: per 8 inputs 128 bytes: byte 64h + 4j + i holds input i (low nibble) and input 4 + i (high);
+ *   int6: per 8 inputs the 128 bytes of int4 (the low 4 bits), then 64 bytes of top bits: byte 4j + i
+ *         holds, in bit pairs from the lowest, those of half 0 input i, half 0 input 4 + i, half 1
+ *         input i, half 1 input 4 + i.
  * So one 64-byte load is 16 columns × 4 (or 8) inputs, and the input codes of those 4 inputs are one
  * broadcast 32-bit word. */
 #include <immintrin.h>
@@ -97,16 +102,33 @@ static void pack_block_q(const void *A, long lda, int a_bf16, int K, int group, 
 
 static inline __m512 half_scales(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
 
+/* A panel's scales (or mins): fp16 per group and column, or int8 codes with fp16 super-scales. */
+typedef struct { const void *values; const uint16_t *supers; int per_super; } QScales;
+
+static inline void group_scales(const QScales *q, int g, __m512 *s0, __m512 *s1) {
+    if (!q->supers) {
+        const uint16_t *s = (const uint16_t *)q->values + g * PANEL;
+        *s0 = half_scales(s);
+        *s1 = half_scales(s + 16);
+        return;
+    }
+    const int8_t *c = (const int8_t *)q->values + g * PANEL;
+    const uint16_t *d = q->supers + (g / q->per_super) * PANEL;
+    *s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), half_scales(d));
+    *s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))),
+                        half_scales(d + 16));
+}
+
 /* R rows times one panel of BITS-bit codes. */
 #define DEFINE_QKERNEL(R, BITS)                                                                       \
-static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_t *W, const uint16_t *S,  \
-                                 const uint16_t *Mn, char *C, long ldc_bytes, int ncols, int c_fp32,      \
+static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_t *W, const QScales *S,  \
+                                 const QScales *Mn, char *C, long ldc_bytes, int ncols, int c_fp32,       \
                                  const Epilogue *ep, long row0) {                                         \
     int groups = K / group;                                                                               \
     const int32_t *words = (const int32_t *)blk;                                                          \
     const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
     const float *alpha = (const float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;   \
-    const __m512i low = _mm512_set1_epi8(0x0F);                                                           \
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);                             \
     __m512 facc[2 * R];                                                                                   \
     for (int i = 0; i < 2 * R; i++) facc[i] = _mm512_setzero_ps();                                        \
     for (int g = 0; g < groups; g++) {                                                                    \
@@ -135,9 +157,16 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
                 }                                                                                         \
                 __m512i v0 = _mm512_loadu_si512((const void *)W), v1 = _mm512_loadu_si512((const void *)(W + 64)); \
-                W += 128;                                                                                 \
                 __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low); \
                 __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low); \
+                if (BITS == 6) {                                                                          \
+                    __m512i x = _mm512_loadu_si512((const void *)(W + 128));                              \
+                    l0 = _mm512_or_si512(l0, _mm512_and_si512(_mm512_slli_epi16(x, 4), top));             \
+                    h0 = _mm512_or_si512(h0, _mm512_and_si512(_mm512_slli_epi16(x, 2), top));             \
+                    l1 = _mm512_or_si512(l1, _mm512_and_si512(x, top));                                   \
+                    h1 = _mm512_or_si512(h1, _mm512_and_si512(_mm512_srli_epi16(x, 2), top));             \
+                }                                                                                         \
+                W += BITS == 6 ? 192 : 128;                                                               \
                 _Pragma("GCC unroll 6")                                                                   \
                 for (int r = 0; r < R; r++) {                                                             \
                     __m512i alo = _mm512_set1_epi32(wg[(2 * o) * R + r]);                                 \
@@ -147,7 +176,8 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        __m512 s0 = half_scales(S + g * PANEL), s1 = half_scales(S + g * PANEL + 16);                     \
+        __m512 s0, s1;                                                                                    \
+        group_scales(S, g, &s0, &s1);                                                                     \
         for (int r = 0; r < R; r++) {                                                                     \
             __m512 a = _mm512_set1_ps(alpha[g * R + r]);                                                  \
             facc[2 * r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[2 * r]), a), s0, facc[2 * r]); \
@@ -155,7 +185,8 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                                               facc[2 * r + 1]);                                           \
         }                                                                                                 \
         if (Mn) {                                                                                         \
-            __m512 m0 = half_scales(Mn + g * PANEL), m1 = half_scales(Mn + g * PANEL + 16);               \
+            __m512 m0, m1;                                                                                \
+            group_scales(Mn, g, &m0, &m1);                                                                \
             for (int r = 0; r < R; r++) {                                                                 \
                 __m512 t = _mm512_set1_ps(offset[g * R + r]);                                             \
                 facc[2 * r] = _mm512_fmadd_ps(m0, t, facc[2 * r]);                                        \
@@ -170,13 +201,19 @@ DEFINE_QKERNEL(1, 8) DEFINE_QKERNEL(2, 8) DEFINE_QKERNEL(3, 8) DEFINE_QKERNEL(4,
 DEFINE_QKERNEL(6, 8)
 DEFINE_QKERNEL(1, 4) DEFINE_QKERNEL(2, 4) DEFINE_QKERNEL(3, 4) DEFINE_QKERNEL(4, 4) DEFINE_QKERNEL(5, 4)
 DEFINE_QKERNEL(6, 4)
+DEFINE_QKERNEL(1, 6) DEFINE_QKERNEL(2, 6) DEFINE_QKERNEL(3, 6) DEFINE_QKERNEL(4, 6) DEFINE_QKERNEL(5, 6)
+DEFINE_QKERNEL(6, 6)
 
-typedef void (*qkernel_fn)(const char *, int, int, const uint8_t *, const uint16_t *, const uint16_t *, char *, long,
+typedef void (*qkernel_fn)(const char *, int, int, const uint8_t *, const QScales *, const QScales *, char *, long,
                            int, int, const Epilogue *, long);
 static const qkernel_fn QKERNELS8[QKERNEL_VARIANTS + 1] = {0, qkernel_8_1, qkernel_8_2, qkernel_8_3, qkernel_8_4, qkernel_8_5,
                                                 qkernel_8_6};
 static const qkernel_fn QKERNELS4[QKERNEL_VARIANTS + 1] = {0, qkernel_4_1, qkernel_4_2, qkernel_4_3, qkernel_4_4, qkernel_4_5,
                                                 qkernel_4_6};
+static const qkernel_fn QKERNELS6[QKERNEL_VARIANTS + 1] = {0, qkernel_6_1, qkernel_6_2, qkernel_6_3, qkernel_6_4, qkernel_6_5,
+                                                qkernel_6_6};
+
+static const qkernel_fn *kernels_for(int bits) { return bits == 8 ? QKERNELS8 : bits == 6 ? QKERNELS6 : QKERNELS4; }
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
@@ -217,30 +254,43 @@ static inline int work_chunk(int items, int threads) {
     return chunk < 1 ? 1 : chunk;
 }
 
-static int zero_point(const Weights *w) { return w->bits == 8 ? 128 : (w->mins ? 0 : 8); }
+static int zero_point(const Weights *w) { return w->bits == 8 ? 128 : w->mins ? 0 : w->bits == 6 ? 32 : 8; }
 
 static int valid(const Weights *w, int K) {
-    return (w->bits == 8 || w->bits == 4) && w->group >= 16 && w->group % 16 == 0 && K % w->group == 0;
+    if (w->super_group && (w->super_group % w->group || K % w->super_group || !w->super_scales
+                           || (w->mins && !w->super_mins)))
+        return 0;
+    return (w->bits == 8 || w->bits == 6 || w->bits == 4) && w->group >= 16 && w->group % 16 == 0 && K % w->group == 0;
+}
+
+/* Entry `e`, panel `p` of the scales (and mins) of `w`. */
+static void panel_scales(const Weights *w, int K, long e, int p, QScales *s, QScales *m) {
+    long groups = K / w->group, at = e * w->sstride + p * groups * PANEL, elem = w->super_group ? 1 : 2;
+    long supers = w->super_group ? K / w->super_group : 0, sat = e * w->supstride + p * supers * PANEL;
+    int per_super = w->super_group ? w->super_group / w->group : 0;
+    *s = (QScales){(const char *)w->scales + at * elem, w->super_group ? w->super_scales + sat : 0, per_super};
+    *m = (QScales){w->mins ? (const char *)w->mins + at * elem : 0, w->super_group && w->mins ? w->super_mins + sat : 0,
+                   per_super};
 }
 
 #define SERIAL_PACK_BYTES (1L << 16)
 #define ROW_CHUNK_BYTES (3L << 18)   /* packed inputs per chunk of rows: ~768 KB, beside a panel in L2 */
 
 static void run_panel(const qkernel_fn *kernels, const QBlock *blk, int first, int last, const char *buf,
-                      const Weights *w, const uint8_t *W, const uint16_t *S, const uint16_t *Mn, int K, char *C,
+                      const Weights *w, const uint8_t *W, const QScales *S, const QScales *Mn, int K, char *C,
                       long ldc_bytes, int ncols, int c_fp32, const Epilogue *ep) {
     for (int i = first; i < last; i++)
-        kernels[blk[i].rows](buf + blk[i].offset, K, w->group, W, S, Mn, C + (long)blk[i].row * ldc_bytes, ldc_bytes,
-                             ncols, c_fp32, ep, blk[i].row);
+        kernels[blk[i].rows](buf + blk[i].offset, K, w->group, W, S, Mn->values ? Mn : 0, C + (long)blk[i].row * ldc_bytes,
+                             ldc_bytes, ncols, c_fp32, ep, blk[i].row);
 }
 
 static int quant_gemm(const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N, void *C, long ldc,
                       int c_fp32, int threads) {
     if (!valid(w, K)) return -2;
-    const qkernel_fn *kernels = w->bits == 8 ? QKERNELS8 : QKERNELS4;
+    const qkernel_fn *kernels = kernels_for(w->bits);
     int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(panels, threads), zero = zero_point(w);
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize;
-    long panel_bytes = (long)K * PANEL * w->bits / 8, panel_scales = (long)(K / w->group) * PANEL;
+    long panel_bytes = (long)K * PANEL * w->bits / 8;
     int mc = (int)(ROW_CHUNK_BYTES / K) / QROWS * QROWS;
     if (mc < QROWS) mc = QROWS;
     int rows = imin(mc, M);
@@ -266,9 +316,10 @@ static int quant_gemm(const Weights *w, const void *A, long lda, int a_bf16, int
             #pragma omp for schedule(dynamic, chunk)
             for (int p = 0; p < panels; p++) {
                 char *Cp = (char *)C + (long)m0 * ldc_bytes + (long)p * PANEL * esize;
-                run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, w->scales + p * panel_scales,
-                          w->mins ? w->mins + p * panel_scales : 0, K, Cp, ldc_bytes, imin(PANEL, N - p * PANEL),
-                          c_fp32, 0);
+                QScales S, Mn;
+                panel_scales(w, K, 0, p, &S, &Mn);
+                run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, &S, &Mn, K, Cp, ldc_bytes,
+                          imin(PANEL, N - p * PANEL), c_fp32, 0);
             }
         }
     }
@@ -279,11 +330,11 @@ static int quant_gemm_grouped(const Weights *w, const void *A, long lda, int a_b
                               const int64_t *ids, const int64_t *a_rows, int K, int N, void *C, long ldc, int c_fp32,
                               int swiglu, const float *scale, int threads) {
     if (!valid(w, K) || ((swiglu || scale) && c_fp32) || (swiglu && N % PANEL)) return -2;
-    const qkernel_fn *kernels = w->bits == 8 ? QKERNELS8 : QKERNELS4;
+    const qkernel_fn *kernels = kernels_for(w->bits);
     Epilogue epilogue = {swiglu, scale}, *ep = (swiglu || scale) ? &epilogue : 0;
     int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads), zero = zero_point(w);
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize;
-    long panel_bytes = (long)K * PANEL * w->bits / 8, panel_scales = (long)(K / w->group) * PANEL;
+    long panel_bytes = (long)K * PANEL * w->bits / 8;
     long rows = offsets[G] - offsets[0];
     /* blocks: at most rows/QROWS + 2 per group (each group's tail may split in two) */
     if (!qreserve(block_bytes(QROWS, K, w->group) * (rows / QROWS + 2L * G + 1), rows + 2L * G)) return -1;
@@ -313,10 +364,10 @@ static int quant_gemm_grouped(const Weights *w, const void *A, long lda, int a_b
         for (int item = 0; item < G * panels; item++) {
             int g = item / panels, p = item % panels;
             const uint8_t *We = W + ids[g] * w->stride + p * panel_bytes;
-            const uint16_t *Se = w->scales + ids[g] * w->sstride + p * panel_scales;
-            const uint16_t *Me = w->mins ? w->mins + ids[g] * w->sstride + p * panel_scales : 0;
+            QScales Se, Me;
+            panel_scales(w, K, ids[g], p, &Se, &Me);
             char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
-            run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, Se, Me, K, Cp, ldc_bytes,
+            run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, &Se, &Me, K, Cp, ldc_bytes,
                       imin(PANEL, N - p * PANEL), c_fp32, ep);
         }
     }

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..quantization.format import unpack_nibbles
+from ..quantization.format import CODE_BYTES, unpack_nibbles, unpack_six
 from .build import library
 from .panels import PANEL, weight_buffer
 
@@ -26,14 +26,15 @@ HALF = PANEL // 2
 class _Weights(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int), ("group", ctypes.c_int), ("data", ctypes.c_void_p),
                 ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p), ("stride", ctypes.c_long),
-                ("sstride", ctypes.c_long)]
+                ("sstride", ctypes.c_long), ("super_group", ctypes.c_int), ("super_scales", ctypes.c_void_p),
+                ("super_mins", ctypes.c_void_p), ("supstride", ctypes.c_long)]
 
 
 def _codes_u8(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Stored codes [..., N, K'] → unsigned codes [..., N, K] uint8 (int8 weights offset by 128)."""
     if bits == 8:
         return qweight.view(torch.uint8) ^ 0x80                # q + 128 for two's-complement int8
-    return unpack_nibbles(qweight)
+    return unpack_nibbles(qweight) if bits == 4 else unpack_six(qweight)
 
 
 def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -43,8 +44,14 @@ def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return u.view(c, P, 2, HALF, K // 4, 4).permute(0, 1, 4, 2, 3, 5).reshape(c, P, -1)
     v = u.view(c, P, 2, HALF, K // 8, 2, 4)
-    byte = v[..., 0, :] | (v[..., 1, :] << 4)                  # [c, P, 2, 16, K/8, 4]
-    return byte.permute(0, 1, 4, 2, 3, 5).reshape(c, P, -1)
+    low = v & 0xF
+    byte = low[..., 0, :] | (low[..., 1, :] << 4)              # [c, P, 2, 16, K/8, 4]
+    nibbles = byte.permute(0, 1, 4, 2, 3, 5)                    # [c, P, K/8, 2, 16, 4]
+    if bits == 4:
+        return nibbles.reshape(c, P, -1)
+    top = (v >> 4).permute(0, 1, 4, 3, 6, 2, 5)                # [c, P, K/8, 16, 4, half, set]
+    crumbs = top[..., 0, 0] | (top[..., 0, 1] << 2) | (top[..., 1, 0] << 4) | (top[..., 1, 1] << 6)
+    return torch.cat([nibbles.reshape(c, P, K // 8, 128), crumbs.reshape(c, P, K // 8, 64)], dim=-1).reshape(c, P, -1)
 
 
 def _panel_scales(s: torch.Tensor) -> torch.Tensor:
@@ -58,18 +65,22 @@ STEP_CODES = 1 << 24        # codes reordered per step: bounds packing's tempora
 
 class QuantPanelWeight:
     """One quantized [N, K] matrix (or E stacked ones) in panel layout: `data` uint8, `scales` (and
-    `mins`) fp16 [..., ceil(N/32), K/G, 32]. `rows`: an optional order of the output rows (the SwiGLU
-    interleave of the experts' gate/up; −1 for a padding row, which gets zero scale).
+    `mins`) [..., ceil(N/32), K/G, 32] (fp16, or int8 codes with `super_scales` / `super_mins` fp16
+    [..., ceil(N/32), K/S, 32]: two-level scales). `rows`: an optional order of the output rows (the
+    SwiGLU interleave of the experts' gate/up; −1 for a padding row, which gets zero scale).
 
     Packing goes a slab at a time — several experts, or a band of 32-row panels of one large matrix —
     so its temporaries stay ~16 MB however large the matrix (a 248k-row vocabulary projection), and
     each step is a few large tensor ops rather than many small ones."""
 
-    def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None):
+    def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None,
+                 super_scales: torch.Tensor | None = None, super_mins: torch.Tensor | None = None):
         *lead, N, _ = qweight.shape
         groups = scales.shape[-1]
-        K = qweight.shape[-1] * (2 if bits == 4 else 1)
+        K = round(qweight.shape[-1] / CODE_BYTES[bits])
         self.bits, self.group, self.in_features = bits, K // groups, K
+        supers = None if super_scales is None else super_scales.shape[-1]
+        self.super_group = 0 if supers is None else K // supers
         self.lead = lead
         if rows is None and N % PANEL:
             rows = torch.arange(N)
@@ -79,10 +90,14 @@ class QuantPanelWeight:
             rows = torch.cat([rows, rows.new_full((P * PANEL - len(rows),), -1)])
         stack = math.prod(lead)
         self.data = weight_buffer((stack, P, K * PANEL * bits // 8), dtype=torch.uint8)
-        self.scales = torch.empty(stack, P, groups, PANEL, dtype=torch.float16)
-        self.mins = None if mins is None else torch.empty(stack, P, groups, PANEL, dtype=torch.float16)
+        self.scales = torch.empty(stack, P, groups, PANEL, dtype=scales.dtype)
+        self.mins = None if mins is None else torch.empty(stack, P, groups, PANEL, dtype=mins.dtype)
+        self.super_scales = None if supers is None else torch.empty(stack, P, supers, PANEL, dtype=torch.float16)
+        self.super_mins = None if super_mins is None else torch.empty(stack, P, supers, PANEL, dtype=torch.float16)
         q3, s3 = qweight.reshape(stack, N, -1), scales.reshape(stack, N, groups)
         m3 = None if mins is None else mins.reshape(stack, N, groups)
+        ss3 = None if supers is None else super_scales.reshape(stack, N, supers)
+        sm3 = None if super_mins is None else super_mins.reshape(stack, N, supers)
         band = max(1, STEP_CODES // (PANEL * K))                  # panels per step of one entry
         if band >= P:
             entries, band = max(1, STEP_CODES // (P * PANEL * K)), P
@@ -93,11 +108,27 @@ class QuantPanelWeight:
             for p0 in range(0, P, band):
                 p1 = min(P, p0 + band)
                 self._pack_slab(q3[e0:e1], s3[e0:e1], None if m3 is None else m3[e0:e1], rows, e0, e1, p0, p1)
+                for src, dst in ((ss3, self.super_scales), (sm3, self.super_mins)):
+                    if src is not None:
+                        dst[e0:e1, p0:p1].copy_(_panel_scales(self._rows(src[e0:e1], rows, p0, p1)))
         shape = (*lead, P) if lead else (P,)
         self.data = self.data.view(*shape, -1)
         self.scales = self.scales.view(*shape, groups, PANEL)
         self.mins = None if self.mins is None else self.mins.view(*shape, groups, PANEL)
+        if supers is not None:
+            self.super_scales = self.super_scales.view(*shape, supers, PANEL)
+            self.super_mins = None if self.super_mins is None else self.super_mins.view(*shape, supers, PANEL)
         self._struct = None
+
+    @staticmethod
+    def _rows(t, rows, p0, p1):
+        """Rows of panels p0:p1 of a per-row tensor t [c, N, ...] in packing order (padding rows zero)."""
+        if rows is None:
+            return t[:, p0 * PANEL:p1 * PANEL]
+        order = rows[p0 * PANEL:p1 * PANEL]
+        out = t[:, order.clamp(min=0)]
+        out[:, order < 0] = 0
+        return out
 
     def _pack_slab(self, q, s, m, rows, e0, e1, p0, p1):
         """Entries e0:e1, panels p0:p1 (their stored rows: q, s, m [c, N, ...])."""
@@ -128,15 +159,20 @@ class QuantPanelWeight:
         if self._struct is None:
             entry = self.data[0] if self.lead else self.data
             sentry = self.scales[0] if self.lead else self.scales
+            supers = self.super_scales
             self._struct = _Weights(self.bits, self.group, self.data.data_ptr(), self.scales.data_ptr(),
                                     None if self.mins is None else self.mins.data_ptr(),
-                                    entry.numel(), sentry.numel())
+                                    entry.numel(), sentry.numel(), self.super_group,
+                                    None if supers is None else supers.data_ptr(),
+                                    None if self.super_mins is None else self.super_mins.data_ptr(),
+                                    0 if supers is None else (supers[0] if self.lead else supers).numel())
         return self._struct
 
     def buffers(self) -> dict[str, torch.Tensor]:
         out = {"qdata": self.data, "qscales": self.scales}
-        if self.mins is not None:
-            out["qmins"] = self.mins
+        for key, tensor in (("qmins", self.mins), ("qsuper_scales", self.super_scales), ("qsuper_mins", self.super_mins)):
+            if tensor is not None:
+                out[key] = tensor
         return out
 
 
@@ -146,7 +182,7 @@ def weights_struct(weight) -> _Weights:
         return weight.struct()
     panels = weight.panels
     stride = panels[0].numel() * 2 if weight.lead else 0
-    return _Weights(16, 0, panels.data_ptr(), None, None, stride, 0)
+    return _Weights(16, 0, panels.data_ptr(), None, None, stride, 0, 0, None, None, 0)
 
 
 def swiglu_rows(intermediate: int) -> torch.Tensor:
@@ -225,19 +261,20 @@ def quantize_inputs(x: torch.Tensor, group: int):
     return q.double(), (amax / 127.0).squeeze(-1).double()
 
 
-def reference_linear(x: torch.Tensor, qweight, scales, mins, bits: int) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, qweight, scales, mins, bits: int, super_scales=None,
+                     super_mins=None) -> torch.Tensor:
     """What `linear` computes, in float64: inputs rounded as the kernel rounds them, then
     Σ_g α·(s·Σ w_code·a [+ m·Σa]) with the dequantized codes. x [M, K], weights stored [N, ...] → [M, N]."""
-    from ..quantization.format import codes
+    from ..quantization.format import ZERO_POINT, codes, group_scales
 
     c = codes(qweight, bits).double()
-    if bits == 4 and mins is None:
-        c = c - 8
+    if mins is None:
+        c = c - ZERO_POINT[bits]
     N, K = c.shape
     G = K // scales.shape[-1]
     q, alpha = quantize_inputs(x.reshape(-1, K), G)                      # [M, g, G], [M, g]
     dots = torch.einsum("mgk,ngk->mng", q, c.view(N, -1, G))              # exact integers
-    out = (dots * scales.double()[None]).mul(alpha[:, None, :])
+    out = (dots * group_scales(scales, super_scales).double()[None]).mul(alpha[:, None, :])
     if mins is not None:
-        out = out + mins.double()[None] * (alpha * q.sum(-1))[:, None, :]
+        out = out + group_scales(mins, super_mins).double()[None] * (alpha * q.sum(-1))[:, None, :]
     return out.sum(-1)

@@ -2,8 +2,12 @@
  * whatever its precision, so callers such as moe_block.c take any of them.
  *   bits 16: bf16 panels [ceil(N/32), K, 32] (panel_gemm.c);
  *   bits 8 / 4: quantized panels (quant_gemm.c): per 32-column panel and group of `group` inputs the
- *   codes, with fp16 scales (and optional fp16 offsets, `mins`) [ceil(N/32), K/group, 32].
- * `stride` (bytes) and `sstride` (fp16 elements) step from one stacked entry to the next. */
+ *   codes, with fp16 scales (and optional fp16 offsets, `mins`) [ceil(N/32), K/group, 32];
+ *   bits 6: the same with 6-bit codes;
+ *   two-level scales (`super_group` > 0): `scales` / `mins` are int8 codes of that shape, times the
+ *   fp16 `super_scales` / `super_mins` [ceil(N/32), K/super_group, 32].
+ * `stride` (bytes), `sstride` (scale elements) and `supstride` (super-scale elements) step from one
+ * stacked entry to the next. */
 #ifndef CLOVER_WEIGHTS_H
 #define CLOVER_WEIGHTS_H
 #include <stdint.h>
@@ -12,10 +16,14 @@ typedef struct {
     int bits;
     int group;
     const void *data;
-    const uint16_t *scales;
-    const uint16_t *mins;
+    const void *scales;
+    const void *mins;
     long stride;
     long sstride;
+    int super_group;
+    const uint16_t *super_scales;
+    const uint16_t *super_mins;
+    long supstride;
 } Weights;
 
 /* C[M, N] = A[M, K] . W^T (see clover_panel_gemm for the arguments); 0, -1 out of memory, -2 bad shape. */

@@ -58,16 +58,17 @@ def _pack_quantized(linears: list):
     """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels."""
     from ..kernels.quant_panels import QuantPanelWeight
 
-    first = linears[0]
-    mins = None if first.mins is None else torch.cat([m.mins for m in linears])
-    return QuantPanelWeight(torch.cat([m.qweight for m in linears]), torch.cat([m.scales for m in linears]), mins,
-                            first.bits)
+    def stacked(name):
+        return None if getattr(linears[0], name) is None else torch.cat([getattr(m, name) for m in linears])
+
+    return QuantPanelWeight(stacked("qweight"), stacked("scales"), stacked("mins"), linears[0].bits,
+                            super_scales=stacked("super_scales"), super_mins=stacked("super_mins"))
 
 
 def _kind(module):
     """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form."""
     if _quantized(module):
-        return ("quantized", module.bits, module.group_size, module.mins is not None)
+        return ("quantized", module.bits, module.group_size, module.super_group, module.mins is not None)
     weight = getattr(module, "weight", None)
     return ("bf16",) if weight is not None and weight.dtype == torch.bfloat16 else None
 
@@ -194,7 +195,7 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
     from .moe import Experts
 
     count = _fuse_input_projections(model, kernels)
-    tied = getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     # Collect names, not modules: a list of the modules themselves would keep every replaced
     # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
     names = [name for name, m in model.named_modules()

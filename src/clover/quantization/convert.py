@@ -104,6 +104,8 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
     from ..config import CloverConfig
 
     src, dst = Path(src), Path(dst)
+    if bits not in (4, 8):
+        raise ValueError(f"quantization bits must be 4 or 8, got {bits!r}")
     spec = QuantSpec(bits, group_size)
     if not src.is_dir():
         raise QuantizeError(f"{src} is not a model directory")

@@ -11,6 +11,20 @@ scale s (and, optionally, offset m):
     mins     float16 [..., N, K/group_size]  optional: then w = s · q + m (bits 8) or s · u + m (bits 4),
                                              the asymmetric form GGUF's K-quants convert to exactly.
 
+Two more forms hold GGUF's K-quants in memory bit for bit, at their own size (gguf/blocks.py; Clover
+does not write them to safetensors):
+
+    bits 6:  qweight uint8 [..., N, 3K/4]   w = s · (u − 32)       (u in 0…63; the first K/2 bytes hold
+                                                                    the low 4 bits as bits 4 does, byte
+                                                                    K/2 + j the top 2 bits of inputs
+                                                                    4j…4j+3, input 4j+i in bits 2i…2i+1)
+    two-level scales (`super_group` S, a multiple of the group):
+             scales int8 [..., N, K/group_size] codes c, super_scales float16 [..., N, K/S] d:
+             s = d · c (exact in fp32: an 11-bit by 8-bit product); likewise mins (int8 codes) with
+             super_mins, when mins are stored. Q4_K is int4 group 32 with both, Q6_K int6 group 16
+             with scales only (S = 256): 0.578 and 0.820 bytes per weight, where fp16 scales per group
+             would take 0.625 and 1.125 (bits 8 for Q6_K's codes).
+
 `clover quantize` writes the symmetric form (absmax per group: s = max|w| / 127 or / 7, rounded to fp16
 first and the codes computed against the rounded scale). The checkpoint keeps a module's name and
 replaces `.weight` by `.qweight` / `.scales` (/ `.mins`); everything else (embeddings, norms, the
@@ -27,8 +41,10 @@ from dataclasses import dataclass
 import torch
 
 METHOD = "clover"
-BITS = (4, 8)
+BITS = (4, 6, 8)
 SCALE_DTYPE = torch.float16
+CODE_BYTES = {8: 1.0, 6: 0.75, 4: 0.5}     # stored bytes per weight of the codes
+ZERO_POINT = {8: 0, 6: 32, 4: 8}            # the code of w = 0 in the symmetric forms
 
 
 @dataclass(frozen=True)
@@ -37,12 +53,17 @@ class QuantSpec:
 
     bits: int
     group_size: int
+    super_group: int | None = None       # two-level scales (GGUF K-quants): inputs per fp16 super-scale
 
     def __post_init__(self):
         if self.bits not in BITS:
-            raise ValueError(f"quantization bits must be 4 or 8, got {self.bits!r}")
+            raise ValueError(f"quantization bits must be 4, 6 or 8, got {self.bits!r}")
         if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size % 16:
             raise ValueError(f"quantization group_size must be a positive multiple of 16, got {self.group_size!r}")
+        if self.super_group is not None and (not isinstance(self.super_group, int) or self.super_group <= 0
+                                             or self.super_group % self.group_size):
+            raise ValueError(f"quantization super_group must be a positive multiple of the group size "
+                             f"{self.group_size}, got {self.super_group!r}")
 
     @classmethod
     def from_config(cls, raw) -> "QuantSpec | None":
@@ -53,6 +74,8 @@ class QuantSpec:
             method = raw.get("quant_method") if isinstance(raw, dict) else raw
             raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported "
                              f"(Clover reads {METHOD!r} checkpoints written by `clover quantize`, and GGUF files)")
+        if raw.get("bits") not in (4, 8):
+            raise ValueError(f"config.json: quantization_config.bits must be 4 or 8, got {raw.get('bits')!r}")
         return cls(bits=raw.get("bits"), group_size=raw.get("group_size"))
 
     def to_config(self) -> dict:
@@ -60,22 +83,38 @@ class QuantSpec:
 
     def fits(self, in_features: int) -> bool:
         """Whether a matrix with this many inputs can be quantized (K a multiple of the group)."""
-        return in_features % self.group_size == 0
+        return in_features % (self.super_group or self.group_size) == 0
 
     def shapes(self, shape) -> dict[str, tuple[int, ...]]:
-        """The stored tensors' shapes for a matrix of logical `shape` [..., N, K]."""
+        """The stored tensors' shapes for a matrix of logical `shape` [..., N, K] (qweight, scales, and
+        super_scales for two-level scales)."""
         *lead, N, K = shape
-        q = (*lead, N, K // 2) if self.bits == 4 else (*lead, N, K)
-        return {"qweight": q, "scales": (*lead, N, K // self.group_size)}
+        out = {"qweight": (*lead, N, int(K * CODE_BYTES[self.bits])), "scales": (*lead, N, K // self.group_size)}
+        if self.super_group:
+            out["super_scales"] = (*lead, N, K // self.super_group)
+        return out
 
     @property
     def qweight_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.bits == 4 else torch.int8
+        return torch.int8 if self.bits == 8 else torch.uint8
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """fp16 scales, or int8 scale codes under two-level scales."""
+        return torch.int8 if self.super_group else SCALE_DTYPE
+
+    def bytes_per_weight(self, mins: bool = False) -> float:
+        """Stored bytes per weight (codes, scales and any mins)."""
+        per_group = (1 if self.super_group else 2) * (2 if mins else 1)
+        supers = 2 * (2 if mins else 1) / self.super_group if self.super_group else 0.0
+        return CODE_BYTES[self.bits] + per_group / self.group_size + supers
 
 
 def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     """W [..., N, K] (any float dtype) → {"qweight", "scales"} in the stored layout (symmetric)."""
     *lead, N, K = weight.shape
+    if spec.bits not in (4, 8) or spec.super_group:
+        raise ValueError(f"Clover quantizes to int8 or int4 with fp16 scales (bits 8|4), not {spec}")
     if not spec.fits(K):
         raise ValueError(f"{K} inputs are not a multiple of the group size {spec.group_size}")
     G = spec.group_size
@@ -100,21 +139,47 @@ def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)
 
 
+def pack_six(u: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [..., K] (0…63, uint8) → the stored bytes [..., 3K/4]: low nibbles, then top bits."""
+    top = (u >> 4).view(*u.shape[:-1], -1, 4)
+    crumbs = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
+    return torch.cat([pack_nibbles(u & 0xF), crumbs], dim=-1)
+
+
+def unpack_six(qweight: torch.Tensor) -> torch.Tensor:
+    """The stored 6-bit bytes [..., 3K/4] → codes [..., K] (0…63, uint8)."""
+    half = qweight.shape[-1] * 2 // 3
+    low, crumbs = unpack_nibbles(qweight[..., :half]), qweight[..., half:]
+    top = torch.stack([(crumbs >> (2 * i)) & 3 for i in range(4)], dim=-1).flatten(-2)
+    return low | (top << 4)
+
+
 def codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integer codes [..., N, K] as int16: q for bits 8, u (0…15, no offset) for bits 4."""
-    return (qweight if bits == 8 else unpack_nibbles(qweight)).to(torch.int16)
+    """The integer codes [..., N, K] as int16: q for bits 8, u (no offset) for bits 4 and 6."""
+    if bits == 8:
+        return qweight.to(torch.int16)
+    return (unpack_nibbles(qweight) if bits == 4 else unpack_six(qweight)).to(torch.int16)
+
+
+def group_scales(scales: torch.Tensor, super_scales: torch.Tensor | None) -> torch.Tensor:
+    """Per-group scales (or mins) in fp32: the stored fp16 values, or super · code (exact) for two-level ones."""
+    if super_scales is None:
+        return scales.to(torch.float32)
+    per_super = scales.shape[-1] // super_scales.shape[-1]
+    return super_scales.to(torch.float32).repeat_interleave(per_super, dim=-1) * scales.to(torch.float32)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, super_scales: torch.Tensor | None = None,
+               super_mins: torch.Tensor | None = None) -> torch.Tensor:
     """The stored tensors → W [..., N, K] in `dtype` (computed in fp32, rounded once)."""
     c = codes(qweight, bits).to(torch.float32)
     *lead, N, K = c.shape
     groups = scales.shape[-1]
     c = c.view(*lead, N, groups, K // groups)
-    s = scales.to(torch.float32).unsqueeze(-1)
+    s = group_scales(scales, super_scales).unsqueeze(-1)
     if mins is None:
-        w = s * (c - 8) if bits == 4 else s * c
+        w = s * (c - ZERO_POINT[bits])
     else:
-        w = s * c + mins.to(torch.float32).unsqueeze(-1)
+        w = s * c + group_scales(mins, super_mins).unsqueeze(-1)
     return w.reshape(*lead, N, K).to(dtype)

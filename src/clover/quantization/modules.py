@@ -24,28 +24,40 @@ class QuantizedWeight(nn.Module):
     def __init__(self, shape, spec: QuantSpec, mins: bool = False, dtype=torch.bfloat16, device=None):
         super().__init__()
         self.shape = tuple(shape)
-        self.bits, self.group_size = spec.bits, spec.group_size
+        self.bits, self.group_size, self.super_group = spec.bits, spec.group_size, spec.super_group
         self.compute_dtype = dtype           # what dequantize() returns by default (the model's dtype)
         shapes = spec.shapes(self.shape)
         self.register_buffer("qweight", torch.empty(shapes["qweight"], dtype=spec.qweight_dtype, device=device))
-        self.register_buffer("scales", torch.empty(shapes["scales"], dtype=torch.float16, device=device))
-        self.register_buffer("mins", torch.empty(shapes["scales"], dtype=torch.float16, device=device)
+        self.register_buffer("scales", torch.empty(shapes["scales"], dtype=spec.scale_dtype, device=device))
+        self.register_buffer("mins", torch.empty(shapes["scales"], dtype=spec.scale_dtype, device=device)
                              if mins else None)
+        two_level = spec.super_group is not None
+        self.register_buffer("super_scales", torch.empty(shapes["super_scales"], dtype=torch.float16, device=device)
+                             if two_level else None)
+        self.register_buffer("super_mins", torch.empty(shapes["super_scales"], dtype=torch.float16, device=device)
+                             if two_level and mins else None)
 
     @property
     def spec(self) -> QuantSpec:
-        return QuantSpec(self.bits, self.group_size)
+        return QuantSpec(self.bits, self.group_size, self.super_group)
+
+    def stored(self, index=None) -> dict:
+        """The stored tensors (of entry `index` of a stack) as `dequantize` / the kernels' packing take them."""
+        pick = (lambda t: t) if index is None else (lambda t: None if t is None else t[index])
+        return {"qweight": pick(self.qweight), "scales": pick(self.scales), "mins": pick(self.mins),
+                "bits": self.bits, "super_scales": pick(self.super_scales), "super_mins": pick(self.super_mins)}
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        return dequantize(self.qweight, self.scales, self.mins, self.bits, dtype or self.compute_dtype)
+        return dequantize(**self.stored(), dtype=dtype or self.compute_dtype)
 
     def __getitem__(self, index) -> torch.Tensor:
         """Entry `index` of a stacked matrix (an expert), dequantized."""
-        mins = None if self.mins is None else self.mins[index]
-        return dequantize(self.qweight[index], self.scales[index], mins, self.bits, self.compute_dtype)
+        return dequantize(**self.stored(index), dtype=self.compute_dtype)
 
     def fill(self, weight: torch.Tensor) -> "QuantizedWeight":
         """Quantize float `weight` into this module's buffers (symmetric form)."""
+        if self.super_group is not None:
+            raise ValueError("two-level scales hold GGUF K-quants as loaded; Clover does not quantize into them")
         stored = quantize(weight, self.spec)
         self.qweight.copy_(stored["qweight"])
         self.scales.copy_(stored["scales"])
@@ -54,6 +66,7 @@ class QuantizedWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, bits={self.bits}, group_size={self.group_size}" + (
+            f", super_group={self.super_group}" if self.super_group else "") + (
             ", asymmetric" if self.mins is not None else "")
 
 
@@ -70,6 +83,22 @@ class QuantizedLinear(QuantizedWeight):
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
+class QuantizedEmbedding(QuantizedWeight):
+    """`nn.Embedding` with a quantized table [V, H] (a GGUF file's quantized `token_embd`): a lookup
+    dequantizes only the rows it reads, so a 248k-token vocabulary stays at the file's ~0.6 bytes per
+    weight instead of 2 in bf16."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, spec: QuantSpec, mins: bool = False,
+                 dtype=torch.bfloat16, device=None):
+        super().__init__((num_embeddings, embedding_dim), spec, mins, dtype, device)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = {k: (v.index_select(0, flat) if isinstance(v, torch.Tensor) else v) for k, v in self.stored().items()}
+        return dequantize(**rows, dtype=self.compute_dtype).view(*ids.shape, self.embedding_dim)
+
+
 # Matrices that stay in the model's precision: the router and the shared expert's output gate decide
 # routing and are tiny (a [1, H] map); embeddings are a table lookup, not a product.
 KEPT = ("shared_expert_gate",)
@@ -80,7 +109,7 @@ def quantizable(model, spec: QuantSpec) -> list[str]:
     lm_head when it is tied to the embeddings), and each layer's routed experts, where K fits the group."""
     from ..layers.moe import Experts
 
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     names = []
     for name, m in model.named_modules():
         leaf = name.rpartition(".")[2]
