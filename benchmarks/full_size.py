@@ -3,6 +3,7 @@
     python -m benchmarks.full_size                  # the full 40 layers (~20 GB on disk; needs ~21 GB of RAM)
     python -m benchmarks.full_size --layers 4       # smoke run, same per-layer shapes (~3.1 GB)
     python -m benchmarks.full_size --build-only     # only write (and check) the cached checkpoint
+    python -m benchmarks.full_size --gguf           # the same shape as a Q4_K_M GGUF file (~21 GB; full_size_gguf.py)
 
 The checkpoint is random and written once, straight in Clover's int4 format (quantization/format.py),
 to `$CLOVER_BENCH_CACHE/full-int4-{N}L` (or `--cache-dir`): `benchmarks.checkpoints`' "full" shapes
@@ -397,16 +398,27 @@ def main(argv=None) -> int:
     ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--ignore-memory", action="store_true",
                     help="load even when MemAvailable is below the checkpoint's size + 2 GiB")
+    ap.add_argument("--gguf", action="store_true",
+                    help="a Q4_K_M GGUF file of the same shape (llama.cpp's type choices) instead of Clover's int4")
     ap.add_argument("--out", default=None, help="JSON results (default: <cache>/full_size-{N}L.json)")
     args = ap.parse_args(argv)
 
-    path = ensure_checkpoint(args.layers, args.cache_dir, args.seed, args.force)
-    check_loadable(path)
+    if args.gguf:
+        from benchmarks import full_size_gguf
+
+        config = full_config(args.layers)
+        del config["quantization_config"]
+        path = full_size_gguf.ensure(args.layers, config, args.cache_dir, args.seed, args.force, log)
+        weights = path.stat().st_size
+        log(f"{path}: {weights / GB:.2f} GB")
+    else:
+        path = ensure_checkpoint(args.layers, args.cache_dir, args.seed, args.force)
+        check_loadable(path)
+        config = checkpoints.load_config(path)
+        weights = checkpoints.checkpoint_weight_bytes(path)
     if args.build_only:
         print(path)
         return 0
-    config = checkpoints.load_config(path)
-    weights = checkpoints.checkpoint_weight_bytes(path)
     available = int(next(l.split()[1] for l in Path("/proc/meminfo").read_text().splitlines()
                          if l.startswith("MemAvailable:"))) * 1024
     if weights + (2 << 30) > available and not args.ignore_memory:     # + packing's transient and the process
@@ -420,10 +432,15 @@ def main(argv=None) -> int:
     flush_denormals(True)
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    out_path = Path(args.out) if args.out else path.parent / f"full_size-{args.layers}L.json"
-    rb = read_bytes(config)
+    if args.out:
+        out_path = Path(args.out)
+    else:
+        out_path = path.parent.parent / f"full_size-{args.layers}L-q4_k_m.json" if args.gguf else \
+            path.parent / f"full_size-{args.layers}L.json"
+    rb = full_size_gguf.read_bytes(path, args.layers) if args.gguf else read_bytes(config)
     k, E, T = config["num_experts_per_tok"], config["num_experts"], args.prompt_len
     res = {"complete": False, "checkpoint": str(path), "layers": args.layers, "weights_bytes": weights,
+           "format": "gguf Q4_K_M" if args.gguf else f"clover int{BITS} g{GROUP}",
            "threads": threads, "system": system_info(), "cpu_busy_pct_before": cpu_busy_pct(),
            "decode_token_bytes": forward_bytes(rb, k, 1),
            "state_bytes_per_token": state_bytes(config, T + args.decode_steps)}
@@ -525,7 +542,7 @@ def report(res: dict) -> None:
                      "median": g.get("generate_seconds", g["wall_seconds"]), "unit": "s",
                      "spread": f"wall {g['wall_seconds']:.1f} s, {st.get('generated_tokens')} tokens, "
                                f"{st.get('forwards')} forwards, peak RSS {gb(g.get('peak_rss_bytes', 0)):.2f} GB"})
-    print_table(rows, title=f"{res['layers']} layers, {gb(res['weights_bytes']):.2f} GB int4 g{GROUP}, "
+    print_table(rows, title=f"{res['layers']} layers, {gb(res['weights_bytes']):.2f} GB {res.get('format', 'int4')}, "
                             f"{res['threads']} threads, CPU busy before {res['cpu_busy_pct_before']:.0f}%")
     print(f"decode reads {gb(res['decode_token_bytes']):.3f} GB of weights per token (+ {gb(res['state_bytes_per_token']):.3f} "
           f"GB of caches): roofline {res['decode_roofline_tokens_per_s']:.1f} tok/s at the read bandwidth")

@@ -517,6 +517,56 @@ def test_unexpected_tensor_and_missing_key(tmp_path):
         load_gguf(bad)
 
 
+def test_header_parser_matches_ggufs_reader(tmp_path):
+    """clover/gguf/header.py against `gguf.GGUFReader` on a file gguf's writer wrote: every value type
+    (scalars, strings, arrays of numbers, strings and arrays), tensor names, types, shapes and offsets
+    (custom alignment); and a header cut short is refused by name."""
+    from clover.gguf.file import GGUFFile, _read_header
+
+    path = tmp_path / "kv.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen35moe")
+    w.add_custom_alignment(64)
+    for add, key, value in ((w.add_uint8, "t.u8", 200), (w.add_int8, "t.i8", -5), (w.add_uint16, "t.u16", 65000),
+                            (w.add_int16, "t.i16", -300), (w.add_uint32, "t.u32", 4_000_000_000),
+                            (w.add_int32, "t.i32", -7), (w.add_float32, "t.f32", 1e-6), (w.add_uint64, "t.u64", 2**60),
+                            (w.add_int64, "t.i64", -2**40), (w.add_float64, "t.f64", 0.1), (w.add_bool, "t.b", True),
+                            (w.add_string, "t.s", "héllo ✓")):
+        add(key, value)
+    w.add_array("t.strings", ["a", "", "ü b", "<|im_end|>"] * 50)
+    w.add_array("t.ints", list(range(-3, 300)))
+    w.add_array("t.floats", [0.5, -2.25, 3.0])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_tensor("a.weight", np.arange(96, dtype=np.float32).reshape(3, 32))
+    w.add_tensor("b.weight", gguf.quants.quantize(np.ones((2, 64), np.float32), T.Q8_0), raw_dtype=T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fields, tensors = _read_header(path, 0)
+    reader = gguf.GGUFReader(path)
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+    assert sorted(fields) == sorted(keys)
+    with GGUFFile(path) as f:
+        for key in keys:
+            want = reader.fields[key].contents()
+            got = f.get(key)
+            if key == "t.f32":
+                assert got == 1e-6 and float(np.float32(got)) == want
+            elif key == "t.nested":                  # gguf's reader flattens nested arrays (its FIXME)
+                assert got == [[1, 2], [3]] and [x for part in got for x in part] == want
+            else:
+                assert got == want, key
+        for t in reader.tensors:
+            info = f.tensors[t.name]
+            assert (info.type_name, info.shape, info.offset, info.nbytes) == (
+                t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.data_offset), int(t.n_bytes))
+        assert torch.equal(f.raw(f.tensors["a.weight"]).view(torch.float32), torch.arange(96.0))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(GGUFError, match="not a readable GGUF file .*ends inside its header"):
+        GGUFFile(cut)
+
+
 def test_non_finite_transform_is_named(tmp_path):
     """ssm_a must be −exp(A_log) < 0; a value the inverse cannot undo (here NaN) is reported by name."""
     model = tiny()

@@ -1,8 +1,8 @@
-"""One GGUF model, a file or the shards of a split set read as one: its metadata (read by the `gguf`
-package) and its tensors' raw bytes (memory-mapped).
+"""One GGUF model, a file or the shards of a split set read as one: its metadata and its tensors' raw
+bytes (memory-mapped).
 
-The `gguf` package parses the header (metadata key/values, tensor names, types, shapes, offsets).
-The tensor bytes are read through our own memory map, chunk by chunk, and each chunk's pages are
+header.py parses the header (metadata key/values, tensor names, types, shapes, offsets); the `gguf`
+package names the tensor types and gives their block sizes. The tensor bytes are read through our own memory map, chunk by chunk, and each chunk's pages are
 released after use (`MADV_DONTNEED`), as checkpoint.py does for safetensors: loading never holds the
 file's pages and the converted weights at the same time.
 
@@ -16,7 +16,6 @@ Shapes are given in PyTorch order (GGUF lists `ne` innermost first; we reverse i
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, MappedBytes
+from .header import HeaderError, read_header
 from .split import describe_model, group_models, parse_shard_name
 
 
@@ -123,21 +123,30 @@ def _read_header(path: Path, shard: int) -> tuple[dict, dict[str, TensorInfo]]:
     """One file's metadata fields and tensor index, each tensor checked to lie inside the file."""
     gguf = import_gguf()
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        fields, index, start = read_header(path)
+    except (HeaderError, OSError) as exc:
+        raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from None
     size = path.stat().st_size
     tensors: dict[str, TensorInfo] = {}
-    for t in reader.tensors:
-        info = TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                          int(t.data_offset), int(t.n_bytes), shard)
+    for name, type_id, dims, offset in index:
+        try:
+            kind = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name!r} has unknown GGML type {type_id}") from None
+        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        if dims and dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name!r} {list(reversed(dims))} {kind.name}: rows of {dims[0]} are not "
+                            f"whole blocks of {block}")
+        info = TensorInfo(name, kind.name, tuple(int(d) for d in reversed(dims)), start + offset,
+                          count // block * block_bytes, shard)
         if info.offset + info.nbytes > size:
             raise GGUFError(f"{path}: truncated file: tensor {info.describe()} needs bytes "
                             f"{info.offset}..{info.offset + info.nbytes}, the file has {size}")
         if info.name in tensors:
             raise GGUFError(f"{path}: tensor {info.name!r} is stored twice")
         tensors[info.name] = info
-    return reader.fields, tensors       # the reader's own memory map lives on only in the fields' values
+    return fields, tensors
 
 
 def _value(fields: dict, key: str, default=None):
@@ -145,11 +154,9 @@ def _value(fields: dict, key: str, default=None):
     field = fields.get(key)
     if field is None:
         return default
-    value = field.contents()
-    if field.types and field.types[0].name == "FLOAT32" and isinstance(value, float):
+    kind, value = field
+    if kind == "FLOAT32":
         return float(str(np.float32(value)))   # as its shortest decimal (1e-06, not 9.99…e-07)
-    if isinstance(value, np.generic):
-        value = value.item()
     return value
 
 

@@ -1,0 +1,128 @@
+"""The GGUF header — metadata key/values and the tensor index — parsed in one pass over its bytes.
+
+Why not `gguf.GGUFReader`: it builds a numpy view per array element, and a Qwen3.5 file's tokenizer
+holds ~250k tokens and as many merges, so opening one took ~30 s on our 2-core machine (most of a
+full-size load's metadata time, paid again when the tokenizer is read). Here strings are sliced from
+one `bytes` buffer and numeric arrays read with one `np.frombuffer` each: well under a second. The
+`gguf` package still names the tensor types and gives their block sizes (`GGML_QUANT_SIZES`).
+
+Layout (GGUF versions 2 and 3, little-endian): magic "GGUF", version u32, tensor count u64, key/value
+count u64; each key/value: key (string), value type u32, value; a string is a u64 length and UTF-8
+bytes; an array is an element type u32, a u64 count and the elements. Then per tensor: name, dimension
+count u32, dimensions u64 (innermost first), type u32, offset u64 from the data section, which starts
+at the next multiple of `general.alignment` (32 by default) after the index.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+SCALARS = {0: ("UINT8", "<B"), 1: ("INT8", "<b"), 2: ("UINT16", "<H"), 3: ("INT16", "<h"), 4: ("UINT32", "<I"),
+           5: ("INT32", "<i"), 6: ("FLOAT32", "<f"), 7: ("BOOL", "<?"), 10: ("UINT64", "<Q"), 11: ("INT64", "<q"),
+           12: ("FLOAT64", "<d")}
+STRING, ARRAY = 8, 9
+HEADER_READ = 1 << 20           # bytes read at a time while parsing (the header is usually a few MB)
+
+
+class HeaderError(ValueError):
+    """The bytes are not a GGUF header this parser reads (the message says where and why)."""
+
+
+class _Cursor:
+    """Reads little-endian values from a file, buffering ahead as the header is consumed."""
+
+    def __init__(self, f):
+        self.f, self.buf, self.pos, self.base = f, b"", 0, 0
+
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            more = self.f.read(max(HEADER_READ, n))
+            self.base += self.pos
+            self.buf = self.buf[self.pos:] + more
+            self.pos = 0
+            if n > len(self.buf):
+                raise HeaderError(f"the file ends inside its header (at byte {self.base + len(self.buf)})")
+
+    def unpack(self, fmt: str):
+        size = struct.calcsize(fmt)
+        self.need(size)
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.need(n)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise HeaderError(f"a string at byte {self.offset - n} is not UTF-8 ({exc})") from None
+
+    def array(self, dtype: str, count: int) -> list:
+        size = np.dtype(dtype).itemsize * count
+        self.need(size)
+        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
+        self.pos += size
+        return values
+
+    @property
+    def offset(self) -> int:
+        return self.base + self.pos
+
+
+def _value(cur: _Cursor, vtype: int, key: str):
+    """(type name, Python value) of one metadata value; arrays as ("ARRAY", [...], element type name)."""
+    if vtype in SCALARS:
+        name, fmt = SCALARS[vtype]
+        return name, cur.unpack(fmt)
+    if vtype == STRING:
+        return "STRING", cur.string()
+    if vtype == ARRAY:
+        etype, count = cur.unpack("<I"), cur.unpack("<Q")
+        if etype in SCALARS:
+            return f"ARRAY[{SCALARS[etype][0]}]", cur.array(SCALARS[etype][1], count)
+        if etype == STRING:
+            return "ARRAY[STRING]", [cur.string() for _ in range(count)]
+        if etype == ARRAY:
+            return "ARRAY[ARRAY]", [_value(cur, ARRAY, key)[1] for _ in range(count)]
+        raise HeaderError(f"metadata key {key!r}: unknown array element type {etype}")
+    raise HeaderError(f"metadata key {key!r}: unknown value type {vtype}")
+
+
+def read_header(path) -> tuple[dict, list[tuple], int]:
+    """(fields: key → (type name, value), tensors: [(name, type id, dims innermost first, offset)],
+    data section start) of the GGUF file at `path`. Raises `HeaderError` naming what is wrong."""
+    with open(path, "rb") as f:
+        cur = _Cursor(f)
+        cur.need(4)
+        if cur.buf[:4] != b"GGUF":
+            raise HeaderError(f"no GGUF magic (the file starts with {cur.buf[:4]!r})")
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise HeaderError(f"GGUF version {version} (Clover reads versions 2 and 3, little-endian)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        fields = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            vtype = cur.unpack("<I")
+            if key in fields:
+                raise HeaderError(f"metadata key {key!r} appears twice")
+            fields[key] = _value(cur, vtype, key)
+        tensors = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("<I")
+            if n_dims > 8:
+                raise HeaderError(f"tensor {name!r}: {n_dims} dimensions")
+            dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
+            tensors.append((name, cur.unpack("<I"), dims, cur.unpack("<Q")))
+        alignment = fields.get("general.alignment", ("UINT32", 32))[1]
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise HeaderError(f"general.alignment is {alignment!r}, not a power of two")
+        start = -(-cur.offset // alignment) * alignment
+    return fields, tensors, start
