@@ -484,6 +484,9 @@ def main(argv=None) -> int:
     save()
     del engine, model, r
     gc.collect()
+    from clover.runtime import release_free_memory
+
+    release_free_memory()          # the heap back to the OS: the `clover generate` process needs the memory
     res["rss_after_free_bytes"] = vm("VmRSS")
     log("bandwidth, after freeing the model")
     bw.append(bandwidth_probe(threads))

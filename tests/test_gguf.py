@@ -424,6 +424,13 @@ def test_k_quant_model(tmp_path):
     gate_up, down = experts.gate_up_proj, experts.down_proj
     assert (gate_up.bits, gate_up.group_size, gate_up.mins is not None, gate_up.super_group) == (4, 32, True, 256)
     assert (down.bits, down.group_size, down.mins is not None, down.super_group) == (6, 16, False, 256)
+    from clover.cli import _quantization_summary
+
+    summary = _quantization_summary(loaded)                 # what `clover info` says of the mix
+    assert summary.startswith("int4, group 32, super-scales per 256, mins (") and "int6, group 16, super-scales per 256 (" in summary
+    parts = []
+    load_gguf(path, dtype=torch.float32, on_filled=lambda m, part: parts.append(part))
+    assert parts == ["lm_head"] + [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
     embed = loaded.model.embed_tokens                       # the Q4_K token table stays quantized
     assert isinstance(embed, QuantizedEmbedding) and embed.super_group == 256
     rows = torch.tensor([[0, 5, 5], [17, 2, 0]])
@@ -449,8 +456,10 @@ def test_k_quant_model(tmp_path):
     from clover.kernels import available
 
     if available():            # the default backend: every form of the mix on the quantized kernels
-        fast = clover.load(path)
+        fast = clover.load(path)              # each part packed as soon as it is filled (on_filled)
         assert fast.packed == "clover-kernels"
+        stored = [n for n, m in fast.named_modules() if isinstance(m, QuantizedWeight) and not isinstance(m, QuantizedEmbedding)]
+        assert stored == []                   # every quantized matrix repacked, none left in its stored form
         got, ref_logits = fast(ids).float(), lib(ids).float()
         assert ((got - ref_logits).norm() / ref_logits.norm()).item() < 0.05   # the inputs' int8 rounding
 
@@ -593,3 +602,6 @@ def test_cli_generates_from_a_quantized_gguf(tmp_path, capsys):
     assert main(["generate", "hello", "--model", str(path), "--max-new-tokens", "8", "--no-think", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 1 <= len(out["completion_ids"]) <= 8 and out["finish_reason"] in ("eos", "length")
+    assert main(["info", "--model", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["quantization"] == "int8, group 32"                 # every matrix Q8_0 (the vectors F32)

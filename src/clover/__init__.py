@@ -81,7 +81,16 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     if gguf is not None:
         from .gguf import load_gguf
 
-        model = load_gguf(gguf, dtype=load_dtype, device=device)
+        pack_as_filled = None
+        if packs:                          # each layer packed once filled: never all stored forms at once
+            from .layers.packed import _packing_backend, pack_part
+
+            def pack_as_filled(model, part):
+                kernels = _packing_backend(model, True if backend == "cpu" else None)
+                if kernels is not None:
+                    pack_part(model, part, kernels)
+
+        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled)
     else:
         model = load_model(path, dtype=load_dtype, device=device)
     if packs:

@@ -247,7 +247,24 @@ def _cpu_kernels() -> str:
         return "unavailable (neither AVX-512 BF16/VNNI nor AVX2/FMA/F16C): PyTorch"
     kind = {"pairs": "vdpbf16ps pairs", "fma": "fp32 FMAs"}[bf16_kernels()]
     dots = "VNNI" if build == "avx512" else "vpmaddubsw/vpmaddwd"
-    return f"native {build} (bf16 products: {kind}; int8/int4: {dots})"
+    return f"native {build} (bf16 products: {kind}; int8/int6/int4: {dots})"
+
+
+def _quantization_summary(model) -> str:
+    """The quantized matrices' forms ("int8, group 32"), with each form's share of the quantized weights
+    when they mix (a GGUF Q4_K_M file)."""
+    from clover.quantization.modules import QuantizedWeight
+
+    forms: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedWeight):
+            label = (f"int{m.bits}, group {m.group_size}" + (f", super-scales per {m.super_group}" if m.super_group else "")
+                     + (", mins" if m.mins is not None else ""))
+            forms[label] = forms.get(label, 0) + math.prod(m.shape)
+    if len(forms) <= 1:
+        return next(iter(forms), "none")
+    total = sum(forms.values())
+    return "; ".join(f"{label} ({100 * n / total:.1f}%)" for label, n in sorted(forms.items(), key=lambda kv: -kv[1]))
 
 
 def cmd_info(args) -> int:
@@ -261,14 +278,13 @@ def cmd_info(args) -> int:
     total = sum(sizes.values())
     expert = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
     active = total - expert + expert * c.num_experts_per_tok // c.num_experts
-    quant = getattr(model, "quantization", None)
     info = {
         "path": str(path), "model_type": c.model_type, "dtype": str(model.dtype).replace("torch.", ""),
         "layers": c.num_hidden_layers, "layer_types": list(c.layer_types), "hidden_size": c.hidden_size,
         "experts": f"{c.num_experts} routed (top-{c.num_experts_per_tok}) + 1 shared",
         "vocab_size": c.vocab_size, "context": c.max_position_embeddings,
         "parameters": total, "active_parameters_per_token": active,
-        "quantization": f"int{quant.bits}, group {quant.group_size}" if quant else "none",
+        "quantization": _quantization_summary(model),
         "weight_bytes": _weight_bytes(model),
         "block_expert_top_p": c.block_expert_top_p, "generation_defaults": model.generation_defaults,
         "tokenizer_vocab": tokenizer.vocab_size,

@@ -18,11 +18,11 @@ from pathlib import Path
 from .file import GGUFError, GGUFFile, find_gguf
 
 
-def load_gguf(path, dtype=None, device="cpu"):
+def load_gguf(path, dtype=None, device="cpu", on_filled=None):
     """A `CloverForCausalLM` from a GGUF file (see loader.py)."""
     from .loader import load_gguf as _load
 
-    return _load(path, dtype=dtype, device=device)
+    return _load(path, dtype=dtype, device=device, on_filled=on_filled)
 
 
 def read_config(path):

@@ -34,9 +34,12 @@ from .names import Entry, plan, skipped, squeezed
 CHUNK_BYTES = 16 << 20    # raw bytes decoded per step: bounds the temporaries of a conversion
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu"):
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", on_filled=None):
     """Build a `CloverForCausalLM` from a GGUF file. `dtype=None`: bfloat16 when the file's matrices
-    are BF16 or quantized, else their float type (F16 → float16, F32 → float32)."""
+    are BF16 or quantized, else their float type (F16 → float16, F32 → float32). `on_filled(model,
+    part)`, if given, is called as each part — "lm_head", "model.layers.N" — has all its parameters
+    (clover.load packs each part then, so the stored forms of the whole model never sit beside the
+    packed ones)."""
     from ..model import CloverForCausalLM
 
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
@@ -55,16 +58,23 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu"):
             from ..runtime import check_memory
 
             check_memory(_planned_nbytes(model, entries, quantized, dtype), str(f.path))
-        for entry in entries:
+        specs, count = set(), len(quantized)
+        for k, entry in enumerate(entries):
             if entry.param in defaults:
                 shape = model.get_parameter(entry.param).shape
                 _assign(model, entry.param, _clover_default(entry.param, shape, dtype).to(device))
             elif entry.param in quantized:
-                _fill_quantized(f, entry, quantized[entry.param])
+                module = quantized.pop(entry.param)      # (no reference left once on_filled repacks it)
+                _fill_quantized(f, entry, module)
+                specs.add(module.spec)
+                del module
             else:
                 tensor = torch.empty(entry.layout.shape, dtype=dtype, device=device)
                 _fill_float(f, entry, tensor)
                 _assign(model, entry.param, tensor)
+            part = _part(entry.param)
+            if on_filled is not None and part is not None and (k + 1 == len(entries) or _part(entries[k + 1].param) != part):
+                on_filled(model, part)
         read_bytes = sum(f.tensors[s.name].nbytes for e in entries if e.param not in defaults for s in e.sources)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -72,13 +82,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu"):
     model.model.rotary.to(device)
     model.eval().requires_grad_(False)
     model.source_path = Path(path)
-    specs = {m.spec for m in quantized.values()}
     model.quantization = specs.pop() if len(specs) == 1 else None
     model.gguf_types = {e.param: "+".join(sorted({f.tensors[s.name].type_name for s in e.sources}))
                         for e in entries if e.param not in defaults}
     model.gguf_load_stats = {"bytes": read_bytes, "seconds": time.perf_counter() - started,
-                             "quantized_matrices": len(quantized)}
+                             "quantized_matrices": count}
     return model
+
+
+def _part(param: str) -> str | None:
+    """The packing unit a parameter belongs to ("lm_head", "model.layers.N"), None for the others."""
+    if param.startswith("lm_head."):
+        return "lm_head"
+    if param.startswith("model.layers."):
+        return ".".join(param.split(".")[:3])
+    return None
 
 
 # ---- checks -------------------------------------------------------------------------------------

@@ -182,27 +182,50 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
     `kernels`: True for Clover's native kernels, False for oneDNN, None for the kernels where they are
     available (`clover.kernels.available()`). A no-op (returns 0) for other dtypes/devices or when
     the chosen backend is unavailable. Tied output embeddings stay unpacked (the embedding table
-    still needs the plain tensor)."""
+    still needs the plain tensor). Matrices already packed (`pack_part` during a load) are left as they are."""
+    kernels = _packing_backend(model, kernels)
+    if kernels is None:
+        return 0
+    count = pack_part(model, "", kernels)
+    if kernels:                 # the fused ops run the native kernels from now on (backend.py)
+        from ..backend import Backend
+
+        model.backend = Backend("cpu")
+    model.packed = "clover-kernels" if kernels else "onednn"
+    return count
+
+
+def _packing_backend(model, kernels: bool | None) -> bool | None:
+    """True (native kernels) / False (oneDNN) as `pack_for_cpu` would pack `model`, None for not at all."""
     from ..kernels import available
 
     if model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        return 0                           # (checked first: deciding on the kernels may compile them)
+        return None                        # (checked first: deciding on the kernels may compile them)
     if kernels is None:
         kernels = available()
-    if not (available() if kernels else onednn_available()):
-        return 0
+    return kernels if (available() if kernels else onednn_available()) else None
+
+
+def pack_part(model, prefix: str, kernels: bool) -> int:
+    """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
+    part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
+    the stored forms of the whole model never sit beside the packed ones)."""
     from ..runtime import release_free_memory
     from .moe import Experts
 
-    count = _fuse_input_projections(model, kernels)
+    def inside(name: str) -> bool:
+        return not prefix or name == prefix or name.startswith(prefix + ".")
+
+    count = _fuse_input_projections(model, kernels, inside)
     tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     # Collect names, not modules: a list of the modules themselves would keep every replaced
     # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
     names = [name for name, m in model.named_modules()
-             if (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
-             or (kernels and _quantized(m))
-             or (isinstance(m, Experts) and m.gate_up_proj is not None
-                 and ((kernels and m.quantized) or (not m.quantized and m.gate_up_proj.dtype == torch.bfloat16)))]
+             if inside(name) and (
+                 (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
+                 or (kernels and _quantized(m))
+                 or (isinstance(m, Experts) and m.gate_up_proj is not None
+                     and ((kernels and m.quantized) or (not m.quantized and m.gate_up_proj.dtype == torch.bfloat16))))]
     for qualified in names:
         parent_name, _, name = qualified.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -216,21 +239,17 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
             setattr(parent, name, PackedLinear(child, kernels))
             count += 1
             del child       # the replaced weight is freed here, before the next matrix is packed
-    if kernels:                 # the fused ops run the native kernels from now on (backend.py)
-        from ..backend import Backend
-
-        model.backend = Backend("cpu")
-    model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
 
-def _fuse_input_projections(model, kernels: bool) -> int:
-    """Give each module that declares `input_projections` (names of linear maps that all read the
-    module's input) one `FusedProjection` in `fused_input`, dropping the separate matrices."""
+def _fuse_input_projections(model, kernels: bool, inside=lambda name: True) -> int:
+    """Give each module (whose name passes `inside`) that declares `input_projections` (names of linear
+    maps that all read the module's input) one `FusedProjection` in `fused_input`, dropping the
+    separate matrices."""
     count = 0
     # Only the owning modules are listed: a list of all modules would keep every replaced linear (and
     # its weight) alive until the loop ends.
-    owners = [m for m in model.modules() if getattr(m, "input_projections", None)]
+    owners = [m for name, m in model.named_modules() if getattr(m, "input_projections", None) and inside(name)]
     for module in owners:
         names = module.input_projections
         if module.fused_input is not None:
