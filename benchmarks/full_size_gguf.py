@@ -6,14 +6,17 @@ own int4 checkpoint. The file is `{cache}/full-q4_k_m-{N}L/model.gguf`: llama.cp
 llama.cpp's quantizer picks for Q4_K_M (`llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp):
 
     output.weight                                   Q6_K
-    attn_v.weight                                   Q6_K in `use_more_bits` attention layers, else Q4_K
-    ffn_down_exps / ffn_down_shexp .weight          Q6_K in `use_more_bits` layers, else Q4_K
-    attn_qkv.weight (the GDN input projection)      Q5_K
+    attn_v / attn_qkv .weight (the value maps: attention's, and the GDN input projection holding V)
+                                                    Q6_K where `use_more_bits(i, n)`, counted over these
+                                                    tensors in layer order (n = 40), else Q4_K
+    ffn_down_exps / ffn_down_shexp .weight          Q6_K where `use_more_bits(layer, 40)`, else Q4_K
     every other matrix (token_embd included)        Q4_K
     vectors, norms, convolutions, the router and the shared expert's gate   F32 (as the converter writes them)
 
 `use_more_bits(i, n)`: i < n/8, or i ≥ 7n/8, or (i − n/8) % 3 == 2 — the first and last eighth and every
-third layer between: 20 of 40 layers, 5 of 10 attention layers. The converter's transforms of the F32
+third one between: 20 of 40. These rules reproduce, tensor for tensor, the types of the small bench
+model that `benchmarks.llama_cpp` quantizes with llama.cpp's own quantizer (llama-cpp-python 0.3.36).
+The converter's transforms of the F32
 tensors (norms stored +1, `ssm_a` = −exp(A_log)) are applied to values drawn as
 `checkpoints.make_tensor` draws Clover's. Quantized blocks are random codes with fixed sub-scales
 (and mins that centre them) and one fp16 super-scale per tensor kind, so weights have N(0, 0.02)'s
@@ -35,7 +38,7 @@ import torch
 
 from benchmarks import checkpoints
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 QK_K = 256
 F32_SUFFIXES = ("_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_conv1d_right.weight",
                 "ssm_block_mix", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
@@ -50,7 +53,8 @@ def q4_k_m_types(config) -> dict[str, str]:
     from clover.gguf.names import plan
 
     L = config.num_hidden_layers
-    attention = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    value_maps = [n for entry in plan(config, set()) for n in (s.name for s in entry.sources)
+                  if n.endswith(("attn_v.weight", "attn_qkv.weight"))]
     out = {}
     for entry in plan(config, set()):
         for src in entry.sources:
@@ -60,12 +64,10 @@ def q4_k_m_types(config) -> dict[str, str]:
                 kind = "F32"
             elif name == "output.weight":
                 kind = "Q6_K"
-            elif name.endswith("attn_v.weight"):
-                kind = "Q6_K" if use_more_bits(attention.index(layer), len(attention)) else "Q4_K"
+            elif name in value_maps:
+                kind = "Q6_K" if use_more_bits(value_maps.index(name), len(value_maps)) else "Q4_K"
             elif name.endswith(("ffn_down_exps.weight", "ffn_down_shexp.weight")):
                 kind = "Q6_K" if use_more_bits(layer, L) else "Q4_K"
-            elif name.endswith("attn_qkv.weight"):
-                kind = "Q5_K"
             else:
                 kind = "Q4_K"
             if kind != "F32" and src.shape[-1] % QK_K:
@@ -229,7 +231,9 @@ def ensure(layers: int, config_dict: dict, cache_dir=None, seed: int = 0, force:
 
     def complete() -> bool:
         try:
-            return (target / "model.gguf").exists() and json.loads(meta_file.read_text()) == json.loads(json.dumps(meta))
+            written = json.loads(meta_file.read_text())
+            written.pop("bytes", None)
+            return (target / "model.gguf").exists() and written == json.loads(json.dumps(meta))
         except (OSError, json.JSONDecodeError):
             return False
 

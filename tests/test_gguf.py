@@ -428,6 +428,10 @@ def test_k_quant_model(tmp_path):
 
     summary = _quantization_summary(loaded)                 # what `clover info` says of the mix
     assert summary.startswith("int4, group 32, super-scales per 256, mins (") and "int6, group 16, super-scales per 256 (" in summary
+    from clover.checkpoint import save_checkpoint
+
+    with pytest.raises(ValueError, match="K-quant forms .* held in memory only"):
+        save_checkpoint(loaded, loaded.config, tmp_path / "saved")
     parts = []
     load_gguf(path, dtype=torch.float32, on_filled=lambda m, part: parts.append(part))
     assert parts == ["lm_head"] + [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]

@@ -508,6 +508,15 @@ def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Pat
         # packed matrices (panels or oneDNN tensors) live outside the state dict: the file would lack them
         raise ValueError("cannot save a model packed for CPU inference (pack_for_cpu / load(pack=True)): "
                          "its packed and stacked matrices are not in its state dict; save an unpacked model")
+    if hasattr(model_or_state, "modules"):
+        from .quantization.modules import QuantizedEmbedding, QuantizedWeight
+
+        held = [n for n, m in model_or_state.named_modules() if isinstance(m, QuantizedWeight)
+                and (m.super_group or m.bits not in (4, 8) or isinstance(m, QuantizedEmbedding))]
+        if held:
+            raise ValueError(f"cannot save {held[0]} ({len(held)} such matrices): GGUF's K-quant forms (int6 codes, "
+                             "two-level scales, a quantized embedding table) are held in memory only, Clover's "
+                             "safetensors format stores int8/int4 with fp16 scales; load the GGUF file itself")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config.to_dict() if isinstance(config, CloverConfig) else dict(config)
