@@ -1,0 +1,56 @@
+"""benchmarks.full_size_gguf: the Q4_K_M file it writes, at a small shape of the same architecture — llama.cpp's
+type rules, weights with N(0, 0.02)'s mean and spread by `gguf`'s own dequantizer, loadable by Clover."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from benchmarks import full_size, full_size_gguf  # noqa: E402
+
+
+def small_config(layers: int = 4) -> dict:
+    """full_size's configuration with every matrix cut to whole 256-blocks (the K-quants' block)."""
+    config = full_size.full_config(layers)
+    del config["quantization_config"]
+    config.update(hidden_size=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                  linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+                  linear_value_head_dim=128, vocab_size=768, eos_token_id=766, mask_token_id=767)
+    return config
+
+
+def test_written_file(tmp_path):
+    from clover.config import CloverConfig
+    from clover.gguf.file import GGUFFile
+
+    import clover
+
+    config = small_config()
+    path = tmp_path / "model.gguf"
+    full_size_gguf.write(path, config, seed=0, log=lambda msg: None)
+    want = full_size_gguf.q4_k_m_types(CloverConfig.from_dict(config))
+    reader = gguf.GGUFReader(path)                     # the package's own reader and dequantizer
+    got = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert got == want
+    # llama.cpp's Q4_K_M rules at 4 layers: the value maps (3 GDN attn_qkv + 1 attn_v) Q6_K at i = 2, 3
+    assert [got[f"blk.{i}.{n}"] for i, n in enumerate(["attn_qkv.weight"] * 3 + ["attn_v.weight"])] == \
+        ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert [got[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert got["output.weight"] == "Q6_K" and got["token_embd.weight"] == "Q4_K" and got["blk.0.ssm_a"] == "F32"
+    for t in reader.tensors:
+        if t.tensor_type.name in ("Q4_K", "Q6_K"):
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            assert abs(float(w.mean())) < 2e-3 and 0.018 < float(w.std()) < 0.022, t.name
+    ssm_a = next(t for t in reader.tensors if t.name == "blk.0.ssm_a")
+    assert (np.asarray(ssm_a.data) < 0).all()          # stored as −exp(A_log), as the converter stores it
+    with GGUFFile(path) as f:
+        assert f.get("tokenizer.ggml.mask_token_id") is not None and len(f.get("tokenizer.ggml.tokens")) == 768
+    model = clover.load(path, backend="reference", dtype=torch.float32)
+    ids = torch.randint(0, 700, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(ids)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    rb = full_size_gguf.read_bytes(path, 4)
+    assert rb["embed_row"] == 256 // 256 * 144 and len(rb["dense"]) == 4 and all(e > 0 for e in rb["expert"])
