@@ -199,6 +199,8 @@ def library() -> ctypes.CDLL | None:
     lib.clover_weights_gemm_grouped.argtypes = [ptr, ptr, i64, i32, i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, i32,
                                                 ptr, i32]
     lib.clover_weights_gemm_grouped.restype = i32
+    lib.clover_quant_pack_panels.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i32]
+    lib.clover_quant_pack_panels.restype = i32
     f32 = ctypes.c_float
     lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \
         + [f32, f32, ptr, i64, i64, i32]

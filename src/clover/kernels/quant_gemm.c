@@ -155,6 +155,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                 if (R > 1) {                                                                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS, _MM_HINT_T0);                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
+                    if (BITS == 6) _mm_prefetch((const char *)W + AHEAD_ROWS + 128, _MM_HINT_T0);         \
                 }                                                                                         \
                 __m512i v0 = _mm512_loadu_si512((const void *)W), v1 = _mm512_loadu_si512((const void *)(W + 64)); \
                 __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low); \
@@ -389,4 +390,53 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
         return clover_panel_gemm_grouped(A, lda, a_bf16, G, offsets, ids, a_rows, K, (const uint16_t *)w->data,
                                          w->stride / 2, N, C, ldc, c_fp32, swiglu, scale, threads);
     return quant_gemm_grouped(w, A, lda, a_bf16, G, offsets, ids, a_rows, K, N, C, ldc, c_fp32, swiglu, scale, threads);
+}
+
+/* The panel layout above, from the stored codes (quantization/format.py: int8 [N, K], int4 nibbles
+ * [N, K/2], int6 nibbles then top-bit pairs [N, 3K/4]; `qrow` bytes per stored row). Output panels
+ * take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes of zero weight; its scales
+ * are zero too). One pass over the codes, where the PyTorch reordering took ~10 passes: most of a GGUF
+ * load's time. Per column and 8 inputs the stored nibble bytes b0..b3 hold inputs (0,1) (2,3) (4,5)
+ * (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte. */
+int clover_quant_pack_panels(const uint8_t *q, long qrow, int bits, int K, const int64_t *rows, int panels,
+                             uint8_t *out, int threads) {
+    if (!(bits == 8 || bits == 6 || bits == 4) || K % 8) return -2;
+    long panel_bytes = (long)K * PANEL * bits / 8, step = bits == 8 ? 256 : bits == 6 ? 192 : 128;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const uint8_t *src[PANEL];
+        for (int c = 0; c < PANEL; c++) {
+            int64_t r = rows[(long)p * PANEL + c];
+            src[c] = r < 0 ? 0 : q + r * qrow;
+        }
+        uint8_t *o = out + p * panel_bytes;
+        for (long k = 0; k < K; k += 8, o += step) {
+            for (int c = 0; c < PANEL; c++) {
+                uint8_t *d = o + 4 * c;                 /* column c: half c/16, byte 64·half + 4·(c%16) */
+                if (bits == 8) {                        /* two blocks of 4 inputs, 128 bytes apart */
+                    for (int i = 0; i < 8; i++)
+                        d[(i / 4) * 128 + i % 4] = src[c] ? (uint8_t)(src[c][k + i] ^ 0x80) : 128;
+                    continue;
+                }
+                if (!src[c]) {
+                    d[0] = d[1] = d[2] = d[3] = 0;
+                } else {
+                    const uint8_t *b = src[c] + k / 2;
+                    d[0] = (uint8_t)((b[0] & 15) | (b[2] << 4));
+                    d[1] = (uint8_t)((b[0] >> 4) | (b[2] & 0xF0));
+                    d[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
+                    d[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
+                }
+                if (bits == 6) {                        /* tops: byte 4·(c%16) + i, pairs (lo, hi) per half */
+                    const uint8_t *t = src[c] ? src[c] + K / 2 + k / 4 : 0;
+                    for (int i = 0; i < 4; i++) {
+                        int pair = t ? ((t[0] >> (2 * i)) & 3) | (((t[1] >> (2 * i)) & 3) << 2) : 0;
+                        uint8_t *x = o + 128 + 4 * (c % 16) + i;
+                        *x = (uint8_t)(c < 16 ? pair : *x | (pair << 4));
+                    }
+                }
+            }
+        }
+    }
+    return 0;
 }

@@ -132,27 +132,28 @@ class QuantPanelWeight:
 
     def _pack_slab(self, q, s, m, rows, e0, e1, p0, p1):
         """Entries e0:e1, panels p0:p1 (their stored rows: q, s, m [c, N, ...])."""
-        r0, r1 = p0 * PANEL, p1 * PANEL
-        if rows is None:
-            uq, us, um = q[:, r0:r1], s[:, r0:r1], None if m is None else m[:, r0:r1]
-            pad = None
-        else:
-            order = rows[r0:r1]
-            src = order.clamp(min=0)
-            uq, us, um = q[:, src], s[:, src], None if m is None else m[:, src]
-            pad = order < 0
-        u = _codes_u8(uq, self.bits)
-        if pad is not None and pad.any():
-            u[:, pad] = 128 if self.bits == 8 else 0
-            us = us.clone()
-            us[:, pad] = 0
-            if um is not None:
-                um = um.clone()
-                um[:, pad] = 0
+        self._pack_codes(q, rows, e0, e1, p0, p1)
+        self.scales[e0:e1, p0:p1].copy_(_panel_scales(self._rows(s, rows, p0, p1)))
+        if m is not None:
+            self.mins[e0:e1, p0:p1].copy_(_panel_scales(self._rows(m, rows, p0, p1)))
+
+    def _pack_codes(self, q, rows, e0, e1, p0, p1, native: bool = True):
+        """The codes of entries e0:e1, panels p0:p1, into `data`: by `clover_quant_pack_panels` in one
+        pass, or (no kernels, or `native=False`: the definition tests compare it with) in PyTorch."""
+        order = torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]
+        lib = library() if native else None
+        if lib is not None:
+            order = order.to(torch.int64).contiguous()
+            for i in range(e1 - e0):
+                entry = q[i].contiguous()
+                dst = self.data[e0 + i, p0:p1]
+                _check(lib.clover_quant_pack_panels(entry.data_ptr(), entry.stride(0), self.bits, self.in_features,
+                                                    order.data_ptr(), p1 - p0, dst.data_ptr(), torch.get_num_threads()),
+                       "packing quantized panels")
+            return
+        u = _codes_u8(q[:, order.clamp(min=0)], self.bits)
+        u[:, order < 0] = 128 if self.bits == 8 else 0
         self.data[e0:e1, p0:p1].copy_(_panel_bytes(u, self.bits))
-        self.scales[e0:e1, p0:p1].copy_(_panel_scales(us))
-        if um is not None:
-            self.mins[e0:e1, p0:p1].copy_(_panel_scales(um))
 
     def struct(self) -> _Weights:
         """The C descriptor (weights.h); built once (the tensors never move)."""
