@@ -119,61 +119,74 @@ def float_values(entry, config: dict, seed: int) -> np.ndarray:
     return t.reshape(entry.sources[0].shape).numpy()
 
 
-def add_metadata(w, config, tokenizer_dir: Path) -> None:
-    """The hyperparameters and tokenizer keys llama.cpp's converter writes for `qwen35moe`."""
-    import gguf
-    from tokenizers import Tokenizer
-
+def add_hyperparameters(w, config, file_type: int, blocks: int | None = None) -> None:
+    """The `qwen35moe` hyperparameter keys llama.cpp's converter writes (tests/gguf_files.py uses these too)."""
     c = config
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.num_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
-    w.add_ssm_state_size(c.linear_key_head_dim)
-    w.add_ssm_group_count(c.linear_num_key_heads)
-    w.add_ssm_time_step_rank(c.linear_num_value_heads)
-    w.add_ssm_inner_size(c.linear_value_dim)
+    for setter, value in ((w.add_block_count, c.num_hidden_layers if blocks is None else blocks),
+                          (w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                          (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                          (w.add_rope_freq_base, c.rope_theta), (w.add_layer_norm_rms_eps, c.rms_norm_eps),
+                          (w.add_expert_count, c.num_experts), (w.add_expert_used_count, c.num_experts_per_tok),
+                          (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim), (w.add_file_type, file_type),
+                          (w.add_expert_feed_forward_length, c.moe_intermediate_size),
+                          (w.add_expert_shared_feed_forward_length, c.shared_expert_intermediate_size),
+                          (w.add_ssm_conv_kernel, c.linear_conv_kernel_dim), (w.add_ssm_state_size, c.linear_key_head_dim),
+                          (w.add_ssm_group_count, c.linear_num_key_heads),
+                          (w.add_ssm_time_step_rank, c.linear_num_value_heads), (w.add_ssm_inner_size, c.linear_value_dim),
+                          (w.add_rope_dimension_count, c.rotary_dim)):
+        setter(value)
     interval = next(i + 1 for i, k in enumerate(c.layer_types) if k == "full_attention")
+    if not all((k == "full_attention") == ((i + 1) % interval == 0) for i, k in enumerate(c.layer_types)):
+        raise ValueError("qwen35moe files describe the layers by one full-attention interval")
     w.add_full_attention_interval(interval)
-    w.add_rope_dimension_count(c.rotary_dim)
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def add_vocab(w, tok, vocab_size: int, template: str | None, pre: str = "qwen35") -> dict[str, int]:
+    """The converter's `_set_vocab_gpt2` for a `tokenizers.Tokenizer`: every id in order (missing ids as
+    [PADn], UNUSED), added tokens CONTROL when special (or `<|…|>`), else USER_DEFINED, the merges, the
+    special ids and the chat template. Returns the token → id map."""
+    import gguf
+
     raw = json.loads(tok.to_str())
     reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     added = {a["id"]: a for a in raw["added_tokens"]}
     tokens, types = [], []
-    for i in range(c.vocab_size):           # the converter's _set_vocab_gpt2, padded as it pads
+    for i in range(vocab_size):
         if i not in reverse:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
         elif i in added:
-            tokens.append(added[i]["content"])
-            types.append(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+            text = added[i]["content"]
+            tokens.append(text)
+            looks = text.startswith("<|") and text.endswith("|>")
+            types.append(gguf.TokenType.CONTROL if added[i]["special"] or looks else gguf.TokenType.USER_DEFINED)
         else:
             tokens.append(reverse[i])
             types.append(gguf.TokenType.NORMAL)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in raw["model"]["merges"]])
     ids = {t: i for i, t in reverse.items()}
     w.add_eos_token_id(ids["<|im_end|>"])
     w.add_pad_token_id(ids["<|endoftext|>"])
-    w.add_mask_token_id(ids["<|mask|>"])
-    template = json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    w.add_bos_token_id(ids["<|endoftext|>"])
     if template:
         w.add_chat_template(template)
+    return ids
+
+
+def add_metadata(w, config, tokenizer_dir: Path) -> None:
+    """Hyperparameters, and the demo tokenizer (with its mask token) padded to the vocabulary."""
+    import gguf
+    from tokenizers import Tokenizer
+
+    add_hyperparameters(w, config, gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    template = json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    ids = add_vocab(w, tok, config.vocab_size, template)
+    w.add_mask_token_id(ids["<|mask|>"])
 
 
 def write(path: Path, config_dict: dict, seed: int, log=print) -> int:

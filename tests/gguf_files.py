@@ -23,6 +23,8 @@ from gguf import GGMLQuantizationType as T
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from benchmarks import full_size_gguf
+
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>"]
@@ -52,37 +54,8 @@ def qwen_tokenizer(vocab_size: int = 400) -> Tokenizer:
 
 
 def add_vocab(w: gguf.GGUFWriter, tok: Tokenizer, vocab_size: int, pre: str = "qwen35") -> None:
-    """The converter's `_set_vocab_gpt2`: every id in order (missing ids as [PADn], UNUSED), added
-    tokens CONTROL when special (or `<|…|>`), else USER_DEFINED, the merges, the special ids."""
-    import json
-
-    raw = json.loads(tok.to_str())
-    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    added = {a["id"]: a for a in raw["added_tokens"]}
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            text = added[i]["content"]
-            tokens.append(text)
-            looks = text.startswith("<|") and text.endswith("|>")
-            types.append(gguf.TokenType.CONTROL if added[i]["special"] or looks else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.NORMAL)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    merges = raw["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    ids = {t: i for i, t in reverse.items()}
-    w.add_eos_token_id(ids["<|im_end|>"])
-    w.add_pad_token_id(ids["<|endoftext|>"])
-    w.add_bos_token_id(ids["<|endoftext|>"])
-    w.add_chat_template(TEMPLATE)
+    """The converter's `_set_vocab_gpt2` (benchmarks/full_size_gguf.py), with this module's chat template."""
+    full_size_gguf.add_vocab(w, tok, vocab_size, TEMPLATE, pre)
 
 
 # ---- the converter's tensor transforms ---------------------------------------------------------
@@ -193,31 +166,9 @@ def write_gguf(path, model, qtype: T = T.BF16, *, include_clover: bool = True, t
     `small_first_shard`: shard 1 holds the metadata only)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
-    w.add_block_count(c.num_hidden_layers + mtp_blocks)
+    full_size_gguf.add_hyperparameters(w, c, 1, blocks=c.num_hidden_layers + mtp_blocks)
     if mtp_blocks:
         w.add_nextn_predict_layers(mtp_blocks)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.num_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_file_type(1)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
-    w.add_ssm_state_size(c.linear_key_head_dim)
-    w.add_ssm_group_count(c.linear_num_key_heads)
-    w.add_ssm_time_step_rank(c.linear_num_value_heads)
-    w.add_ssm_inner_size(c.linear_value_dim)
-    interval = next(i + 1 for i, k in enumerate(c.layer_types) if k == "full_attention")
-    assert all((k == "full_attention") == ((i + 1) % interval == 0) for i, k in enumerate(c.layer_types))
-    w.add_full_attention_interval(interval)
-    w.add_rope_dimension_count(c.rotary_dim)
     w.add_rope_dimension_sections([11, 11, 10, 0])
     add_vocab(w, tokenizer or qwen_tokenizer(), c.vocab_size)
     if include_clover and c.mask_token_id is not None:
