@@ -359,7 +359,8 @@ def test_block_conversion_is_exact(name):
     c = decode_codes(FORMATS[name], torch.from_numpy(raw.copy()), 96)
     got = dequantize(c.qweight, to_fp16(c.scales, ""), None if c.mins is None else to_fp16(c.mins, ""), c.bits)
     assert torch.equal(got, want)
-    assert c.qweight.dtype == (torch.uint8 if c.bits == 4 else torch.int8)
+    assert c.bits == {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 6, "Q5_1": 6}[name]
+    assert c.qweight.dtype == (torch.int8 if c.bits == 8 else torch.uint8)
 
 
 def _random_k_blocks(name: str, rows: int, g: np.random.Generator) -> np.ndarray:

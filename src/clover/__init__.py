@@ -83,10 +83,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
         pack_as_filled = None
         if packs:                          # each layer packed once filled: never all stored forms at once
-            from .layers.packed import _packing_backend, pack_part
+            from .layers.packed import pack_part, packing_backend
 
             def pack_as_filled(model, part):
-                kernels = _packing_backend(model, True if backend == "cpu" else None)
+                kernels = packing_backend(model, True if backend == "cpu" else None)
                 if kernels is not None:
                     pack_part(model, part, kernels)
 

@@ -9,8 +9,8 @@ block's fp16 super-scales, exactly as stored, at nearly the file's own size:
     Q8_0   int8,  group 32, symmetric                   1.0625 (1.0625)       yes (d is fp16, codes copied)
     Q4_0   int4,  group 32, symmetric                   0.5625 (0.5625)       yes (w = d·(u − 8), nibbles repacked)
     Q4_1   int4,  group 32, mins                        0.625  (0.625)        yes (d and m are fp16 already)
-    Q5_0   int8,  group 32, symmetric                   1.0625 (0.6875)       yes (code q − 16)
-    Q5_1   int8,  group 32, mins                        1.125  (0.75)         yes
+    Q5_0   int6,  group 32, symmetric                   0.8125 (0.6875)       yes (code q + 16, zero 32)
+    Q5_1   int6,  group 32, mins                        0.875  (0.75)         yes
     Q4_K   int4,  group 32, mins, two-level (256)       0.578  (0.5625)       yes (s = d·sc, m = −dmin·mn)
     Q5_K   int6,  group 32, mins, two-level (256)       0.828  (0.6875)       yes (codes 0…31)
     Q6_K   int6,  group 16, symmetric, two-level (256)  0.820  (0.8203)       yes (s = d·sc)
@@ -132,14 +132,14 @@ def _q5_0(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d = _f16(b[..., 0:2])
     q = _low_high(b[..., 6:22]) | (_high_bits_32(b[..., 2:6]) << 4)        # 0…31
-    return Codes((q - 16).view(torch.int8).reshape(R, nb * 32), d, None, 8, 32)   # uint8 wraps to q − 16
+    return Codes(pack_six((q + 16).reshape(R, nb * 32)), d, None, 6, 32)     # w = d·(q − 16) = d·(u − 32)
 
 
 def _q5_1(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     q = _low_high(b[..., 8:24]) | (_high_bits_32(b[..., 4:8]) << 4)
-    return Codes(q.view(torch.int8).reshape(R, nb * 32), d, m, 8, 32)
+    return Codes(pack_six(q.reshape(R, nb * 32)), d, m, 6, 32)
 
 
 def _k_scales(s: torch.Tensor):
@@ -207,8 +207,8 @@ FORMATS = {
     "Q8_0": GGMLFormat("Q8_0", 32, 34, 8, 32, False),
     "Q4_0": GGMLFormat("Q4_0", 32, 18, 4, 32, False),
     "Q4_1": GGMLFormat("Q4_1", 32, 20, 4, 32, True),
-    "Q5_0": GGMLFormat("Q5_0", 32, 22, 8, 32, False),
-    "Q5_1": GGMLFormat("Q5_1", 32, 24, 8, 32, True),
+    "Q5_0": GGMLFormat("Q5_0", 32, 22, 6, 32, False),
+    "Q5_1": GGMLFormat("Q5_1", 32, 24, 6, 32, True),
     "Q4_K": GGMLFormat("Q4_K", QK_K, 144, 4, 32, True, QK_K),
     "Q5_K": GGMLFormat("Q5_K", QK_K, 176, 6, 32, True, QK_K),
     "Q6_K": GGMLFormat("Q6_K", QK_K, 210, 6, 16, False, QK_K),

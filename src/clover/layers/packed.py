@@ -183,7 +183,7 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
     available (`clover.kernels.available()`). A no-op (returns 0) for other dtypes/devices or when
     the chosen backend is unavailable. Tied output embeddings stay unpacked (the embedding table
     still needs the plain tensor). Matrices already packed (`pack_part` during a load) are left as they are."""
-    kernels = _packing_backend(model, kernels)
+    kernels = packing_backend(model, kernels)
     if kernels is None:
         return 0
     count = pack_part(model, "", kernels)
@@ -195,7 +195,7 @@ def pack_for_cpu(model, kernels: bool | None = None) -> int:
     return count
 
 
-def _packing_backend(model, kernels: bool | None) -> bool | None:
+def packing_backend(model, kernels: bool | None) -> bool | None:
     """True (native kernels) / False (oneDNN) as `pack_for_cpu` would pack `model`, None for not at all."""
     from ..kernels import available
 
