@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quantization.format import ZERO_POINT, codes, dequantize, group_scales, pack_nibbles, pack_six
+from ..quantization.format import ZERO_POINT, codes, dequantize, group_scales, pack_codes, pack_six
 
 QK_K = 256
 FP16_MAX = 65504.0
@@ -264,7 +264,7 @@ def promote(c: Codes, bits: int, group_size: int, asymmetric: bool) -> Codes:
         v = v - ZERO_POINT[c.bits] + ZERO_POINT[bits]
         if asymmetric:
             mins = -ZERO_POINT[bits] * scales                               # s·(v − Z) = s·v − Z·s
-    qweight = v.to(torch.int8) if bits == 8 else (pack_nibbles if bits == 4 else pack_six)(v.to(torch.uint8))
+    qweight = pack_codes(v, bits)
     k = c.group_size // group_size
     if k > 1:
         scales = scales.repeat_interleave(k, dim=-1)

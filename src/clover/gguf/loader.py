@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import _clover_default, _no_weight_init
-from ..quantization.format import QuantSpec, codes, pack_nibbles, pack_six
+from ..quantization.format import QuantSpec, codes, pack_codes
 from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, promote, to_fp16
 from .config import read_config
@@ -277,7 +277,7 @@ def _reorder_columns(c: Codes, layout) -> Codes:
     head = layout.col_perm[0]
     u = codes(c.qweight, c.bits)
     u = layout.apply_cols(u, head)
-    qweight = u.to(torch.int8) if c.bits == 8 else (pack_nibbles if c.bits == 4 else pack_six)(u.to(torch.uint8))
+    qweight = pack_codes(u, c.bits)
 
     def cols(t, width):
         return None if t is None else layout.apply_cols(t, head // width)

@@ -33,6 +33,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from ..quantization.modules import QuantizedEmbedding
 from .build import library
 from .gdn_short import _constants as gdn_constants
 from .panels import PanelWeight
@@ -94,7 +95,7 @@ def supported(model) -> bool:
             or getattr(model.backend, "name", None) != "cpu" or library() is None):
         return False
     embed = model.model.embed_tokens
-    quantized = type(embed).__name__ == "QuantizedEmbedding"
+    quantized = isinstance(embed, QuantizedEmbedding)
     if not quantized and (type(embed) is not nn.Embedding or embed.weight.dtype != _BF16
                           or embed.weight.device.type != "cpu"):
         return False

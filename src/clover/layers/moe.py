@@ -62,11 +62,10 @@ class Experts(nn.Module):
             from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
 
             gu, dn = self.gate_up_proj, self.down_proj
-            stored = {k: v for k, v in gu.stored().items() if k != "bits"}
-            gate_up = QuantPanelWeight(**stored, bits=gu.bits, rows=swiglu_rows(dn.shape[-1]))
+            gate_up = QuantPanelWeight(**gu.stored(), rows=swiglu_rows(dn.shape[-1]))
             self.gate_up_proj = None
-            del gu, stored
-            down = QuantPanelWeight(**{k: v for k, v in dn.stored().items() if k != "bits"}, bits=dn.bits)
+            del gu
+            down = QuantPanelWeight(**dn.stored())
             self.down_proj = None
             del dn
             self.panels = (gate_up, down)

@@ -161,6 +161,13 @@ def codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     return (unpack_nibbles(qweight) if bits == 4 else unpack_six(qweight)).to(torch.int16)
 
 
+def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., N, K] as `codes` returns them (q for bits 8, u for 4 and 6) → the stored qweight."""
+    if bits == 8:
+        return values.to(torch.int8)
+    return (pack_nibbles if bits == 4 else pack_six)(values.to(torch.uint8))
+
+
 def group_scales(scales: torch.Tensor, super_scales: torch.Tensor | None) -> torch.Tensor:
     """Per-group scales (or mins) in fp32: the stored fp16 values, or super · code (exact) for two-level ones."""
     if super_scales is None:
