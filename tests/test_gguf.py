@@ -409,6 +409,76 @@ def test_k_quant_conversion(name, source):
     assert not torch.equal(got, want)                        # the rounding did happen
 
 
+SCALE_BYTES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+               "Q6_K": [208]}                       # where each block keeps its fp16 scales
+
+
+@pytest.mark.parametrize("name", list(SCALE_BYTES))
+def test_native_decoder_equals_the_pytorch_one(name):
+    """kernels/gguf_decode.c writes what blocks.py's decoders compute, byte for byte, into the rows the
+    loader names; a block with an infinite or NaN scale is refused, naming the row."""
+    from clover.gguf.blocks import decode_into
+    from clover.kernels import available
+
+    if not available():
+        pytest.skip("the native kernels do not build here")
+    fmt, K, rows = FORMATS[name], 512, 6
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, size=(rows, K // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    for at in SCALE_BYTES[name]:                                  # finite scales, the rest random bytes
+        raw[..., at:at + 2] = (10 ** rng.uniform(-6, 2, size=raw.shape[:2])).astype(np.float16)[..., None].view(np.uint8)
+    raw = torch.from_numpy(raw.reshape(-1))
+    want = decode_codes(fmt, raw, K)
+    spec = QuantSpec(want.bits, want.group_size, want.super_group)
+    dest = QuantizedWeight((2 * rows, K), spec, mins=want.mins is not None)
+    for t in dest.buffers():
+        t.fill_(0)
+    order = torch.tensor([7, 0, 11, 4, 9, 2, 5, 1])           # source rows 2…7 of a larger tensor → these rows
+    assert decode_into(fmt, raw, K, 2, order, dest.qweight, dest.scales, dest.mins, dest.super_scales,
+                       dest.super_mins)
+    at = order[2:]
+
+    def same(got, expected):
+        return torch.equal(got.view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+    assert same(dest.qweight[at], want.qweight)
+    if want.super_scales is None:                                   # legacy types: the file's fp16 scales
+        assert same(dest.scales[at], to_fp16(want.scales, ""))
+        assert want.mins is None or same(dest.mins[at], to_fp16(want.mins, ""))
+    else:
+        assert same(dest.scales[at], want.scales) and same(dest.super_scales[at], want.super_scales)
+        assert want.mins is None or (same(dest.mins[at], want.mins) and same(dest.super_mins[at], want.super_mins))
+    untouched = torch.ones(2 * rows, dtype=torch.bool)
+    untouched[at] = False
+    assert not dest.qweight[untouched].any()                        # no other row written
+    broken = raw.clone().view(rows, -1, fmt.block_bytes)
+    broken[3, 1, SCALE_BYTES[name][0]:SCALE_BYTES[name][0] + 2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)   # +inf
+    with pytest.raises(ValueError, match="row 5 has a non-finite fp16 scale"):
+        decode_into(fmt, broken.reshape(-1), K, 2, order, dest.qweight, dest.scales, dest.mins, dest.super_scales,
+                    dest.super_mins)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_corrupt_scale_is_named(tmp_path, monkeypatch, native):
+    """A NaN scale in a quantized tensor (a corrupt download) is refused, naming the tensor, by the
+    native decoder and by the PyTorch one alike."""
+    from clover.gguf import loader
+    from clover.gguf.file import GGUFFile
+
+    if not native:
+        monkeypatch.setattr(loader, "decode_into", lambda *a, **k: False)
+    model = tiny(**Q32)
+    path = tmp_path / "q.gguf"
+    write_gguf(path, model, T.Q8_0, tokenizer=TOKENIZER)
+    with GGUFFile(path) as g:
+        offset = g.tensors["blk.1.ffn_down_exps.weight"].offset
+    with open(path, "r+b") as f:                                    # the second block's scale ← NaN
+        f.seek(offset + 34)
+        f.write(bytes([0x00, 0x7E]))
+    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down_exps\.weight.*non-finite fp16 scale"):
+        load_gguf(path)
+
+
 def test_k_quant_model(tmp_path):
     """A Q4_K_M-like mix (Q4_K, Q6_K for down/output, Q5_K for attn_v, Q8_0 where rows are not whole
     256-blocks) loads exactly, at the file's size, into Clover's two-level int4/int6 forms, and runs

@@ -224,6 +224,45 @@ def decode_codes(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> Codes:
     return _DECODERS[fmt.name](blocks)
 
 
+NATIVE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")    # gguf_decode.c's type numbers
+
+
+def decode_into(fmt: GGMLFormat, raw: torch.Tensor, K: int, first: int, dest_rows: torch.Tensor | None,
+                qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                super_scales: torch.Tensor | None, super_mins: torch.Tensor | None) -> bool:
+    """`decode_codes` written straight into rows of a module's stored tensors (each [rows, ·]) by the
+    native decoder (kernels/gguf_decode.c): `raw` holds source rows first, first + 1, …; source row r
+    goes to destination row `dest_rows[r]`, or r.
+    The destination must hold the type's own form (`fmt`'s bits, group, mins, super-group). Returns
+    False, writing nothing, where the native kernels are unavailable (the caller decodes in PyTorch)."""
+    from ..kernels.build import library
+
+    lib = library()
+    if lib is None or fmt.name not in NATIVE:
+        return False
+    row_bytes = fmt.row_bytes(K)
+    rows = raw.numel() // row_bytes
+    raw = raw.contiguous()
+    if dest_rows is not None:
+        dest_rows = dest_rows[first:first + rows].to(torch.int64).contiguous()
+    for t in (qweight, scales, mins, super_scales, super_mins):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("decode_into needs row-contiguous destinations")
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    status = lib.clover_gguf_decode(NATIVE.index(fmt.name), raw.data_ptr(), row_bytes, rows, K, ptr(dest_rows), first,
+                                    qweight.data_ptr(), qweight.stride(0), scales.data_ptr(), ptr(mins), scales.stride(0),
+                                    ptr(super_scales), ptr(super_mins),
+                                    0 if super_scales is None else super_scales.stride(0), torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"{K} columns are not whole {fmt.name} blocks")
+    if status > 0:
+        raise ValueError(f"row {first + status - 1} has a non-finite fp16 scale (the file is corrupt)")
+    return True
+
+
 def decode_float(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> torch.Tensor:
     """Raw bytes of whole rows → values [R, K]: float types in their own dtype (a view of the bytes
     where they are aligned: the caller converts once, into the destination), quantized types
@@ -243,7 +282,9 @@ def codes_to_float(c: Codes) -> torch.Tensor:
 
 
 def to_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
-    """Scales/mins rounded to Clover's fp16 (raises if a value does not fit)."""
+    """Scales/mins rounded to Clover's fp16 (raises if a value does not fit, or is infinite or NaN)."""
+    if not torch.isfinite(values).all():
+        raise ValueError(f"{what}: a non-finite fp16 scale (the file is corrupt)")
     if values.numel() and float(values.abs().max()) > FP16_MAX:
         raise ValueError(f"{what}: a scale of {float(values.abs().max()):.4g} exceeds fp16's range")
     return values.to(torch.float16)

@@ -26,7 +26,7 @@ from torch import nn
 from ..checkpoint import _clover_default, _no_weight_init
 from ..quantization.format import QuantSpec, codes, pack_codes
 from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
-from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, promote, to_fp16
+from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, decode_into, promote, to_fp16
 from .config import read_config
 from .file import GGUFError, GGUFFile, TensorInfo
 from .names import Entry, plan, skipped, squeezed
@@ -300,8 +300,11 @@ def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
     for src in entry.sources:
         info = f.tensors[src.name]
         fmt = FORMATS[info.type_name]
+        native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == form and layout.col_perm is None
         try:
             for r0, r1, K, raw in _row_chunks(f, info, fmt):
+                if native and decode_into(fmt, raw, K, r0, src.rows, qweight, scales, mins, supers, super_mins):
+                    continue
                 c = decode_codes(fmt, raw, K)
                 if c.form() != form:
                     c = promote(c, module.bits, module.group_size, mins is not None)
@@ -313,6 +316,9 @@ def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
                     if mins is not None:
                         _put_rows(mins, src.rows, r0, r1, to_fp16(c.mins, "mins"))
                     continue
+                if not torch.isfinite(c.super_scales).all() or (c.super_mins is not None
+                                                                and not torch.isfinite(c.super_mins).all()):
+                    raise ValueError(f"rows {r0}…{r1 - 1} hold a non-finite fp16 scale (the file is corrupt)")
                 _put_rows(scales, src.rows, r0, r1, c.scales)
                 _put_rows(supers, src.rows, r0, r1, c.super_scales)
                 if mins is not None:

@@ -34,7 +34,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
-                                                          "attention_cached.c")]
+                                                          "attention_cached.c", "gguf_decode.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
@@ -201,6 +201,8 @@ def library() -> ctypes.CDLL | None:
     lib.clover_weights_gemm_grouped.restype = i32
     lib.clover_quant_pack_panels.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i32]
     lib.clover_quant_pack_panels.restype = i32
+    lib.clover_gguf_decode.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i32]
+    lib.clover_gguf_decode.restype = i32
     f32 = ctypes.c_float
     lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \
         + [f32, f32, ptr, i64, i64, i32]

@@ -1,0 +1,142 @@
+/* GGUF's quantized blocks → Clover's stored quantized rows (clover/quantization/format.py), for a
+ * GGUF load. clover/gguf/blocks.py is the definition (its PyTorch decoders); tests/test_gguf.py
+ * compares the two byte for byte. One pass over the file's bytes, rows in parallel, where the PyTorch
+ * decoders take ~10 tensor passes each: they were most of a full-size load's conversion time.
+ *
+ * Each block is widened to one code per input (u, 0…63) and then packed as the stored form packs it:
+ * int8 codes copied, int4 nibble pairs (input 2j low, 2j+1 high), int6 nibble pairs plus a plane of
+ * 2-bit tops (row byte K/2 + j: inputs 4j…4j+3, input 4j+i at bits 2i). Scales are the file's own
+ * bits: fp16 per group for the legacy types; for the K-quants int8 sub-scale codes with the block's
+ * fp16 super-scale (and −dmin as the mins' super-scale, a sign flip). */
+#include <stdint.h>
+#include <string.h>
+
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline int finite16(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
+
+/* Clover's int4 bytes for n codes u[0..n) */
+static void put_nibbles(uint8_t *dst, const uint8_t *u, int n) {
+    for (int j = 0; j < n / 2; j++) dst[j] = (uint8_t)(u[2 * j] | (u[2 * j + 1] << 4));
+}
+
+/* Clover's int6 bytes for n codes at inputs k0…k0+n of a row of K: nibbles, then the top-bit plane */
+static void put_six(uint8_t *row, int K, int k0, const uint8_t *u, int n) {
+    uint8_t low[256];
+    for (int i = 0; i < n; i++) low[i] = u[i] & 15;
+    put_nibbles(row + k0 / 2, low, n);
+    uint8_t *tops = row + K / 2 + k0 / 4;
+    for (int j = 0; j < n / 4; j++)
+        tops[j] = (uint8_t)((u[4 * j] >> 4) | ((u[4 * j + 1] >> 4) << 2) | ((u[4 * j + 2] >> 4) << 4)
+                            | ((u[4 * j + 3] >> 4) << 6));
+}
+
+/* 32 codes from 16 bytes whose low nibbles hold inputs 0…15 and high nibbles 16…31 (+ a fifth bit) */
+static void split_nibbles(uint8_t *u, const uint8_t *qs, uint32_t qh, int fifth) {
+    for (int i = 0; i < 16; i++) {
+        u[i] = (uint8_t)(qs[i] & 15);
+        u[16 + i] = (uint8_t)(qs[i] >> 4);
+        if (fifth) u[i] |= (uint8_t)(((qh >> i) & 1) << 4), u[16 + i] |= (uint8_t)(((qh >> (16 + i)) & 1) << 4);
+    }
+}
+
+/* Q4_K / Q5_K's 12 scale bytes → 8 six-bit scale codes and 8 mins */
+static void k_scales(const uint8_t *s, int8_t *sc, int8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = (int8_t)(s[j] & 63);
+        mn[j] = (int8_t)(s[j + 4] & 63);
+        sc[j + 4] = (int8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (int8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* One row of K inputs. q: the stored codes' row; sc/mn: its per-group scales (fp16 bits for the legacy
+ * types, int8 codes for the K-quants; mn NULL when the form has none); sup/supm: its fp16 super-scales.
+ * Returns 0, or 1 when a block's fp16 scale is infinite or NaN (a corrupt file). */
+static int decode_row(int type, const uint8_t *b, int K, uint8_t *q, void *sc, void *mn, uint16_t *sup,
+                      uint16_t *supm) {
+    uint8_t u[256];
+    uint16_t *sc16 = sc, *mn16 = mn;
+    int8_t *sc8 = sc, *mn8 = mn;
+    int bad = 0;
+    switch (type) {
+    case Q8_0:
+        for (int g = 0; g < K / 32; g++, b += 34) {
+            sc16[g] = rd16(b), bad |= !finite16(sc16[g]);
+            memcpy(q + 32 * g, b + 2, 32);
+        }
+        break;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+        int mins = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+        int size = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 24;
+        for (int g = 0; g < K / 32; g++, b += size) {
+            sc16[g] = rd16(b), bad |= !finite16(sc16[g]);
+            if (mins) mn16[g] = rd16(b + 2), bad |= !finite16(mn16[g]);
+            const uint8_t *p = b + 2 + 2 * mins;
+            uint32_t qh = 0;
+            if (five) qh = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24, p += 4;
+            split_nibbles(u, p, qh, five);
+            if (type == Q5_0)
+                for (int i = 0; i < 32; i++) u[i] += 16;          /* w = d·(q − 16) = d·(u − 32) */
+            if (five) put_six(q, K, 32 * g, u, 32);
+            else put_nibbles(q + 16 * g, u, 32);
+        }
+        break;
+    }
+    case Q4_K: case Q5_K:
+        for (int s = 0; s < K / 256; s++, b += type == Q4_K ? 144 : 176) {
+            sup[s] = rd16(b), supm[s] = rd16(b + 2) ^ 0x8000;      /* mins' super-scale: −dmin */
+            bad |= !finite16(sup[s]) | !finite16(supm[s]);
+            k_scales(b + 4, sc8 + 8 * s, mn8 + 8 * s);
+            const uint8_t *qh = b + 16, *qs = b + (type == Q4_K ? 16 : 48);
+            for (int j = 0; j < 8; j++) {                          /* sub-block j: run j/2, low or high nibbles */
+                const uint8_t *run = qs + 32 * (j / 2);
+                for (int l = 0; l < 32; l++) {
+                    uint8_t v = (uint8_t)(j % 2 ? run[l] >> 4 : run[l] & 15);
+                    if (type == Q5_K) v |= (uint8_t)(((qh[l] >> j) & 1) << 4);
+                    u[32 * j + l] = v;
+                }
+            }
+            if (type == Q4_K) put_nibbles(q + 128 * s, u, 256);
+            else put_six(q, K, 256 * s, u, 256);
+        }
+        break;
+    case Q6_K:
+        for (int s = 0; s < K / 256; s++, b += 210) {
+            const uint8_t *ql = b, *qh = b + 128;
+            memcpy(sc8 + 16 * s, b + 192, 16);
+            sup[s] = rd16(b + 208), bad |= !finite16(sup[s]);
+            for (int h = 0; h < 2; h++)            /* halves of 128: quarters from ql's runs, tops from qh */
+                for (int t = 0; t < 4; t++)
+                    for (int l = 0; l < 32; l++) {
+                        uint8_t run = ql[64 * h + 32 * (t % 2) + l];
+                        u[128 * h + 32 * t + l] = (uint8_t)((t < 2 ? run & 15 : run >> 4)
+                                                            | (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+                    }
+            put_six(q, K, 256 * s, u, 256);
+        }
+        break;
+    }
+    return bad;
+}
+
+/* `rows` whole rows of K inputs from `raw` (row_bytes each) into destination rows dest[r] (NULL:
+ * first + r) of the stored tensors: codes (qrow bytes a row), scales and mins (srow elements a row),
+ * super-scales and their mins (suprow elements a row). Returns 0; −2 for an unknown type or a K that
+ * is not whole blocks; 1 + r for the first row r holding a non-finite scale. */
+int clover_gguf_decode(int type, const uint8_t *raw, long row_bytes, long rows, int K, const int64_t *dest,
+                       long first, uint8_t *q, long qrow, uint8_t *scales, uint8_t *mins, long srow,
+                       uint16_t *supers, uint16_t *super_mins, long suprow, int threads) {
+    if (type < Q8_0 || type > Q6_K || K % (type >= Q4_K ? 256 : 32)) return -2;
+    long elem = type >= Q4_K ? 1 : 2, bad = -1;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(max: bad)
+    for (long r = 0; r < rows; r++) {
+        long d = dest ? dest[r] : first + r;
+        if (decode_row(type, raw + r * row_bytes, K, q + d * qrow, scales + d * srow * elem,
+                       mins ? mins + d * srow * elem : 0, supers ? supers + d * suprow : 0,
+                       super_mins ? super_mins + d * suprow : 0) && bad < 0)
+            bad = r;
+    }
+    return bad < 0 ? 0 : (int)(1 + bad);
+}
