@@ -220,6 +220,28 @@ def test_native_panel_packing_equals_the_pytorch_one(bits):
 
 
 @needs_kernels
+def test_consuming_packing_releases_the_stored_pages():
+    """`consume=True` (clover.load's packing of a model it alone holds) packs the same panels and hands
+    the stored codes' pages back to the OS as each slab of experts is packed: they read as zeros after
+    (all but the partial pages at each slab's ends; a random code byte is zero one time in 256)."""
+    import sys
+
+    from clover.kernels.quant_panels import QuantPanelWeight, swiglu_rows
+
+    g = torch.Generator().manual_seed(4)
+    stored = _stored_codes((40, 1024, 2048), 4, 32, True, True, g)        # 40 experts, 42 MB of codes
+    kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
+    want = QuantPanelWeight(**kept, rows=swiglu_rows(512))
+    got = QuantPanelWeight(**stored, rows=swiglu_rows(512), consume=True)
+    for key, tensor in want.buffers().items():
+        assert torch.equal(got.buffers()[key], tensor), key
+    assert torch.equal(kept["qweight"], _stored_codes((40, 1024, 2048), 4, 32, True, True,
+                                                      torch.Generator().manual_seed(4))["qweight"])
+    if sys.platform == "linux":          # released: zero-fill pages now, but for each slab's partial end pages
+        assert (stored["qweight"] != 0).float().mean() < 0.01
+
+
+@needs_kernels
 def test_quantized_kernel_rejects_bad_shapes():
     from clover.kernels.quant_panels import QuantPanelWeight, linear
 

@@ -88,7 +88,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
             def pack_as_filled(model, part):
                 kernels = packing_backend(model, True if backend == "cpu" else None)
                 if kernels is not None:
-                    pack_part(model, part, kernels)
+                    pack_part(model, part, kernels, consume=True)
 
         model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled)
     else:
@@ -98,7 +98,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
         from .runtime import release_free_memory
 
-        pack_for_cpu(model, kernels=True if backend == "cpu" else None)
+        pack_for_cpu(model, kernels=True if backend == "cpu" else None, consume=True)   # (a model only we hold)
         release_free_memory()              # the stored forms packing freed (runtime.py says why)
     elif backend == "cuda" or (backend == "auto" and torch.device(device).type == "cuda"):
         from .backend import Backend

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..quantization.format import CODE_BYTES, unpack_nibbles, unpack_six
+from ..runtime import discard_pages
 from .build import library
 from .panels import PANEL, weight_buffer
 
@@ -71,10 +72,13 @@ class QuantPanelWeight:
 
     Packing goes a slab at a time — several experts, or a band of 32-row panels of one large matrix —
     so its temporaries stay ~16 MB however large the matrix (a 248k-row vocabulary projection), and
-    each step is a few large tensor ops rather than many small ones."""
+    each step is a few large tensor ops rather than many small ones. `consume=True` hands each slab's
+    stored pages back to the OS once packed (runtime.discard_pages: the stored tensors read as zeros
+    afterwards), so a stack of experts never sits whole beside its packed copy."""
 
     def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None,
-                 super_scales: torch.Tensor | None = None, super_mins: torch.Tensor | None = None):
+                 super_scales: torch.Tensor | None = None, super_mins: torch.Tensor | None = None,
+                 consume: bool = False):
         *lead, N, _ = qweight.shape
         groups = scales.shape[-1]
         K = round(qweight.shape[-1] / CODE_BYTES[bits])
@@ -111,6 +115,10 @@ class QuantPanelWeight:
                 for src, dst in ((ss3, self.super_scales), (sm3, self.super_mins)):
                     if src is not None:
                         dst[e0:e1, p0:p1].copy_(_panel_scales(self._rows(src[e0:e1], rows, p0, p1)))
+            if consume:                   # these entries' stored pages go back to the OS now
+                for src in (q3, s3, m3, ss3, sm3):
+                    if src is not None:
+                        discard_pages(src[e0:e1])
         shape = (*lead, P) if lead else (P,)
         self.data = self.data.view(*shape, -1)
         self.scales = self.scales.view(*shape, groups, PANEL)

@@ -51,9 +51,10 @@ class Experts(nn.Module):
         self.packed = None   # per expert (gate_up, down) in oneDNN layout, after `pack(kernels=False)`
         self.panels = None   # (gate_up, down) stacks in panel layout, after `pack(kernels=True)`
 
-    def pack(self, kernels: bool = False) -> None:
+    def pack(self, kernels: bool = False, consume: bool = False) -> None:
         """Replace the expert matrices by packed copies (CPU bf16 inference, see packed.py): stacked
-        panels for the native kernels, or one oneDNN-packed matrix per expert."""
+        panels for the native kernels, or one oneDNN-packed matrix per expert. `consume`: quantized
+        stacks hand their stored pages back as they are packed (nothing else may read them)."""
         from .packed import _pack
 
         if self.quantized:
@@ -62,10 +63,10 @@ class Experts(nn.Module):
             from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
 
             gu, dn = self.gate_up_proj, self.down_proj
-            gate_up = QuantPanelWeight(**gu.stored(), rows=swiglu_rows(dn.shape[-1]))
+            gate_up = QuantPanelWeight(**gu.stored(), rows=swiglu_rows(dn.shape[-1]), consume=consume)
             self.gate_up_proj = None
             del gu
-            down = QuantPanelWeight(**dn.stored())
+            down = QuantPanelWeight(**dn.stored(), consume=consume)
             self.down_proj = None
             del dn
             self.panels = (gate_up, down)

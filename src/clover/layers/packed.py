@@ -176,17 +176,19 @@ class PackedLinear(PackedWeights):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def pack_for_cpu(model, kernels: bool | None = None) -> int:
+def pack_for_cpu(model, kernels: bool | None = None, consume: bool = False) -> int:
     """Pack the bf16 CPU weights of `model` in place; returns how many matrices were packed.
 
     `kernels`: True for Clover's native kernels, False for oneDNN, None for the kernels where they are
     available (`clover.kernels.available()`). A no-op (returns 0) for other dtypes/devices or when
     the chosen backend is unavailable. Tied output embeddings stay unpacked (the embedding table
-    still needs the plain tensor). Matrices already packed (`pack_part` during a load) are left as they are."""
+    still needs the plain tensor). Matrices already packed (`pack_part` during a load) are left as they are.
+    `consume=True` (a model nothing else references: clover.load's) lets packing hand the stored
+    expert codes back to the OS slab by slab, lowering the peak (`pack_part`)."""
     kernels = packing_backend(model, kernels)
     if kernels is None:
         return 0
-    count = pack_part(model, "", kernels)
+    count = pack_part(model, "", kernels, consume)
     if kernels:                 # the fused ops run the native kernels from now on (backend.py)
         from ..backend import Backend
 
@@ -206,10 +208,12 @@ def packing_backend(model, kernels: bool | None) -> bool | None:
     return kernels if (available() if kernels else onednn_available()) else None
 
 
-def pack_part(model, prefix: str, kernels: bool) -> int:
+def pack_part(model, prefix: str, kernels: bool, consume: bool = False) -> int:
     """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
     part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
-    the stored forms of the whole model never sit beside the packed ones)."""
+    the stored forms of the whole model never sit beside the packed ones). `consume`: quantized expert
+    stacks are consumed slab by slab as they are packed (Experts.pack), so not even one layer's
+    stored experts sit whole beside their packed copy — only for a model nothing else references."""
     from ..runtime import release_free_memory
     from .moe import Experts
 
@@ -231,7 +235,7 @@ def pack_part(model, prefix: str, kernels: bool) -> int:
         parent = model.get_submodule(parent_name)
         child = getattr(parent, name)
         if isinstance(child, Experts):
-            child.pack(kernels)
+            child.pack(kernels, consume)
             count += 2 * child.num_experts
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
