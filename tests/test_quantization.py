@@ -201,22 +201,28 @@ def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
 @needs_kernels
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_native_panel_packing_equals_the_pytorch_one(bits):
-    """`clover_quant_pack_panels` (one pass in C, what loading uses) writes the same panel bytes as the
-    PyTorch reordering that defines the layout: a stack, N not a multiple of the panel, the SwiGLU row
-    order with its padding rows."""
+    """`clover_quant_pack_panels` and `clover_quant_pack_scales` (one pass in C, what loading uses) write
+    the same panel bytes as the PyTorch reordering that defines the layout: a stack, N not a multiple of
+    the panel, the SwiGLU row order with its padding rows, fp16 scales, two-level scales with mins."""
     from clover.kernels.quant_panels import PANEL, QuantPanelWeight, swiglu_rows
 
     g = torch.Generator().manual_seed(bits)
-    stored = _stored_codes((3, 70, 256), bits, 32, False, False, g)
-    for rows in (None, swiglu_rows(35)):
-        native = QuantPanelWeight(**stored, rows=rows)
-        P = native.data.shape[-2]
-        order = torch.arange(70) if rows is None else rows
-        order = torch.cat([order, order.new_full((P * PANEL - len(order),), -1)])
-        reference = QuantPanelWeight(**stored, rows=rows)
-        reference.data.zero_()
-        reference._pack_codes(stored["qweight"], order, 0, 3, 0, P, native=False)
-        assert torch.equal(native.data, reference.data)
+    for offsets, two_level in ((False, False), (True, True)):
+        stored = _stored_codes((3, 70, 256), bits, 32, offsets, two_level, g)
+        for rows in (None, swiglu_rows(35)):
+            native = QuantPanelWeight(**stored, rows=rows)
+            P = native.data.shape[-2]
+            order = torch.arange(70) if rows is None else rows
+            order = torch.cat([order, order.new_full((P * PANEL - len(order),), -1)])
+            reference = QuantPanelWeight(**stored, rows=rows)
+            reference.data.zero_()
+            reference._pack_codes(stored["qweight"], order, 0, 3, 0, P, native=False)
+            assert torch.equal(native.data, reference.data)
+            for key in ("scales", "mins", "super_scales", "super_mins"):       # clover_quant_pack_scales
+                if stored[key] is not None:
+                    want = getattr(reference, key).view(3, P, -1, PANEL).zero_()
+                    reference._pack_scales(stored[key], want, order, 0, 0, P, native=False)
+                    assert torch.equal(getattr(native, key).view(3, P, -1, PANEL), want), key
 
 
 @needs_kernels

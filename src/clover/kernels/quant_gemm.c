@@ -440,3 +440,24 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, int bits, int K, const
     }
     return 0;
 }
+
+/* Per-row scales (or mins, super-scales: `width` values of `elem` bytes a row, row stride srow bytes)
+ * into panel order [panels, width, 32]: out[p][g][c] = s[rows[32p + c]][g], zero for a padding row
+ * (−1). The PyTorch gather-and-transpose it replaces (quant_panels._panel_scales) took as long as
+ * packing the codes. */
+int clover_quant_pack_scales(const uint8_t *s, long srow, int elem, int width, const int64_t *rows, int panels,
+                             uint8_t *out, int threads) {
+    if (!(elem == 1 || elem == 2)) return -2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int p = 0; p < panels; p++) {
+        uint8_t *o = out + (long)p * width * PANEL * elem;
+        for (int c = 0; c < PANEL; c++) {
+            int64_t r = rows[(long)p * PANEL + c];
+            const uint8_t *src = r < 0 ? 0 : s + r * srow;
+            for (int g = 0; g < width; g++)
+                if (elem == 1) o[(long)g * PANEL + c] = src ? src[g] : 0;
+                else ((uint16_t *)o)[(long)g * PANEL + c] = src ? ((const uint16_t *)src)[g] : 0;
+        }
+    }
+    return 0;
+}

@@ -111,10 +111,10 @@ class QuantPanelWeight:
             e1 = min(stack, e0 + entries)
             for p0 in range(0, P, band):
                 p1 = min(P, p0 + band)
-                self._pack_slab(q3[e0:e1], s3[e0:e1], None if m3 is None else m3[e0:e1], rows, e0, e1, p0, p1)
-                for src, dst in ((ss3, self.super_scales), (sm3, self.super_mins)):
+                self._pack_codes(q3[e0:e1], rows, e0, e1, p0, p1)
+                for src, dst in ((s3, self.scales), (m3, self.mins), (ss3, self.super_scales), (sm3, self.super_mins)):
                     if src is not None:
-                        dst[e0:e1, p0:p1].copy_(_panel_scales(self._rows(src[e0:e1], rows, p0, p1)))
+                        self._pack_scales(src[e0:e1], dst, rows, e0, p0, p1)
             if consume:                   # these entries' stored pages go back to the OS now
                 for src in (q3, s3, m3, ss3, sm3):
                     if src is not None:
@@ -138,12 +138,21 @@ class QuantPanelWeight:
         out[:, order < 0] = 0
         return out
 
-    def _pack_slab(self, q, s, m, rows, e0, e1, p0, p1):
-        """Entries e0:e1, panels p0:p1 (their stored rows: q, s, m [c, N, ...])."""
-        self._pack_codes(q, rows, e0, e1, p0, p1)
-        self.scales[e0:e1, p0:p1].copy_(_panel_scales(self._rows(s, rows, p0, p1)))
-        if m is not None:
-            self.mins[e0:e1, p0:p1].copy_(_panel_scales(self._rows(m, rows, p0, p1)))
+    @staticmethod
+    def _pack_scales(s, dst, rows, e0, p0, p1, native: bool = True):
+        """Per-row values s [c, N, width] of entries e0:e0+c (scales, mins or super-scales) into panels
+        p0:p1 of `dst` [stack, P, width, 32]: by `clover_quant_pack_scales`, or (no kernels, or
+        `native=False`) by the PyTorch gather that defines it."""
+        lib = library() if native else None
+        if lib is None:
+            dst[e0:e0 + len(s), p0:p1].copy_(_panel_scales(QuantPanelWeight._rows(s, rows, p0, p1)))
+            return
+        order = (torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]).to(torch.int64)
+        for i in range(len(s)):
+            entry, out = s[i].contiguous(), dst[e0 + i, p0:p1]
+            _check(lib.clover_quant_pack_scales(entry.data_ptr(), entry.stride(0) * entry.element_size(),
+                                                entry.element_size(), entry.shape[-1], order.data_ptr(), p1 - p0,
+                                                out.data_ptr(), torch.get_num_threads()), "packing quantized scales")
 
     def _pack_codes(self, q, rows, e0, e1, p0, p1, native: bool = True):
         """The codes of entries e0:e1, panels p0:p1, into `data`: by `clover_quant_pack_panels` in one
