@@ -199,9 +199,9 @@ def library() -> ctypes.CDLL | None:
     lib.clover_weights_gemm_grouped.argtypes = [ptr, ptr, i64, i32, i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, i32,
                                                 ptr, i32]
     lib.clover_weights_gemm_grouped.restype = i32
-    lib.clover_quant_pack_panels.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i32]
+    lib.clover_quant_pack_panels.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, i32, ptr, i64, i32]
     lib.clover_quant_pack_panels.restype = i32
-    lib.clover_quant_pack_scales.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i32]
+    lib.clover_quant_pack_scales.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, i32, ptr, i64]
     lib.clover_quant_pack_scales.restype = i32
     lib.clover_gguf_decode.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i32]
     lib.clover_gguf_decode.restype = i32

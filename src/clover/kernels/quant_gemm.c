@@ -397,19 +397,22 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
  * take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes of zero weight; its scales
  * are zero too). One pass over the codes, where the PyTorch reordering took ~10 passes: most of a GGUF
  * load's time. Per column and 8 inputs the stored nibble bytes b0..b3 hold inputs (0,1) (2,3) (4,5)
- * (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte. */
-int clover_quant_pack_panels(const uint8_t *q, long qrow, int bits, int K, const int64_t *rows, int panels,
-                             uint8_t *out, int threads) {
+ * (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte. `entries` stacked matrices (an
+ * expert slab: qentry / oentry bytes apart) in one call: a parallel region per expert cost more than
+ * the packing on a busy machine. */
+int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
+                             const int64_t *rows, int panels, uint8_t *out, long oentry, int threads) {
     if (!(bits == 8 || bits == 6 || bits == 4) || K % 8) return -2;
     long panel_bytes = (long)K * PANEL * bits / 8, step = bits == 8 ? 256 : bits == 6 ? 192 : 128;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int p = 0; p < panels; p++) {
+    for (long ep = 0; ep < (long)entries * panels; ep++) {
+        long e = ep / panels, p = ep % panels;
         const uint8_t *src[PANEL];
         for (int c = 0; c < PANEL; c++) {
-            int64_t r = rows[(long)p * PANEL + c];
-            src[c] = r < 0 ? 0 : q + r * qrow;
+            int64_t r = rows[p * PANEL + c];
+            src[c] = r < 0 ? 0 : q + e * qentry + r * qrow;
         }
-        uint8_t *o = out + p * panel_bytes;
+        uint8_t *o = out + e * oentry + p * panel_bytes;
         for (long k = 0; k < K; k += 8, o += step) {
             for (int c = 0; c < PANEL; c++) {
                 uint8_t *d = o + 4 * c;                 /* column c: half c/16, byte 64·half + 4·(c%16) */
@@ -444,16 +447,16 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, int bits, int K, const
 /* Per-row scales (or mins, super-scales: `width` values of `elem` bytes a row, row stride srow bytes)
  * into panel order [panels, width, 32]: out[p][g][c] = s[rows[32p + c]][g], zero for a padding row
  * (−1). The PyTorch gather-and-transpose it replaces (quant_panels._panel_scales) took as long as
- * packing the codes. */
-int clover_quant_pack_scales(const uint8_t *s, long srow, int elem, int width, const int64_t *rows, int panels,
-                             uint8_t *out, int threads) {
+ * packing the codes. One thread: 1/16 of the codes' bytes, less work than a parallel region costs. */
+int clover_quant_pack_scales(const uint8_t *s, long srow, long sentry, int entries, int elem, int width,
+                             const int64_t *rows, int panels, uint8_t *out, long oentry) {
     if (!(elem == 1 || elem == 2)) return -2;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int p = 0; p < panels; p++) {
-        uint8_t *o = out + (long)p * width * PANEL * elem;
+    for (long ep = 0; ep < (long)entries * panels; ep++) {
+        long e = ep / panels, p = ep % panels;
+        uint8_t *o = out + e * oentry + p * width * PANEL * elem;
         for (int c = 0; c < PANEL; c++) {
-            int64_t r = rows[(long)p * PANEL + c];
-            const uint8_t *src = r < 0 ? 0 : s + r * srow;
+            int64_t r = rows[p * PANEL + c];
+            const uint8_t *src = r < 0 ? 0 : s + e * sentry + r * srow;
             for (int g = 0; g < width; g++)
                 if (elem == 1) o[(long)g * PANEL + c] = src ? src[g] : 0;
                 else ((uint16_t *)o)[(long)g * PANEL + c] = src ? ((const uint16_t *)src)[g] : 0;

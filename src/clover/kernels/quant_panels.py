@@ -62,6 +62,9 @@ def _panel_scales(s: torch.Tensor) -> torch.Tensor:
 
 
 STEP_CODES = 1 << 24        # codes reordered per step: bounds packing's temporaries (~16 MB each)
+# the native packers make no temporaries: larger steps, fewer parallel regions (each cost ~7 ms on a
+# busy 2-core machine, more than its work); still small beside a layer for `consume`
+STEP_CODES_NATIVE = 1 << 26
 
 
 class QuantPanelWeight:
@@ -102,9 +105,10 @@ class QuantPanelWeight:
         m3 = None if mins is None else mins.reshape(stack, N, groups)
         ss3 = None if supers is None else super_scales.reshape(stack, N, supers)
         sm3 = None if super_mins is None else super_mins.reshape(stack, N, supers)
-        band = max(1, STEP_CODES // (PANEL * K))                  # panels per step of one entry
+        step = STEP_CODES_NATIVE if library() is not None else STEP_CODES
+        band = max(1, step // (PANEL * K))                        # panels per step of one entry
         if band >= P:
-            entries, band = max(1, STEP_CODES // (P * PANEL * K)), P
+            entries, band = max(1, step // (P * PANEL * K)), P
         else:
             entries = 1
         for e0 in range(0, stack, entries):
@@ -148,11 +152,11 @@ class QuantPanelWeight:
             dst[e0:e0 + len(s), p0:p1].copy_(_panel_scales(QuantPanelWeight._rows(s, rows, p0, p1)))
             return
         order = (torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]).to(torch.int64)
-        for i in range(len(s)):
-            entry, out = s[i].contiguous(), dst[e0 + i, p0:p1]
-            _check(lib.clover_quant_pack_scales(entry.data_ptr(), entry.stride(0) * entry.element_size(),
-                                                entry.element_size(), entry.shape[-1], order.data_ptr(), p1 - p0,
-                                                out.data_ptr(), torch.get_num_threads()), "packing quantized scales")
+        s, out, size = s.contiguous(), dst[e0:e0 + len(s), p0:p1], s.element_size()
+        _check(lib.clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s), size,
+                                            s.shape[-1], order.contiguous().data_ptr(), p1 - p0, out.data_ptr(),
+                                            out.stride(0) * out.element_size()),
+               "packing quantized scales")
 
     def _pack_codes(self, q, rows, e0, e1, p0, p1, native: bool = True):
         """The codes of entries e0:e1, panels p0:p1, into `data`: by `clover_quant_pack_panels` in one
@@ -161,12 +165,10 @@ class QuantPanelWeight:
         lib = library() if native else None
         if lib is not None:
             order = order.to(torch.int64).contiguous()
-            for i in range(e1 - e0):
-                entry = q[i].contiguous()
-                dst = self.data[e0 + i, p0:p1]
-                _check(lib.clover_quant_pack_panels(entry.data_ptr(), entry.stride(0), self.bits, self.in_features,
-                                                    order.data_ptr(), p1 - p0, dst.data_ptr(), torch.get_num_threads()),
-                       "packing quantized panels")
+            q, dst, size = q.contiguous(), self.data[e0:e1, p0:p1], q.element_size()
+            _check(lib.clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0, self.bits,
+                                                self.in_features, order.data_ptr(), p1 - p0, dst.data_ptr(),
+                                                dst.stride(0), torch.get_num_threads()), "packing quantized panels")
             return
         u = _codes_u8(q[:, order.clamp(min=0)], self.bits)
         u[:, order < 0] = 128 if self.bits == 8 else 0
