@@ -190,3 +190,38 @@ def test_a_quantized_embedding_table(monkeypatch):
     with torch.inference_mode():
         _decode_both(model, monkeypatch, rows=(12, 5), steps=6)
     assert runs.count(2) == 6
+
+
+def test_inputs_split_by_form(tmp_path, monkeypatch):
+    """A GGUF mix that stores the GDN's qkv map in another type than z, b and a, and attention's v in
+    another type than q and k (llama.cpp's Q4_K_M makes half the layers' `attn_qkv` and `attn_v` Q6_K),
+    splits the fused inputs into [qkv] + [z, b, a] and [q, k] + [v]: the plan still binds (it once
+    required [u, z, b, a] or [.., b, a] alone, and refused k and v from different runs, so such a file
+    decoded through the layers) and gives the layers' logits step for step."""
+    pytest.importorskip("gguf")
+    import clover
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import qwen_tokenizer, write_gguf
+
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.get_vocab(with_added_tokens=True)
+    model = make_model("base", seed=2, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                       linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=tokenizer.get_vocab_size() + 2, mask_token_id=ids["<|mask|>"],
+                       eos_token_id=[ids["<|im_end|>"]], pad_token_id=ids["<|endoftext|>"],
+                       think_token_id=ids["<think>"], think_end_token_id=ids["</think>"])
+    path = tmp_path / "mix.gguf"
+    write_gguf(path, model, T.Q4_K, tokenizer=tokenizer, fallback=T.Q8_0,
+               types={"attn_qkv.weight": T.Q6_K, "attn_v.weight": T.Q6_K})
+    fast = clover.load(path)
+    gdn = [layer.linear_attn for layer in fast.model.layers if layer.kind == "linear_attention"]
+    Hv = gdn[0].num_v_heads
+    splits = [[sizes for _, _, sizes in m.fused_input.parts] for m in gdn]
+    assert all(len(runs) == 2 and len(runs[1]) == 3 and runs[1][-2:] == [Hv, Hv] for runs in splits), splits
+    attention = [layer.self_attn for layer in fast.model.layers if layer.kind == "full_attention"]
+    assert attention and all(len(a.fused_input.parts) == 2 for a in attention)        # [q, k] + [v]
+    assert decode_plan.supported(fast)
+    runs = _plan_runs(monkeypatch)
+    with torch.inference_mode():
+        _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)
+    assert runs.count(2) == 6

@@ -109,8 +109,10 @@ def supported(model) -> bool:
             parts = _fused_parts(m.fused_input)
             if parts is None or _linear_weight(m.out_proj) is None:
                 return False
-            # b and a must come from one stacked run (gdn_short reads them with one stride)
-            if not any(sizes[-2:] == [m.num_v_heads, m.num_v_heads] and len(sizes) in (2, 4) for _, sizes in parts):
+            # b and a must come from one stacked run (gdn_short reads them with one stride): the run
+            # ends with them however the maps before split by form ([u, z, b, a], [u, z] + [b, a], or a
+            # GGUF mix's [u] + [z, b, a])
+            if not any(sizes[-2:] == [m.num_v_heads, m.num_v_heads] for _, sizes in parts):
                 return False
         else:
             a = layer.self_attn
@@ -276,9 +278,10 @@ class _Plan:
     def _attention(self, attn):
         B = self.B
         Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        # k and v may come from different runs (a GGUF mix stores attn_v in another type than attn_k):
+        # each row's call gets its own k and v pointers, and with one token the kernel never steps by
+        # the token stride it is given, so k's serves both
         qg, k, v = self._project(attn, "attn")
-        if k.stride(0) != v.stride(0):
-            raise ValueError("decode plan: attention k and v with different row strides")
         out = self.buf.scratch("attn_out", B, 1, Hq * D)
         self.keep += [_scale(attn.q_norm), _scale(attn.k_norm)]
         qs, ks = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
