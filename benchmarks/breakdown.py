@@ -2,7 +2,7 @@
 
     python -m benchmarks.breakdown --variant full --op prefill --tokens 4096
     python -m benchmarks.breakdown --variant small --op decode --glue
-    python -m benchmarks.breakdown --model MODEL_INT4 --op decode      # any model directory (quantized too)
+    python -m benchmarks.breakdown --model MODEL_INT4 --op decode      # any model directory (quantized too) or GGUF file
 
 `benchmarks.compare` says how fast a step is; this says why. It loads a bench checkpoint packed for the
 native kernels, wraps the Python faces of the kernels (`panels.linear` and the quantized
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     if args.layers or not args.glue:                  # each call timed through its wrapper
         decode_plan.ENABLED = False
     path = args.model or checkpoints.ensure_checkpoint(args.variant)
-    config = checkpoints.load_config(path)
     model = clover.load(path, dtype=torch.bfloat16, pack=True)
+    config = model.config                 # (a GGUF file has no config.json beside it)
     prompt = make_input_ids(config, args.tokens)
     block = make_input_ids(config, 32, seed=2)
 
