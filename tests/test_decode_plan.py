@@ -225,3 +225,48 @@ def test_inputs_split_by_form(tmp_path, monkeypatch):
     with torch.inference_mode():
         _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)
     assert runs.count(2) == 6
+
+
+@pytest.mark.parametrize("types, reason", [
+    ({"ssm_alpha.weight": "F16"}, "layer 0: the GDN's b and a maps are not stacked in one run"),
+    ({"ffn_up_shexp.weight": "F16"}, "layer 0: the MoE block is not packed for moe_block"),
+])
+def test_paired_maps_in_two_types(types, reason, tmp_path, monkeypatch, caplog):
+    """Maps a kernel reads as one run, stored in two types: `ssm_beta` / `ssm_alpha` put the GDN's b and
+    a in different runs of its fused input (the kernel reads them with one stride: its wrapper now
+    stacks them), `ffn_gate_shexp` / `ffn_up_shexp` split the MoE block's input runs (the block takes
+    the grouped path). Both once raised on every step of such a file. The plan refuses the model with
+    the reason logged, and the layers decode it, equal to the same file on the reference backend up to
+    the kernels' input rounding."""
+    pytest.importorskip("gguf")
+    import logging
+
+    import clover
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import qwen_tokenizer, write_gguf
+
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.get_vocab(with_added_tokens=True)
+    model = make_model("base", seed=3, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                       linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=tokenizer.get_vocab_size() + 2, mask_token_id=ids["<|mask|>"],
+                       eos_token_id=[ids["<|im_end|>"]], pad_token_id=ids["<|endoftext|>"],
+                       think_token_id=ids["<think>"], think_end_token_id=ids["</think>"])
+    path = tmp_path / "ba.gguf"
+    write_gguf(path, model, T.Q8_0, tokenizer=tokenizer, types={name: T[kind] for name, kind in types.items()})
+    fast = clover.load(path)
+    assert decode_plan.refusal(fast) == reason
+    runs = _plan_runs(monkeypatch)
+    reference = clover.load(path, backend="reference", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, 90, (1, 20), generator=g)
+    with torch.inference_mode(), caplog.at_level(logging.INFO, logger="clover.kernels.decode_plan"):
+        c, r = fast.make_cache(), reference.make_cache()
+        got, want = fast.step(prompt, [c], logits_at="last"), reference.step(prompt, [r], logits_at="last")
+        for t in range(4):
+            token = want[:, -1].argmax(-1, keepdim=True)
+            got, want = fast.step(token, [c], logits_at="last"), reference.step(token, [r], logits_at="last")
+            err = ((got.float() - want).norm() / want.norm()).item()
+            assert err < 0.05, (t, err)                   # bf16 and the kernels' int8 input rounding
+    assert runs == []
+    assert reason in caplog.text

@@ -26,6 +26,7 @@ are not seen (`forget(model)` drops its plans).
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -40,6 +41,7 @@ from .panels import PanelWeight
 from .quant_panels import QuantPanelWeight
 from .rmsnorm import _scale, tensor_version
 
+log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
 MAX_PLANS = 8          # batch sizes kept prepared (an engine's batch size moves between a few values)
 ENABLED = True         # off: every step runs the layers (benchmarks.breakdown times each call's wrapper)
@@ -86,40 +88,52 @@ def _versions(tensors) -> int:
         return sum(tensor_version(t) for t in tensors)
 
 
-def supported(model) -> bool:
-    """Whether every call of a causal one-token step of `model` runs a native kernel the plan can bind."""
+def refusal(model) -> str | None:
+    """Why a causal one-token step of `model` cannot run as a plan (None: every call runs a native
+    kernel the plan can bind). Only a kernel-packed model on the CPU backend is a candidate; for one,
+    a refusal is a slower decode (the layers' path), so `DecodePlans` logs it once."""
     from ..layers.moe import SparseMoE
     from .moe_block import packed_for_kernels
 
-    if (getattr(model, "packed", None) != "clover-kernels" or model.shard_config is not None
-            or getattr(model.backend, "name", None) != "cpu" or library() is None):
-        return False
+    if getattr(model, "packed", None) != "clover-kernels":
+        return "not packed for the native kernels"
+    if model.shard_config is not None:
+        return "a tensor-parallel shard"
+    if getattr(model.backend, "name", None) != "cpu" or library() is None:
+        return "not the CPU backend with native kernels"
     embed = model.model.embed_tokens
     quantized = isinstance(embed, QuantizedEmbedding)
     if not quantized and (type(embed) is not nn.Embedding or embed.weight.dtype != _BF16
                           or embed.weight.device.type != "cpu"):
-        return False
+        return "the token embedding is not a bf16 table on the CPU"
     if quantized and (embed.compute_dtype != _BF16 or embed.qweight.device.type != "cpu"):
-        return False
-    for layer in model.model.layers:
+        return "the quantized token embedding does not compute in bf16 on the CPU"
+    for i, layer in enumerate(model.model.layers):
         if type(layer.mlp) is not SparseMoE or not packed_for_kernels(layer.mlp):
-            return False
+            return f"layer {i}: the MoE block is not packed for moe_block"
         if layer.kind == "linear_attention":
             m = layer.linear_attn
             parts = _fused_parts(m.fused_input)
             if parts is None or _linear_weight(m.out_proj) is None:
-                return False
+                return f"layer {i}: a GDN projection is not a packed kernel matrix without bias"
             # b and a must come from one stacked run (gdn_short reads them with one stride): the run
             # ends with them however the maps before split by form ([u, z, b, a], [u, z] + [b, a], or a
             # GGUF mix's [u] + [z, b, a])
             if not any(sizes[-2:] == [m.num_v_heads, m.num_v_heads] for _, sizes in parts):
-                return False
+                return f"layer {i}: the GDN's b and a maps are not stacked in one run"
         else:
             a = layer.self_attn
-            if (_fused_parts(a.fused_input) is None or _linear_weight(a.o_proj) is None or a.head_dim > 512
-                    or a.num_heads // a.num_kv_heads > 16):
-                return False
-    return True
+            if _fused_parts(a.fused_input) is None or _linear_weight(a.o_proj) is None:
+                return f"layer {i}: an attention projection is not a packed kernel matrix without bias"
+            if a.head_dim > 512 or a.num_heads // a.num_kv_heads > 16:
+                return f"layer {i}: attention head size {a.head_dim} or group {a.num_heads // a.num_kv_heads} " \
+                       "beyond the kernel's (512, 16)"
+    return None
+
+
+def supported(model) -> bool:
+    """Whether every call of a causal one-token step of `model` runs a native kernel the plan can bind."""
+    return refusal(model) is None
 
 
 class _Buffers:
@@ -373,7 +387,10 @@ class DecodePlans:
 
     def __init__(self, model):
         self.backend = model.backend
-        self.ok = supported(model)
+        why = refusal(model)
+        self.ok = why is None
+        if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.shard_config is None:
+            log.info("decode steps of this model run through its layers, not a prepared plan: %s", why)
         self.sources = _sources(model) if self.ok else []
         self.version = _versions(self.sources)
         self.plans: OrderedDict = OrderedDict()

@@ -57,8 +57,9 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
     for t in (u, z, b, a):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
             raise ValueError("gdn_short takes bf16 projections with contiguous channels")
-    if b.stride()[:2] != a.stride()[:2]:
-        raise ValueError("gdn_short expects b and a from one stacked projection")
+    if b.stride()[:2] != a.stride()[:2]:     # the kernel reads both with one stride: stack them (2·Hv a token)
+        ba = torch.cat([b, a], dim=-1)         # (a GGUF mix may store ssm_beta and ssm_alpha in two types)
+        b, a = ba[..., :b.shape[-1]], ba[..., b.shape[-1]:]
     P = T - block_len
     conv_w, right_w, A_log, dt_bias, mix, norm_w = _constants(mixer)
     if not (conv.is_contiguous() and conv.dtype == torch.bfloat16 and recurrent.is_contiguous()

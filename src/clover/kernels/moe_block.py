@@ -84,9 +84,15 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
 
 
 def packed_for_kernels(moe) -> bool:
-    """Whether `moe` was packed by `pack_for_cpu(kernels=True)` (what the kernel reads)."""
+    """Whether `moe` was packed by `pack_for_cpu(kernels=True)` in a layout the kernel reads: its
+    router and shared expert input maps stacked as one run, or as the router and gate beside one run
+    of the shared expert's gate and up. (A GGUF file may store ffn_gate_shexp and ffn_up_shexp in two
+    types, which splits that run: such a block takes the layers' grouped path instead.)"""
     if "_kernel_constants" in moe.__dict__:          # looked up (and checked) before
         return True
     fused = moe.fused_input
-    return (fused is not None and moe.experts.panels is not None and _kernel_packed(fused.packed)
-            and getattr(moe.shared_expert.down_proj, "packed", None) is not None)
+    if (fused is None or moe.experts.panels is None or getattr(moe.shared_expert.down_proj, "packed", None) is None
+            or not all(_kernel_packed(part[0]) for part in fused.parts)):
+        return False
+    E, Is = moe.num_experts, moe.shared_expert.down_proj.packed.in_features
+    return [sizes for _, _, sizes in fused.parts] in ([[E, 1, Is, Is]], [[E, 1], [Is, Is]])
