@@ -355,21 +355,36 @@ def resident_weight_bytes(model) -> int:
     return total
 
 
+# The CLI in a child that reports its own peak RSS (VmHWM) on exit: RUSAGE_CHILDREN's ru_maxrss counts
+# what the child inherited at spawn, the parent's peak (22.37 GB reported for a child that peaked at ~21.8).
+_PEAK_REPORTING_CLI = (
+    "import atexit, sys\n"
+    "def _peak():\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        if line.startswith('VmHWM:'):\n"
+    "            print('clover-peak-rss-kb', line.split()[1], file=sys.stderr)\n"
+    "atexit.register(_peak)\n"
+    "from clover.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
+
+
 def run_generate(path: Path, tokens: int, timeout: float) -> dict:
-    """A whole `clover generate --model PATH PROMPT --max-new-tokens N --json` in its own process (same code)."""
+    """A whole `clover generate --model PATH PROMPT --max-new-tokens N --json` in its own process (same
+    code), with that process's own peak RSS."""
     import clover
 
     src = str(Path(clover.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "clover", "generate", "--model", str(path), "--max-new-tokens", str(tokens),
-           "--json", PROMPT]
+    args = ["generate", "--model", str(path), "--max-new-tokens", str(tokens), "--json", PROMPT]
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run([sys.executable, "-c", _PEAK_REPORTING_CLI, *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"completed": False, "error": f"timed out after {timeout:.0f}s", "wall_seconds": timeout}
-    out = {"command": " ".join(cmd[1:]), "returncode": done.returncode, "wall_seconds": time.perf_counter() - t0,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+    peaks = [int(line.split()[1]) * 1024 for line in done.stderr.splitlines() if line.startswith("clover-peak-rss-kb ")]
+    out = {"command": " ".join(["-m", "clover", *args]), "returncode": done.returncode,
+           "wall_seconds": time.perf_counter() - t0, "peak_rss_bytes": peaks[-1] if peaks else None}
     try:
         reply = json.loads(done.stdout.strip().splitlines()[-1])
         out.update(completed=done.returncode == 0, generate_seconds=reply["seconds"],
@@ -544,7 +559,7 @@ def report(res: dict) -> None:
         rows.append({"measurement": f"clover generate --max-new-tokens ({'completed' if g['completed'] else 'FAILED'})",
                      "median": g.get("generate_seconds", g["wall_seconds"]), "unit": "s",
                      "spread": f"wall {g['wall_seconds']:.1f} s, {st.get('generated_tokens')} tokens, "
-                               f"{st.get('forwards')} forwards, peak RSS {gb(g.get('peak_rss_bytes', 0)):.2f} GB"})
+                               f"{st.get('forwards')} forwards, peak RSS {gb(g.get('peak_rss_bytes') or 0):.2f} GB"})
     print_table(rows, title=f"{res['layers']} layers, {gb(res['weights_bytes']):.2f} GB {res.get('format', 'int4')}, "
                             f"{res['threads']} threads, CPU busy before {res['cpu_busy_pct_before']:.0f}%")
     print(f"decode reads {gb(res['decode_token_bytes']):.3f} GB of weights per token (+ {gb(res['state_bytes_per_token']):.3f} "
