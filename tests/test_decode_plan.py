@@ -192,6 +192,21 @@ def test_a_quantized_embedding_table(monkeypatch):
     assert runs.count(2) == 6
 
 
+def _k_quant_sized_model(seed):
+    """A tiny model whose rows are whole 256-input K-quant blocks, with the GGUF test tokenizer's
+    vocabulary (so `write_gguf` can write it): (model, tokenizer)."""
+    from gguf_files import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+    ids = tokenizer.get_vocab(with_added_tokens=True)
+    model = make_model("base", seed=seed, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                       linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=tokenizer.get_vocab_size() + 2, mask_token_id=ids["<|mask|>"],
+                       eos_token_id=[ids["<|im_end|>"]], pad_token_id=ids["<|endoftext|>"],
+                       think_token_id=ids["<think>"], think_end_token_id=ids["</think>"])
+    return model, tokenizer
+
+
 def test_inputs_split_by_form(tmp_path, monkeypatch):
     """A GGUF mix that stores the GDN's qkv map in another type than z, b and a, and attention's v in
     another type than q and k (llama.cpp's Q4_K_M makes half the layers' `attn_qkv` and `attn_v` Q6_K),
@@ -201,15 +216,9 @@ def test_inputs_split_by_form(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     import clover
     from gguf import GGMLQuantizationType as T
-    from gguf_files import qwen_tokenizer, write_gguf
+    from gguf_files import write_gguf
 
-    tokenizer = qwen_tokenizer()
-    ids = tokenizer.get_vocab(with_added_tokens=True)
-    model = make_model("base", seed=2, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-                       linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
-                       vocab_size=tokenizer.get_vocab_size() + 2, mask_token_id=ids["<|mask|>"],
-                       eos_token_id=[ids["<|im_end|>"]], pad_token_id=ids["<|endoftext|>"],
-                       think_token_id=ids["<think>"], think_end_token_id=ids["</think>"])
+    model, tokenizer = _k_quant_sized_model(seed=2)
     path = tmp_path / "mix.gguf"
     write_gguf(path, model, T.Q4_K, tokenizer=tokenizer, fallback=T.Q8_0,
                types={"attn_qkv.weight": T.Q6_K, "attn_v.weight": T.Q6_K})
@@ -243,15 +252,9 @@ def test_paired_maps_in_two_types(types, reason, tmp_path, monkeypatch, caplog):
 
     import clover
     from gguf import GGMLQuantizationType as T
-    from gguf_files import qwen_tokenizer, write_gguf
+    from gguf_files import write_gguf
 
-    tokenizer = qwen_tokenizer()
-    ids = tokenizer.get_vocab(with_added_tokens=True)
-    model = make_model("base", seed=3, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-                       linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
-                       vocab_size=tokenizer.get_vocab_size() + 2, mask_token_id=ids["<|mask|>"],
-                       eos_token_id=[ids["<|im_end|>"]], pad_token_id=ids["<|endoftext|>"],
-                       think_token_id=ids["<think>"], think_end_token_id=ids["</think>"])
+    model, tokenizer = _k_quant_sized_model(seed=3)
     path = tmp_path / "ba.gguf"
     write_gguf(path, model, T.Q8_0, tokenizer=tokenizer, types={name: T[kind] for name, kind in types.items()})
     fast = clover.load(path)
