@@ -24,16 +24,12 @@ def _moe_constants(moe):
     if consts is None:
         from .quant_panels import weights_struct
 
-        fused, panels = moe.fused_input, moe.experts.panels
-        shared_down = getattr(moe.shared_expert.down_proj, "packed", None)
-        if fused is None or panels is None or shared_down is None or not _kernel_packed(fused.packed):
-            raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu(kernels=True)")
-        E = moe.num_experts
+        if not packed_for_kernels(moe):
+            raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu(kernels=True), its router and "
+                             "shared expert input maps stacked as the kernel reads them")
+        fused, (gate_up, down) = moe.fused_input, moe.experts.panels
+        shared_down = moe.shared_expert.down_proj.packed
         Is = shared_down.in_features
-        sizes = [sizes for _, _, sizes in fused.parts]
-        if fused.sizes != [E, 1, Is, Is] or sizes not in ([[E, 1, Is, Is]], [[E, 1], [Is, Is]]):
-            raise ValueError("moe_block needs the router and shared expert stacked by pack_for_cpu")
-        gate_up, down = panels
         structs = [weights_struct(part[0]) for part in fused.parts]
         structs += [weights_struct(gate_up), weights_struct(down), weights_struct(shared_down)]
         consts = (structs, len(fused.parts) == 2, gate_up.out_features // 2, Is)
