@@ -139,6 +139,9 @@ def add_hyperparameters(w, config, file_type: int, blocks: int | None = None) ->
     if not all((k == "full_attention") == ((i + 1) % interval == 0) for i, k in enumerate(c.layer_types)):
         raise ValueError("qwen35moe files describe the layers by one full-attention interval")
     w.add_full_attention_interval(interval)
+    # M-RoPE sections in rotary pairs, from the real model's `mrope_section`: llama.cpp requires the key; for
+    # text every section sees the same position, so Clover reads plain RoPE and ignores it
+    w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
 def add_vocab(w, tok, vocab_size: int, template: str | None, pre: str = "qwen35") -> dict[str, int]:

@@ -169,7 +169,6 @@ def write_gguf(path, model, qtype: T = T.BF16, *, include_clover: bool = True, t
     full_size_gguf.add_hyperparameters(w, c, 1, blocks=c.num_hidden_layers + mtp_blocks)
     if mtp_blocks:
         w.add_nextn_predict_layers(mtp_blocks)
-    w.add_rope_dimension_sections([11, 11, 10, 0])
     add_vocab(w, tokenizer or qwen_tokenizer(), c.vocab_size)
     if include_clover and c.mask_token_id is not None:
         w.add_mask_token_id(c.mask_token_id)

@@ -54,3 +54,48 @@ def test_written_file(tmp_path):
     assert torch.isfinite(logits).all() and logits.std() > 0
     rb = full_size_gguf.read_bytes(path, 4)
     assert rb["embed_row"] == 256 // 256 * 144 and len(rb["dense"]) == 4 and all(e > 0 for e in rb["expert"])
+
+
+@pytest.fixture(scope="module")
+def written_pair(tmp_path_factory):
+    """The small Q4_K_M file and its plain copy (benchmarks.full_size_llama_cpp.ensure_plain)."""
+    from benchmarks import full_size_llama_cpp
+
+    config = small_config()
+    path = tmp_path_factory.mktemp("plain") / "model.gguf"
+    full_size_gguf.write(path, config, seed=0, log=lambda msg: None)
+    return path, full_size_llama_cpp.ensure_plain(path, config)
+
+
+def test_plain_copy_drops_only_clovers_tensors(written_pair):
+    """The copy llama.cpp reads: the same bytes for every tensor but Clover's bidirectional ones, the key
+    llama.cpp requires, and the same causal logits in Clover (a causal forward reads neither tensor)."""
+    import clover
+    from clover.gguf.names import EXTRA_TENSORS
+
+    src, plain = written_pair
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(plain)
+    left_out = {t.name for t in a.tensors} - {t.name for t in b.tensors}
+    assert left_out and all(n.endswith(EXTRA_TENSORS) for n in left_out)
+    assert len(left_out) == sum(n.endswith(EXTRA_TENSORS) for n in (t.name for t in a.tensors))
+    kept = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        if t.name in kept:
+            assert kept[t.name].tensor_type == t.tensor_type and np.array_equal(kept[t.name].data, t.data), t.name
+    assert list(b.fields["qwen35moe.rope.dimension_sections"].contents()) == [11, 11, 10, 0]
+    ids = torch.randint(0, 700, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = clover.load(src, backend="reference", dtype=torch.float32)(ids)
+        got = clover.load(plain, backend="reference", dtype=torch.float32)(ids)
+    assert torch.equal(got, want)
+
+
+def test_plain_copy_loads_in_llama_cpp(written_pair):
+    """llama.cpp refuses the file with Clover's extra tensors and takes the plain copy (needs the bench extra)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src, plain = written_pair
+    with pytest.raises(ValueError):
+        llama_cpp.Llama(model_path=str(src), n_ctx=64, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(plain), n_ctx=64, n_threads=1, verbose=False)
+    assert llm.n_vocab() == 768
+    llm.eval([1, 2, 3])

@@ -248,6 +248,44 @@ def test_consuming_packing_releases_the_stored_pages():
 
 
 @needs_kernels
+def test_consuming_packing_of_one_large_matrix_releases_it_band_by_band(monkeypatch):
+    """A single large matrix (the 248k-row vocabulary projection) is packed a band of panels at a time;
+    `consume=True` hands each band's stored rows back as it goes, so the stored form never sits whole
+    beside the packed one: the same panels, the stored codes zeros after. Small bands stand in for the
+    real ones here; a packing without `consume` leaves the stored tensors as they were."""
+    import sys
+
+    from clover.kernels import quant_panels
+    from clover.kernels.quant_panels import QuantPanelWeight
+
+    monkeypatch.setattr(quant_panels, "STEP_CODES_NATIVE", 32 * 2048 * 8)   # bands of 8 panels: 256 rows
+    monkeypatch.setattr(quant_panels, "STEP_CODES", 32 * 2048 * 8)
+    for bits, two_level in ((6, True), (4, False)):
+        shape = (4096, 2048)
+        stored = _stored_codes(shape, bits, 16 if two_level else 32, True, two_level, torch.Generator().manual_seed(5))
+        kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
+        want = QuantPanelWeight(**kept)
+        for key, tensor in kept.items():           # packing without consume reads and keeps
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(tensor, stored[key]), key
+        seen = []
+        pack_codes = QuantPanelWeight._pack_codes
+
+        def watching(self, q, rows, e0, e1, p0, p1):      # the bands before this one: released already
+            seen.append((stored["qweight"][:p0 * 32] != 0).float().mean().item() if p0 else 0.0)
+            return pack_codes(self, q, rows, e0, e1, p0, p1)
+
+        monkeypatch.setattr(QuantPanelWeight, "_pack_codes", watching)
+        got = QuantPanelWeight(**stored, consume=True)
+        monkeypatch.setattr(QuantPanelWeight, "_pack_codes", pack_codes)
+        for key, tensor in want.buffers().items():
+            assert torch.equal(got.buffers()[key], tensor), key
+        assert len(seen) == 16
+        if sys.platform == "linux":            # but for each band's partial end pages
+            assert max(seen) < 0.02 and (stored["qweight"] != 0).float().mean() < 0.02, (bits, seen)
+
+
+@needs_kernels
 def test_quantized_kernel_rejects_bad_shapes():
     from clover.kernels.quant_panels import QuantPanelWeight, linear
 

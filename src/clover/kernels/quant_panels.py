@@ -77,7 +77,8 @@ class QuantPanelWeight:
     so its temporaries stay ~16 MB however large the matrix (a 248k-row vocabulary projection), and
     each step is a few large tensor ops rather than many small ones. `consume=True` hands each slab's
     stored pages back to the OS once packed (runtime.discard_pages: the stored tensors read as zeros
-    afterwards), so a stack of experts never sits whole beside its packed copy."""
+    afterwards), so neither a stack of experts nor a 248k-row vocabulary projection ever sits whole
+    beside its packed copy."""
 
     def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None,
                  super_scales: torch.Tensor | None = None, super_mins: torch.Tensor | None = None,
@@ -119,6 +120,10 @@ class QuantPanelWeight:
                 for src, dst in ((s3, self.scales), (m3, self.mins), (ss3, self.super_scales), (sm3, self.super_mins)):
                     if src is not None:
                         self._pack_scales(src[e0:e1], dst, rows, e0, p0, p1)
+                if consume and band < P and rows is None:      # a large matrix: its band's stored rows go now
+                    for src in (q3, s3, m3, ss3, sm3):
+                        if src is not None:
+                            discard_pages(src[e0, p0 * PANEL:p1 * PANEL])
             if consume:                   # these entries' stored pages go back to the OS now
                 for src in (q3, s3, m3, ss3, sm3):
                     if src is not None:

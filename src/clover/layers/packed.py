@@ -54,15 +54,20 @@ def _quantized(module) -> bool:
     return isinstance(module, QuantizedLinear)
 
 
-def _pack_quantized(linears: list):
-    """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels."""
+def _pack_quantized(linears: list, consume: bool = False):
+    """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels.
+    `consume`: a lone map's stored codes may be handed back as they are packed (a model only the caller
+    holds); maps stacked from several are always consumed, the stack being this function's own copy."""
     from ..kernels.quant_panels import QuantPanelWeight
 
     def stacked(name):
-        return None if getattr(linears[0], name) is None else torch.cat([getattr(m, name) for m in linears])
+        if getattr(linears[0], name) is None:
+            return None
+        return getattr(linears[0], name) if len(linears) == 1 else torch.cat([getattr(m, name) for m in linears])
 
     return QuantPanelWeight(stacked("qweight"), stacked("scales"), stacked("mins"), linears[0].bits,
-                            super_scales=stacked("super_scales"), super_mins=stacked("super_mins"))
+                            super_scales=stacked("super_scales"), super_mins=stacked("super_mins"),
+                            consume=consume or len(linears) > 1)
 
 
 def _kind(module):
@@ -161,10 +166,10 @@ class PackedLinear(PackedWeights):
     `parallel` group: distributed/layers.py) stays one: the packed product is this rank's partial sum,
     all-reduced before the bias is added."""
 
-    def __init__(self, linear: nn.Module, kernels: bool):
+    def __init__(self, linear: nn.Module, kernels: bool, consume: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack_quantized([linear]) if _quantized(linear) else _pack(linear.weight, kernels)
+        self.packed = _pack_quantized([linear], consume) if _quantized(linear) else _pack(linear.weight, kernels)
         self._register_packed("weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.parallel = getattr(linear, "parallel", None)
@@ -184,7 +189,7 @@ def pack_for_cpu(model, kernels: bool | None = None, consume: bool = False) -> i
     the chosen backend is unavailable. Tied output embeddings stay unpacked (the embedding table
     still needs the plain tensor). Matrices already packed (`pack_part` during a load) are left as they are.
     `consume=True` (a model nothing else references: clover.load's) lets packing hand the stored
-    expert codes back to the OS slab by slab, lowering the peak (`pack_part`)."""
+    quantized codes back to the OS slab by slab, lowering the peak (`pack_part`)."""
     kernels = packing_backend(model, kernels)
     if kernels is None:
         return 0
@@ -212,8 +217,9 @@ def pack_part(model, prefix: str, kernels: bool, consume: bool = False) -> int:
     """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
     part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
     the stored forms of the whole model never sit beside the packed ones). `consume`: quantized expert
-    stacks are consumed slab by slab as they are packed (Experts.pack), so not even one layer's
-    stored experts sit whole beside their packed copy — only for a model nothing else references."""
+    stacks (Experts.pack) and large quantized matrices (the vocabulary projection) are consumed slab by
+    slab as they are packed, so not even one layer's stored experts sit whole beside their packed
+    copy — only for a model nothing else references."""
     from ..runtime import release_free_memory
     from .moe import Experts
 
@@ -240,7 +246,7 @@ def pack_part(model, prefix: str, kernels: bool, consume: bool = False) -> int:
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
         else:
-            setattr(parent, name, PackedLinear(child, kernels))
+            setattr(parent, name, PackedLinear(child, kernels, consume))
             count += 1
             del child       # the replaced weight is freed here, before the next matrix is packed
     return count
