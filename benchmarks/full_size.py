@@ -370,10 +370,8 @@ _PEAK_REPORTING_CLI = (
 
 def run_generate(path: Path, tokens: int, timeout: float) -> dict:
     """A whole `clover generate --model PATH PROMPT --max-new-tokens N --json` in its own process, as a
-    user runs it (the installed clover, the environment as it is), with that process's own peak RSS.
-    (On the Q4_K_M file two runs peaked at 22.35 GB and four at 21.82 GB, with and without PYTHONPATH
-    alike; why is not yet known — most weights sit on 2 MB pages, 14.3 of 21.7 GB, which the kernel
-    grants or not by the state of free memory: one guess.)"""
+    user runs it (the installed clover, the environment as it is), with that process's own peak RSS
+    (VmHWM is in KiB: ×1024 for bytes)."""
     args = ["generate", "--model", str(path), "--max-new-tokens", str(tokens), "--json", PROMPT]
     t0 = time.perf_counter()
     try:
