@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks import full_size, full_size_gguf
-from benchmarks.llama_cpp import _agreement, _python, decode_bytes_per_token
+from benchmarks.llama_cpp import _agreement, _gguf_sizes, _python, decode_bytes_per_token
 
 ENGINES = ("llama.cpp", "clover")
 
@@ -76,12 +76,6 @@ def ensure_plain(src: Path, config: dict) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return dst
-
-
-def tensor_sizes(path: Path) -> dict[str, tuple[int, list]]:
-    import gguf
-
-    return {t.name: (int(t.n_bytes), [int(d) for d in t.shape]) for t in gguf.GGUFReader(str(path)).tensors}
 
 
 def read_into_page_cache(path: Path, chunk: int = 64 << 20) -> float:
@@ -168,7 +162,7 @@ def main(argv=None) -> int:
     path = ensure_plain(src, config)
     config_path = path.with_name("bench-config.json")
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    per_token = decode_bytes_per_token(tensor_sizes(path), config)
+    per_token = decode_bytes_per_token(_gguf_sizes(path), config)
 
     rounds = []
     for i in range(args.rounds):

@@ -221,9 +221,12 @@ def _safetensors_sizes(directory: Path) -> dict[str, tuple[int, list]]:
     return out
 
 
-def _gguf_sizes(path: Path, tree: Path) -> dict[str, tuple[int, list]]:
-    """name → (bytes, shape as llama.cpp's ne, fastest dimension first) from a GGUF's tensor table."""
-    sys.path.insert(0, str(tree / "gguf-py"))       # the vendored gguf-py knows every type the library writes
+def _gguf_sizes(path: Path, tree: Path | None = None) -> dict[str, tuple[int, list]]:
+    """name → (bytes, shape as llama.cpp's ne, fastest dimension first) from a GGUF's tensor table;
+    `tree`: a llama.cpp source tree whose vendored gguf-py (it knows every type the library writes)
+    is read instead of the installed package."""
+    if tree is not None:
+        sys.path.insert(0, str(tree / "gguf-py"))
     import gguf
 
     reader = gguf.GGUFReader(str(path))

@@ -112,6 +112,7 @@ class QuantPanelWeight:
             entries, band = max(1, step // (P * PANEL * K)), P
         else:
             entries = 1
+        by_band = consume and band < P and rows is None      # a large matrix: each band's stored rows go at once
         for e0 in range(0, stack, entries):
             e1 = min(stack, e0 + entries)
             for p0 in range(0, P, band):
@@ -120,11 +121,11 @@ class QuantPanelWeight:
                 for src, dst in ((s3, self.scales), (m3, self.mins), (ss3, self.super_scales), (sm3, self.super_mins)):
                     if src is not None:
                         self._pack_scales(src[e0:e1], dst, rows, e0, p0, p1)
-                if consume and band < P and rows is None:      # a large matrix: its band's stored rows go now
+                if by_band:
                     for src in (q3, s3, m3, ss3, sm3):
                         if src is not None:
                             discard_pages(src[e0, p0 * PANEL:p1 * PANEL])
-            if consume:                   # these entries' stored pages go back to the OS now
+            if consume and not by_band:   # these entries' stored pages go back to the OS now
                 for src in (q3, s3, m3, ss3, sm3):
                     if src is not None:
                         discard_pages(src[e0:e1])
