@@ -245,6 +245,48 @@ def test_busy_port_is_reported_before_the_model_loads(monkeypatch, capsys):
     assert loads == [] and err.count("\n") == 1 and "cannot listen on 127.0.0.1:" in err, err
 
 
+def test_the_serving_line_is_logged_once_connections_are_accepted(monkeypatch):
+    """Clients (tests, lm-eval's fixture) connect as soon as they read "serving … on http://…": at
+    that moment the port must accept, not refuse while uvicorn is still starting."""
+    from types import SimpleNamespace
+
+    from clover.server import limits
+
+    connected = []
+
+    class ConnectOnServingLine(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("serving "):
+                port = int(record.getMessage().split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                    connected.append(True)
+                except ConnectionRefusedError:
+                    connected.append(False)
+
+    class NotServing:                         # stands in for uvicorn: the test is about what precedes it
+        def __init__(self, config, begin_drain):
+            pass
+
+        def run(self, sockets):
+            pass
+
+    app = SimpleNamespace(state=SimpleNamespace(api_key=None, begin_drain=lambda: None))
+    monkeypatch.setattr(serve_cli, "build", lambda args: (app, SimpleNamespace(shutdown=lambda graceful: None)))
+    monkeypatch.setattr(limits, "DrainingServer", NotServing)
+    handler = ConnectOnServingLine()
+    logger = logging.getLogger("clover.server")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)             # pytest's own root handler keeps basicConfig from setting it
+    try:
+        assert serve_cli.main(["--port", "0", "--log-level", "info"]) == 0
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert connected == [True]
+
+
 def test_clover_serve_port_99999_from_the_command_line():
     r = subprocess.run([sys.executable, "-m", "clover.cli", "serve", "--port", "99999"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=120)

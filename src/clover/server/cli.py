@@ -79,7 +79,8 @@ def check_args(args) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port), not yet listening (uvicorn listens on it)."""
+    """A socket bound to (host, port), not yet listening: bound before the (slow) model load, so that
+    a busy port fails at once, but refusing connections until the server is ready for them."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -191,6 +192,9 @@ def run_serve(args) -> int:
         install_repeat_filter()
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        # Listen before saying where to connect: a client that connects on reading the line below is
+        # queued until uvicorn accepts, rather than refused while uvicorn starts up.
+        sock.listen(config.backlog)
         # uvicorn does not print its address when handed a socket: say where clients should go.
         logging.getLogger("clover.server").info("serving '%s' on http://%s:%d/v1%s", served_name(args), shown, port,
                                                 " (API key required)" if app.state.api_key else "")
