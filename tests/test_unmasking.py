@@ -5,11 +5,33 @@ import math
 import pytest
 import torch
 
-from clover.decoding.unmasking import candidates, positions_to_fill, positions_to_fill_batched
+from clover.decoding import unmasking
+from clover.decoding.unmasking import candidates, first_argmax, positions_to_fill, positions_to_fill_batched
 
 
 def log(p):
     return torch.tensor(p, dtype=torch.float32).log()
+
+
+# ---------------------------------------------------------------- first_argmax
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_first_argmax_in_row_chunks_keeps_the_lowest_index_rule(monkeypatch, dim):
+    """Rows too large for one index temporary go a few at a time (ARGMAX_CHUNK); the answer is the
+    first index of each row's maximum, and 0 for an all-NaN row, however the rows are split."""
+    monkeypatch.setattr(unmasking, "ARGMAX_CHUNK", 64)     # a [7, 50] input then takes 6 steps
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (7, 50), generator=g).float()  # many ties at the maximum
+    x[3] = float("nan")
+    x[5, 10:] = float("-inf")
+    x = x if dim == -1 else x.T.contiguous()
+    rows = x if dim == -1 else x.T
+    expected = []
+    for row in rows.tolist():
+        finite = [v for v in row if v == v]
+        expected.append(row.index(max(finite)) if finite else 0)
+    assert first_argmax(x, dim=dim).tolist() == expected
 
 
 # ---------------------------------------------------------------- candidates: greedy

@@ -14,13 +14,28 @@ from torch import Tensor
 __all__ = ["candidates", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
 
 
+ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax: its index temporary stays ~8 MB
+
+
 def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
     """Index of the first maximum along ``dim``.
 
     ``torch.argmax`` documents "first occurrence" but we make the tie rule explicit (it decides
     tokens, so it must not depend on a backend's kernel): smallest index among entries equal to
-    the max. A row that is all NaN returns index 0 instead of an out-of-range value.
+    the max. A row that is all NaN returns index 0 instead of an out-of-range value. Rows go a few
+    at a time, so a block's [32, 248k] logits never get a full-size int64 index beside them.
     """
+    if x.numel() <= ARGMAX_CHUNK or x.shape[dim] == 0:
+        return _first_argmax(x, dim)
+    n = x.shape[dim]
+    rows = x.movedim(dim, -1)
+    flat = rows.reshape(-1, n)
+    step = max(1, ARGMAX_CHUNK // n)
+    out = torch.cat([_first_argmax(flat[r:r + step], -1) for r in range(0, flat.shape[0], step)])
+    return out.view(rows.shape[:-1])
+
+
+def _first_argmax(x: Tensor, dim: int) -> Tensor:
     n = x.shape[dim]
     m = x.amax(dim=dim, keepdim=True)
     shape = [1] * x.dim()

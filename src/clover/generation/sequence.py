@@ -271,14 +271,23 @@ class Sequence:
         row's maximum (the same distribution, finite). Finite logits at ordinary temperatures pass
         through unchanged."""
         s = self.settings
-        x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+        x = logits.float()
         on_host = x.device.type == "cpu"     # elsewhere the checks below would each be a device sync:
-        if not on_host or bool(dead.any()):  # their safe forms run unconditionally instead
-            x = torch.where(dead, torch.zeros_like(x), x)
+        # their safe forms run unconditionally instead. On the host, all-finite logits (the usual
+        # case) skip the safe copies: a block's [32, 248k] float32 logits are 32 MB each.
+        finite = on_host and bool(torch.isfinite(x).all())
+        if not finite:
+            x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+            dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+            if not on_host or bool(dead.any()):
+                x = torch.where(dead, torch.zeros_like(x), x)
         temperature = s.temperature
         if s.do_sample and temperature > 0 and x.numel():
-            if not on_host or float(torch.where(torch.isfinite(x), x.abs(), 0).amax()) / temperature > _SAFE_SCALED_LOGIT:
+            if finite:
+                largest = max(float(x.amax()), -float(x.amin()))
+            else:
+                largest = float("inf") if not on_host else float(torch.where(torch.isfinite(x), x.abs(), 0).amax())
+            if largest / temperature > _SAFE_SCALED_LOGIT:
                 scaled = x.double() / temperature
                 x = (scaled - scaled.amax(dim=-1, keepdim=True)).float()   # max 0; the rest <= 0, maybe -inf
                 temperature = 1.0
