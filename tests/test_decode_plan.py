@@ -229,6 +229,9 @@ def test_inputs_split_by_form(tmp_path, monkeypatch):
     assert all(len(runs) == 2 and len(runs[1]) == 3 and runs[1][-2:] == [Hv, Hv] for runs in splits), splits
     attention = [layer.self_attn for layer in fast.model.layers if layer.kind == "full_attention"]
     assert attention and all(len(a.fused_input.parts) == 2 for a in attention)        # [q, k] + [v]
+    from clover.gguf.embedding import FileEmbedding
+
+    assert isinstance(fast.model.embed_tokens, FileEmbedding)    # the Q4_K token table read from the file
     assert decode_plan.supported(fast)
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():

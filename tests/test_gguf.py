@@ -535,8 +535,68 @@ def test_k_quant_model(tmp_path):
         assert fast.packed == "clover-kernels"
         stored = [n for n, m in fast.named_modules() if isinstance(m, QuantizedWeight) and not isinstance(m, QuantizedEmbedding)]
         assert stored == []                   # every quantized matrix repacked, none left in its stored form
+        from clover.gguf.embedding import FileEmbedding
+
+        assert isinstance(fast.model.embed_tokens, FileEmbedding)     # the token table read from the file
         got, ref_logits = fast(ids).float(), lib(ids).float()
         assert ((got - ref_logits).norm() / ref_logits.norm()).item() < 0.05   # the inputs' int8 rounding
+
+
+# ---- a token table left in the file ---------------------------------------------------------------
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K])
+def test_token_table_left_in_the_file_reads_the_rows_loading_would_hold(tmp_path, monkeypatch, qtype, native):
+    """`table_in_file=True` (clover.load's CPU path): the quantized token table is not loaded but read
+    from the file on lookup; every lookup (repeats, any order, the last id) and the model's logits are
+    exactly those of the table loaded into memory, by the native decoder and the PyTorch one alike; a
+    bad id raises IndexError; a file rewritten after loading is refused with its name."""
+    from clover.gguf import loader
+    from clover.gguf.embedding import FileEmbedding
+
+    if not native:
+        monkeypatch.setattr(loader, "decode_into", lambda *a, **k: False)
+    model = tiny(seed=3, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                 linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "t.gguf"
+    types = write_gguf(path, model, T.Q8_0, tokenizer=TOKENIZER, types={"token_embd.weight": qtype})
+    assert types["token_embd.weight"] == qtype
+    held = load_gguf(path, dtype=torch.bfloat16)
+    left = load_gguf(path, dtype=torch.bfloat16, table_in_file=True)
+    table = left.model.embed_tokens
+    assert isinstance(held.model.embed_tokens, QuantizedEmbedding) and isinstance(table, FileEmbedding)
+    assert not any(n.startswith("model.embed_tokens") for n, _ in left.named_buffers())    # nothing held
+    V = model.config.vocab_size
+    ids = torch.tensor([[V - 1, 0, 7, 7, 8, 9, 3], [5, 5, 5, 5, 5, 5, V - 2]])
+    assert torch.equal(table(ids), held.model.embed_tokens(ids))
+    assert table(ids).dtype == torch.bfloat16 and left.dtype == torch.bfloat16 and left.device.type == "cpu"
+    prompt = inputs(model)
+    assert torch.equal(left(prompt), held(prompt))
+    copied = copy.deepcopy(table)                          # a copy opens the file again
+    assert torch.equal(copied(ids), table(ids))
+    for bad in (torch.tensor([V]), torch.tensor([-1])):
+        with pytest.raises(IndexError, match="out of range"):
+            table(bad)
+    with open(path, "r+b") as f:                           # rewritten in place, one byte longer
+        f.seek(0, 2)
+        f.write(b"\0")
+    with pytest.raises(GGUFError, match=r"t\.gguf: the file changed on disk after the model was loaded"):
+        table(ids)
+
+
+def test_token_table_left_in_the_file_is_still_checked_at_load(tmp_path):
+    """A corrupt scale in the table is refused at load, naming the tensor, as when it is loaded."""
+    from clover.gguf.file import GGUFFile
+
+    model = tiny(**Q32)
+    path = tmp_path / "q.gguf"
+    write_gguf(path, model, T.Q8_0, tokenizer=TOKENIZER)
+    with GGUFFile(path) as g:
+        offset = g.tensors["token_embd.weight"].offset
+    with open(path, "r+b") as f:                                    # the fourth block's scale ← NaN
+        f.seek(offset + 3 * 34)
+        f.write(bytes([0x00, 0x7E]))
+    with pytest.raises(GGUFError, match=r"token_embd\.weight.*non-finite fp16 scale"):
+        load_gguf(path, table_in_file=True)
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------

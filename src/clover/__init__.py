@@ -90,7 +90,8 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
                 if kernels is not None:
                     pack_part(model, part, kernels, consume=True)
 
-        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled)
+        # packed for the CPU: a quantized token table stays in the file, rows read on lookup (gguf/embedding.py)
+        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs)
     else:
         model = load_model(path, dtype=load_dtype, device=device)
     if packs:

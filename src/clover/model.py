@@ -90,7 +90,9 @@ class CloverForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         embed = self.model.embed_tokens
-        return embed.qweight.device if hasattr(embed, "qweight") else embed.weight.device
+        if hasattr(embed, "qweight"):                                        # a quantized table
+            return embed.qweight.device
+        return embed.weight.device if hasattr(embed, "weight") else embed.device   # (or one left in its file)
 
     # ---- state ---------------------------------------------------------------------------------
     # The state pool's default size for library use (generate(), make_cache()), raised where one model's

@@ -8,7 +8,8 @@ Modules: `file` (metadata through the `gguf` package, tensor bytes memory-mapped
 one), `split` (how a split set's shards are named and found), `config` (metadata → CloverConfig), `names`
 (GGUF tensor ↔ Clover parameter), `layout` (the converter's transforms and their inverses), `blocks`
 (GGML encodings → Clover's int8/int4 codes), `loader` (checks, then fills the model tensor by tensor),
-`tokenizer`. Needs the optional `gguf` package (`pip install 'clover[gguf]'`).
+`embedding` (a quantized token table left in the file, rows read on lookup), `tokenizer`. Needs the
+optional `gguf` package (`pip install 'clover[gguf]'`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 from .file import GGUFError, GGUFFile, find_gguf
 
 
-def load_gguf(path, dtype=None, device="cpu", on_filled=None):
+def load_gguf(path, dtype=None, device="cpu", on_filled=None, table_in_file=False):
     """A `CloverForCausalLM` from a GGUF file (see loader.py)."""
     from .loader import load_gguf as _load
 
-    return _load(path, dtype=dtype, device=device, on_filled=on_filled)
+    return _load(path, dtype=dtype, device=device, on_filled=on_filled, table_in_file=table_in_file)
 
 
 def read_config(path):

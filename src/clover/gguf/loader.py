@@ -34,12 +34,14 @@ from .names import Entry, plan, skipped, squeezed
 CHUNK_BYTES = 16 << 20    # raw bytes decoded per step: bounds the temporaries of a conversion
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", on_filled=None):
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", on_filled=None,
+              table_in_file: bool = False):
     """Build a `CloverForCausalLM` from a GGUF file. `dtype=None`: bfloat16 when the file's matrices
     are BF16 or quantized, else their float type (F16 → float16, F32 → float32). `on_filled(model,
     part)`, if given, is called as each part — "lm_head", "model.layers.N" — has all its parameters
     (clover.load packs each part then, so the stored forms of the whole model never sit beside the
-    packed ones)."""
+    packed ones). `table_in_file` (CPU only): a quantized, untied token embedding stays in the file,
+    its rows read on lookup (embedding.py); its scales are still checked here."""
     from ..model import CloverForCausalLM
 
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
@@ -54,15 +56,18 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
         with torch.device("meta"), _no_weight_init():
             model = CloverForCausalLM(config)
         quantized = _install_quantized(model, f, entries, dtype, device)   # (buffers not yet touched)
+        in_file = _leave_table_in_file(model, f, entries, quantized, dtype) if table_in_file else {}
         if torch.device(device).type == "cpu":
             from ..runtime import check_memory
 
-            check_memory(_planned_nbytes(model, entries, quantized, dtype), str(f.path))
+            check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path))
         specs, count = set(), len(quantized)
         for k, entry in enumerate(entries):
             if entry.param in defaults:
                 shape = model.get_parameter(entry.param).shape
                 _assign(model, entry.param, _clover_default(entry.param, shape, dtype).to(device))
+            elif entry.param in in_file:
+                _check_quantized(f, entry, in_file[entry.param])
             elif entry.param in quantized:
                 module = quantized.pop(entry.param)      # (no reference left once on_filled repacks it)
                 _fill_quantized(f, entry, module)
@@ -142,13 +147,13 @@ def _default_dtype(f: GGUFFile, entries: list[Entry]) -> torch.dtype:
     return torch.float16 if "F16" in types else torch.float32
 
 
-def _planned_nbytes(model, entries: list[Entry], quantized: dict, dtype: torch.dtype) -> int:
+def _planned_nbytes(model, entries: list[Entry], quantized: dict, dtype: torch.dtype, skip=()) -> int:
     """Bytes the loaded model will hold: the quantized modules' buffers (allocated, not yet filled)
-    plus every other parameter in `dtype`."""
+    plus every other parameter in `dtype` but those in `skip` (left in the file)."""
     size = torch.empty((), dtype=dtype).element_size()
     total = sum(b.numel() * b.element_size() for m in quantized.values() for b in m.buffers())
     for entry in entries:
-        if entry.param not in quantized:
+        if entry.param not in quantized and entry.param not in skip:
             total += model.get_parameter(entry.param).numel() * size
     return total
 
@@ -225,6 +230,44 @@ def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, 
     return out
 
 
+def _leave_table_in_file(model, f: GGUFFile, entries: list[Entry], quantized: dict, dtype) -> dict[str, tuple]:
+    """Swap a quantized token embedding read from one whole stored tensor (not split across sources,
+    rows not reordered) for a `FileEmbedding` over that tensor; returns {parameter: (its stored form,
+    whether it has mins)}, which the load still checks the file's rows against."""
+    from .embedding import FileEmbedding
+
+    name = "model.embed_tokens.weight"
+    module = quantized.get(name)
+    if not isinstance(module, QuantizedEmbedding):
+        return {}
+    entry = next(e for e in entries if e.param == name)
+    if len(entry.sources) != 1 or entry.sources[0].rows is not None or entry.layout.col_perm is not None:
+        return {}
+    info = f.tensors[entry.sources[0].name]
+    del quantized[name]
+    form = (module.spec, module.mins is not None)
+    model.model.embed_tokens = FileEmbedding(f.file_of(info), info, *form, dtype)
+    return {name: form}
+
+
+def _check_quantized(f: GGUFFile, entry: Entry, form: tuple) -> None:
+    """Decode a table left in the file chunk by chunk into a chunk-sized scratch of its stored `form`
+    (spec, mins), for the checks loading makes (finite scales): a corrupt file fails at load, not at
+    some later lookup."""
+    spec, mins = form
+    info = f.tensors[entry.sources[0].name]
+    fmt = FORMATS[info.type_name]
+    K = info.shape[-1]
+    try:
+        for r0, r1, _, raw in _row_chunks(f, info, fmt):
+            try:
+                convert_rows(fmt, raw, K, 0, r1 - r0, QuantizedWeight((r1 - r0, K), spec, mins=mins))
+            except ValueError as exc:
+                raise ValueError(f"rows {r0}…{r1 - 1}: {exc}") from None
+    except ValueError as exc:
+        raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
+
+
 # ---- filling ------------------------------------------------------------------------------------
 def _row_chunks(f: GGUFFile, info: TensorInfo, fmt: GGMLFormat):
     """(first row, raw bytes of rows) chunks of a stored tensor viewed as [rows, K]."""
@@ -289,7 +332,22 @@ def _reorder_columns(c: Codes, layout) -> Codes:
 
 def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
     """Convert each stored tensor of `entry` into the buffers of the quantized `module`."""
-    layout = entry.layout
+    for src in entry.sources:
+        info = f.tensors[src.name]
+        fmt = FORMATS[info.type_name]
+        try:
+            for r0, r1, K, raw in _row_chunks(f, info, fmt):
+                convert_rows(fmt, raw, K, r0, r1, module, src.rows, entry.layout)
+        except ValueError as exc:
+            raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
+
+
+def convert_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, r0: int, r1: int, module: QuantizedWeight,
+                 src_rows: torch.Tensor | None = None, layout=None) -> None:
+    """Source rows r0:r1 (`raw`, whole GGML rows of K) into the buffers of `module` (at `src_rows`'
+    destinations, or rows r0:r1), undoing `layout`'s column reordering: by the native decoder where
+    the module holds the type's own form, else decoded, widened and reordered in PyTorch. Raises
+    ValueError on a corrupt scale."""
 
     def rows_of(t):
         return None if t is None else t.view(-1, t.shape[-1])
@@ -297,35 +355,29 @@ def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
     qweight, scales, mins = rows_of(module.qweight), rows_of(module.scales), rows_of(module.mins)
     supers, super_mins = rows_of(module.super_scales), rows_of(module.super_mins)
     form = (module.bits, module.group_size, mins is not None, module.super_group)
-    for src in entry.sources:
-        info = f.tensors[src.name]
-        fmt = FORMATS[info.type_name]
-        native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == form and layout.col_perm is None
-        try:
-            for r0, r1, K, raw in _row_chunks(f, info, fmt):
-                if native and decode_into(fmt, raw, K, r0, src.rows, qweight, scales, mins, supers, super_mins):
-                    continue
-                c = decode_codes(fmt, raw, K)
-                if c.form() != form:
-                    c = promote(c, module.bits, module.group_size, mins is not None)
-                if layout.col_perm is not None:
-                    c = _reorder_columns(c, layout)
-                _put_rows(qweight, src.rows, r0, r1, c.qweight)
-                if supers is None:
-                    _put_rows(scales, src.rows, r0, r1, to_fp16(c.scales, "scales"))
-                    if mins is not None:
-                        _put_rows(mins, src.rows, r0, r1, to_fp16(c.mins, "mins"))
-                    continue
-                if not torch.isfinite(c.super_scales).all() or (c.super_mins is not None
-                                                                and not torch.isfinite(c.super_mins).all()):
-                    raise ValueError(f"rows {r0}…{r1 - 1} hold a non-finite fp16 scale (the file is corrupt)")
-                _put_rows(scales, src.rows, r0, r1, c.scales)
-                _put_rows(supers, src.rows, r0, r1, c.super_scales)
-                if mins is not None:
-                    _put_rows(mins, src.rows, r0, r1, c.mins)
-                    _put_rows(super_mins, src.rows, r0, r1, c.super_mins)
-        except ValueError as exc:
-            raise GGUFError(f"{f.file_of(info)}: tensor {info.describe()}: {exc}") from None
+    col_perm = None if layout is None else layout.col_perm
+    native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == form and col_perm is None
+    if native and decode_into(fmt, raw, K, r0, src_rows, qweight, scales, mins, supers, super_mins):
+        return
+    c = decode_codes(fmt, raw, K)
+    if c.form() != form:
+        c = promote(c, module.bits, module.group_size, mins is not None)
+    if col_perm is not None:
+        c = _reorder_columns(c, layout)
+    _put_rows(qweight, src_rows, r0, r1, c.qweight)
+    if supers is None:
+        _put_rows(scales, src_rows, r0, r1, to_fp16(c.scales, "scales"))
+        if mins is not None:
+            _put_rows(mins, src_rows, r0, r1, to_fp16(c.mins, "mins"))
+        return
+    if not torch.isfinite(c.super_scales).all() or (c.super_mins is not None
+                                                    and not torch.isfinite(c.super_mins).all()):
+        raise ValueError(f"rows {r0}…{r1 - 1} hold a non-finite fp16 scale (the file is corrupt)")
+    _put_rows(scales, src_rows, r0, r1, c.scales)
+    _put_rows(supers, src_rows, r0, r1, c.super_scales)
+    if mins is not None:
+        _put_rows(mins, src_rows, r0, r1, c.mins)
+        _put_rows(super_mins, src_rows, r0, r1, c.super_mins)
 
 
 def _assign(model, name: str, tensor: torch.Tensor) -> None:

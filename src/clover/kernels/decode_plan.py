@@ -34,6 +34,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from ..gguf.embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import library
 from .gdn_short import _constants as gdn_constants
@@ -102,11 +103,11 @@ def refusal(model) -> str | None:
     if getattr(model.backend, "name", None) != "cpu" or library() is None:
         return "not the CPU backend with native kernels"
     embed = model.model.embed_tokens
-    quantized = isinstance(embed, QuantizedEmbedding)
+    quantized = isinstance(embed, (QuantizedEmbedding, FileEmbedding))
     if not quantized and (type(embed) is not nn.Embedding or embed.weight.dtype != _BF16
                           or embed.weight.device.type != "cpu"):
         return "the token embedding is not a bf16 table on the CPU"
-    if quantized and (embed.compute_dtype != _BF16 or embed.qweight.device.type != "cpu"):
+    if quantized and (embed.compute_dtype != _BF16 or model.device.type != "cpu"):
         return "the quantized token embedding does not compute in bf16 on the CPU"
     for i, layer in enumerate(model.model.layers):
         if type(layer.mlp) is not SparseMoE or not packed_for_kernels(layer.mlp):
