@@ -65,6 +65,11 @@ class CloverEngine(EngineAPI):
     def decode_step(self, state, token):
         return self.model.step(token, [state], logits_at="last")[:, -1:].argmax(-1)
 
+    def prompt_logits(self, input_ids):
+        """float32 logits [V] of the prompt's last position (untimed: the engines' agreement check)."""
+        cache = self.model.make_cache(capacity=input_ids.shape[1] + 1)
+        return self.model.step(input_ids, [cache], logits_at="last")[0, -1].float().numpy()
+
     def block_forward(self, state, input_ids):
         return self.model.step(input_ids, [state], block=True, block_top_p=self.block_top_p)
 

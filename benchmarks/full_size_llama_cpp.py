@@ -17,8 +17,9 @@ greedy tokens once untimed, prefill of `--prompt` tokens and greedy decode of `-
 the file: pages still on disk would be timed as page faults); Clover's load reads it into its own
 memory, and its load time is the first process's, not comparable. Decode is also given as % of the
 round's bandwidth for the bytes a token reads (every tensor in full except the routed experts, 8 of
-256, and the embedding table, one row), and the length of the common prefix of the two engines'
-greedy tokens (random weights have near-ties: a late divergence is rounding, an early one a bug).
+256, and the embedding table, one row), the length of the common prefix of the two engines' greedy
+tokens (random weights have near-ties: a late divergence is rounding, an early one a bug), and how the
+two engines' logits of the prompt's last position agree (`llama_cpp.logit_agreement`, first round).
 Peak RSS of the llama.cpp process counts the file's mapped pages.
 """
 
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks import full_size, full_size_gguf
-from benchmarks.llama_cpp import _agreement, _gguf_sizes, _python, decode_bytes_per_token
+from benchmarks.llama_cpp import _agreement, _gguf_sizes, _python, decode_bytes_per_token, describe_agreement, logit_agreement
 
 ENGINES = ("llama.cpp", "clover")
 
@@ -88,12 +89,12 @@ def read_into_page_cache(path: Path, chunk: int = 64 << 20) -> float:
     return time.perf_counter() - t0
 
 
-def run_worker(engine: str, path: Path, config_path: Path, args) -> dict:
+def run_worker(engine: str, path: Path, config_path: Path, args, logits: Path) -> dict:
     from benchmarks.common import parse_last_json
 
     cmd = _python("-m", "benchmarks.llama_cpp", "_worker", "llama" if engine == "llama.cpp" else "clover",
                   *map(str, (path, config_path, args.threads, args.prompt, args.decode, args.repeats)),
-                  args.llama_flash_attn)
+                  args.llama_flash_attn, str(logits))
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{engine} worker failed (exit {done.returncode})")
@@ -118,6 +119,7 @@ def summarize(rounds: list[dict], bytes_per_token: int, args) -> tuple[dict, str
         }
     agree = min(_agreement(r["results"]["clover"]["greedy_tokens"], r["results"]["llama.cpp"]["greedy_tokens"])
                 for r in rounds)
+    logits = rounds[0].get("logits")
     bw = [r["bandwidth"]["read_gbps"] for r in rounds]
     c, l = rows["clover"], rows["llama.cpp"]
     lines = [
@@ -135,9 +137,11 @@ def summarize(rounds: list[dict], bytes_per_token: int, args) -> tuple[dict, str
                      f"{r['decode_pct_read_bw']:.0f}% | {r['load_seconds']:.0f} | {r['peak_rss_bytes'] / 1e9:.2f} |")
     lines += ["", f"Clover / llama.cpp: prefill {c['prefill_tok_s'] / l['prefill_tok_s']:.2f}×, decode "
                   f"{c['decode_tok_s'] / l['decode_tok_s']:.2f}×; greedy tokens equal for the first {agree} of "
-                  f"{args.decode}."]
+                  f"{args.decode}" + (f"; the prompt's last logits, llama.cpp against Clover: "
+                                      f"{describe_agreement(logits)}." if logits else ".")]
     summary = {"rows": rows, "prefill_ratio": c["prefill_tok_s"] / l["prefill_tok_s"],
-               "decode_ratio": c["decode_tok_s"] / l["decode_tok_s"], "greedy_tokens_agreeing": agree}
+               "decode_ratio": c["decode_tok_s"] / l["decode_tok_s"], "greedy_tokens_agreeing": agree,
+               "prompt_logits_agreement": logits}
     return summary, "\n".join(lines)
 
 
@@ -164,6 +168,8 @@ def main(argv=None) -> int:
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     per_token = decode_bytes_per_token(_gguf_sizes(path), config)
 
+    logits_dir = path.parent / "logits"         # each engine's prompt logits, per round (overwritten)
+    logits_dir.mkdir(exist_ok=True)
     rounds = []
     for i in range(args.rounds):
         log(f"round {i + 1}/{args.rounds}: read bandwidth")
@@ -179,9 +185,13 @@ def main(argv=None) -> int:
                 log(f"  {read_into_page_cache(path):.0f} s")
             log(f"round {i + 1}/{args.rounds}: {engine}")
             load = os.getloadavg()[0]          # other work on the machine shows here
-            results[engine] = run_worker(engine, path, config_path, args)
+            results[engine] = run_worker(engine, path, config_path, args, logits_dir / f"{i}-{engine}.npy")
             results[engine]["loadavg_before"] = load
         rounds.append({"bandwidth": bw, "order": list(order), "results": results})
+        if i == 0:
+            import numpy as np
+
+            rounds[0]["logits"] = logit_agreement(*(np.load(logits_dir / f"0-{e}.npy") for e in ("clover", "llama.cpp")))
 
     from benchmarks.common import emit_json
 

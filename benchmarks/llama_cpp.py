@@ -31,7 +31,9 @@ read at that precision, counted from the files themselves (so scales and llama.c
 types are included): every stored tensor in full except the routed experts (top-k of E of each
 stack) and the embedding table (one row). Also how many of each engine's greedy tokens match Clover
 bf16's (a check that both run the same model; random weights have near-ties, so a late divergence is
-rounding, an early one is a bug). A markdown table, then one JSON line (`--json-out` also writes it).
+rounding, an early one is a bug), and, closer, how the logits of the prompt's last position compare
+with Clover bf16's (first round; `logit_agreement`: Pearson r, shared top-10 ids, the rank of Clover
+bf16's argmax). A markdown table, then one JSON line (`--json-out` also writes it).
 """
 
 from __future__ import annotations
@@ -274,8 +276,44 @@ class LlamaEngine:
 
     def decode_step(self, state, token):
         self.llm.eval([int(token)])
-        logits = self.np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
-        return int(logits.argmax())
+        return int(self._last_logits().argmax())
+
+    def prompt_logits(self, input_ids):
+        """float32 logits [V] of the prompt's last position (a copy)."""
+        self.prefill(input_ids)
+        return self._last_logits().astype(self.np.float32, copy=True)
+
+    def _last_logits(self):
+        return self.np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+
+
+def save_logits(engine, config, prompt: int, path: str) -> None:
+    """The prompt's last-position logits to `path` (.npy, written whole or not at all)."""
+    import numpy as np
+
+    from benchmarks.common import make_input_ids
+
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    np.save(tmp, engine.prompt_logits(make_input_ids(config, prompt)))
+    os.replace(tmp, path)
+
+
+def logit_agreement(a, b, k: int = 10) -> dict:
+    """How closely two engines' logits for one position agree, beyond their greedy tokens (random
+    weights put near-ties everywhere, so greedy prefixes split early on rounding alone): Pearson r of
+    the two vectors, how many of each one's top `k` ids are shared, and the rank in `b` of `a`'s
+    argmax (0: the same token)."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    top_a, top_b = np.argsort(-a, kind="stable")[:k], np.argsort(-b, kind="stable")[:k]
+    return {"pearson_r": float(np.corrcoef(a, b)[0, 1]), "top_k": k,
+            "top_k_shared": len(set(top_a.tolist()) & set(top_b.tolist())),
+            "argmax_rank": int((b > b[int(a.argmax())]).sum())}
+
+
+def describe_agreement(g: dict) -> str:
+    return f"r {g['pearson_r']:.4f}, top-{g['top_k']} {g['top_k_shared']}/{g['top_k']}, argmax rank {g['argmax_rank']}"
 
 
 def _greedy_tokens(engine, config, prompt: int, steps: int) -> list[int]:
@@ -291,9 +329,9 @@ def _greedy_tokens(engine, config, prompt: int, steps: int) -> list[int]:
 
 
 def worker_main(argv: list[str]) -> int:
-    """`python -m benchmarks.llama_cpp _worker ENGINE PATH CONFIG_JSON THREADS PROMPT DECODE REPEATS FLASH_ATTN`:
-    one engine's measurement, one JSON line out."""
-    engine_name, path, config_path, threads, prompt, steps, repeats, flash_attn = argv
+    """`python -m benchmarks.llama_cpp _worker ENGINE PATH CONFIG_JSON THREADS PROMPT DECODE REPEATS FLASH_ATTN
+    [LOGITS_NPY]`: one engine's measurement, one JSON line out (and the prompt's last logits, if asked)."""
+    engine_name, path, config_path, threads, prompt, steps, repeats, flash_attn, *logits_out = argv
     threads, prompt, steps, repeats = int(threads), int(prompt), int(steps), int(repeats)
     config = json.loads(Path(config_path).read_text())
     from benchmarks.common import bench_decode, bench_prefill, emit_json, peak_rss_bytes
@@ -332,6 +370,8 @@ def worker_main(argv: list[str]) -> int:
     load_s = time.perf_counter() - t0
     with context:
         tokens = _greedy_tokens(engine, config, prompt, steps)
+        if logits_out:
+            save_logits(engine, config, prompt, logits_out[0])
         pre = bench_prefill(engine, config, [prompt], warmup=1, repeats=repeats)[0]
         dec = bench_decode(engine, config, prompt, steps, warmup=1, repeats=repeats)
     emit_json({"engine": engine_name, "path": str(path), "threads": threads, "load_seconds": load_s,
@@ -357,10 +397,10 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 7) -> dic
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def _start_worker(engine: str, path: Path, args) -> dict:
+def _start_worker(engine: str, path: Path, args, logits: Path) -> dict:
     config = path / "config.json" if engine == "clover" else args.config_path
     out = _run(_python("-m", "benchmarks.llama_cpp", "_worker", engine, path, config, args.threads, args.prompt,
-                       args.decode, args.repeats, args.llama_flash_attn), stdout=subprocess.PIPE, text=True)
+                       args.decode, args.repeats, args.llama_flash_attn, logits), stdout=subprocess.PIPE, text=True)
     from benchmarks.common import parse_last_json
 
     return parse_last_json(out.stdout)
@@ -403,6 +443,7 @@ def summarize(rounds: list[dict], bytes_per_token: dict, file_bytes: dict, names
                 _agreement(r["results"][name]["greedy_tokens"], r["results"]["Clover bf16"]["greedy_tokens"])
                 for r in rounds) if "Clover bf16" in names else None,
             "peak_rss_bytes": max(p["peak_rss_bytes"] for p in per_round),
+            "logits_vs_clover_bf16": rounds[0]["results"][name].get("logits_vs_clover_bf16"),
         })
     by_name = {r["name"]: r for r in rows}
     for r in rows:
@@ -418,17 +459,18 @@ def summarize(rounds: list[dict], bytes_per_token: dict, file_bytes: dict, names
         f"{statistics.median(bw):.1f} GB/s ({min(bw):.1f}–{max(bw):.1f})",
         "",
         "| engine | file GB | MB read / token | prefill tok/s (min–max) | decode tok/s (min–max) | decode % read BW "
-        "| vs llama.cpp (prefill, decode) | greedy tokens = Clover bf16 | peak RSS GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| vs llama.cpp (prefill, decode) | greedy tokens = Clover bf16 | prompt logits vs Clover bf16 | peak RSS GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         vs = (f"{r['prefill_vs_llama']:.2f}×, {r['decode_vs_llama']:.2f}×" if "decode_vs_llama" in r else "")
         match = "" if r["tokens_matching_clover_bf16"] is None else f"{r['tokens_matching_clover_bf16']}/{args.decode}"
+        logits = "" if r["logits_vs_clover_bf16"] is None else describe_agreement(r["logits_vs_clover_bf16"])
         lines.append(
             f"| {r['name']} | {r['file_bytes'] / 1e9:.3f} | {r['bytes_per_token'] / 1e6:.1f} | "
             f"{_fmt(r['prefill_tok_s'])} ({_fmt(r['prefill_min'])}–{_fmt(r['prefill_max'])}) | "
             f"{_fmt(r['decode_tok_s'])} ({_fmt(r['decode_min'])}–{_fmt(r['decode_max'])}) | "
-            f"{r['decode_pct_read_bw']:.0f}% | {vs} | {match} | {r['peak_rss_bytes'] / 1e9:.2f} |")
+            f"{r['decode_pct_read_bw']:.0f}% | {vs} | {match} | {logits} | {r['peak_rss_bytes'] / 1e9:.2f} |")
     return rows, "\n".join(lines)
 
 
@@ -472,6 +514,8 @@ def main(argv=None) -> int:
     bytes_per_token = {n: decode_bytes_per_token(sizes[n], config) for n in names}
     file_bytes = {n: sum(b for b, _ in sizes[n].values()) for n in names}
 
+    logits_dir = cache / "logits"               # each engine's prompt logits, per round (overwritten)
+    logits_dir.mkdir(exist_ok=True)
     rounds = []
     for i in range(args.rounds):
         log(f"round {i + 1}/{args.rounds}: read bandwidth")
@@ -483,12 +527,18 @@ def main(argv=None) -> int:
         for name in order:
             log(f"round {i + 1}/{args.rounds}: {name}")
             load = os.getloadavg()[0]          # other work on the machine shows here (a busy round reads slow)
-            results[name] = _start_worker(engines[name], paths[name], args)
+            results[name] = _start_worker(engines[name], paths[name], args, logits_dir / f"{i}-{name}.npy")
             results[name]["loadavg_before"] = load
         rounds.append({"bandwidth": bw, "order": order, "results": results, "finished": time.time()})
 
     from benchmarks.common import emit_json, state_bytes
 
+    if "Clover bf16" in names:                  # the first round's prompt logits against Clover bf16's
+        import numpy as np
+
+        ref = np.load(logits_dir / "0-Clover bf16.npy")
+        for name in names:
+            rounds[0]["results"][name]["logits_vs_clover_bf16"] = logit_agreement(ref, np.load(logits_dir / f"0-{name}.npy"))
     rows, table = summarize(rounds, bytes_per_token, file_bytes, names, args)
     load = os.getloadavg()[0]
     before = [r["results"][n]["loadavg_before"] for r in rounds for n in names]

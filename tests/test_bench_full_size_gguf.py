@@ -91,11 +91,34 @@ def test_plain_copy_drops_only_clovers_tensors(written_pair):
 
 
 def test_plain_copy_loads_in_llama_cpp(written_pair):
-    """llama.cpp refuses the file with Clover's extra tensors and takes the plain copy (needs the bench extra)."""
+    """llama.cpp refuses the file with Clover's extra tensors and takes the plain copy, and its logits
+    for a prompt are Clover's (the layout transforms undone as llama.cpp reads them; its 8-bit
+    activations are the only difference): needs the bench extra."""
     llama_cpp = pytest.importorskip("llama_cpp")
+    import clover
+    from benchmarks.llama_cpp import logit_agreement
+
     src, plain = written_pair
     with pytest.raises(ValueError):
         llama_cpp.Llama(model_path=str(src), n_ctx=64, verbose=False)
     llm = llama_cpp.Llama(model_path=str(plain), n_ctx=64, n_threads=1, verbose=False)
     assert llm.n_vocab() == 768
-    llm.eval([1, 2, 3])
+    ids = torch.randint(0, 700, (1, 24), generator=torch.Generator().manual_seed(2))
+    llm.eval(ids[0].tolist())
+    theirs = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(768,)).copy()
+    with torch.inference_mode():
+        ours = clover.load(plain, backend="reference", dtype=torch.float32)(ids)[0, -1].numpy()
+    agreement = logit_agreement(ours, theirs)
+    assert agreement["pearson_r"] > 0.99 and agreement["top_k_shared"] >= 7 and agreement["argmax_rank"] <= 2, agreement
+
+
+def test_logit_agreement_by_hand():
+    """benchmarks.llama_cpp.logit_agreement on a case worked by hand: deviations (−2, −1, 0, 1, 2) and
+    (−2, −1, 0, 2, 1) give r = 9/10; both top-2 sets are {3, 4}; a's argmax (id 4) has one larger
+    value in b."""
+    from benchmarks.llama_cpp import logit_agreement
+
+    got = logit_agreement([1, 2, 3, 4, 5], [1, 2, 3, 5, 4], k=2)
+    assert got["top_k_shared"] == 2 and got["argmax_rank"] == 1 and abs(got["pearson_r"] - 0.9) < 1e-12
+    assert logit_agreement([3, 1, 2], [1, 2, 3], k=1) == {"pearson_r": -0.5, "top_k": 1, "top_k_shared": 0,
+                                                          "argmax_rank": 2}
