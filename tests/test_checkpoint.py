@@ -522,6 +522,48 @@ def test_loaded_model_does_not_depend_on_the_files(model, inputs, tmp_path):
     _assert_same_model(loaded, model, inputs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_table_left_in_the_file(model, tied, inputs, tmp_path, dtype):
+    """`table_in_file=True` (clover.load's CPU path): an untied embedding is read from the safetensors
+    file on lookup, the rows converted to the model's dtype exactly as loading converts them, so the
+    logits are the loaded model's; a copy opens the file again; a bad id raises IndexError; a new file
+    renamed over the old one leaves the model reading the one it loaded, a file rewritten in place is
+    refused by name. A tied table (also the vocabulary projection) is loaded as before."""
+    from clover.layers.file_embedding import FileEmbedding
+
+    save_checkpoint(model, model.config, tmp_path / "m")
+    held = load_model(tmp_path / "m", dtype=dtype)
+    left = load_model(tmp_path / "m", dtype=dtype, table_in_file=True)
+    table = left.model.embed_tokens
+    assert isinstance(table, FileEmbedding) and "model.embed_tokens.weight" not in dict(left.named_parameters())
+    assert left.dtype == dtype and left.device.type == "cpu"
+    V = model.config.vocab_size
+    ids = torch.tensor([[V - 1, 0, 3, 3, 4, 5], [9, 9, 9, 9, 9, V - 2]])
+    assert torch.equal(table(ids), held.model.embed_tokens(ids)) and table(ids).dtype == dtype
+    causal, block = _logits(left, inputs)
+    want_causal, want_block = _logits(held, inputs)
+    assert torch.equal(causal, want_causal) and torch.equal(block, want_block)
+    import copy
+
+    assert torch.equal(copy.deepcopy(table)(ids), table(ids))
+    for bad in (torch.tensor([V]), torch.tensor([-1])):
+        with pytest.raises(IndexError, match="out of range"):
+            table(bad)
+    f = tmp_path / "m" / "model.safetensors"
+    other = make_model("base", seed=5)
+    save_checkpoint(other, other.config, tmp_path / "other")
+    os.replace(tmp_path / "other" / "model.safetensors", f)         # a new download renamed over it
+    assert torch.equal(table(ids), held.model.embed_tokens(ids))
+    left = load_model(tmp_path / "m", dtype=dtype, table_in_file=True)
+    with open(f, "r+b") as h:                                        # rewritten in place
+        h.seek(0, 2)
+        h.write(b"\0")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the file changed on disk after the model was loaded"):
+        left.model.embed_tokens(ids)
+    save_checkpoint(tied, tied.config, tmp_path / "tied")
+    assert type(load_model(tmp_path / "tied", dtype=dtype, table_in_file=True).model.embed_tokens) is torch.nn.Embedding
+
+
 def test_transformers_generated_configs_parse():
     transformers = pytest.importorskip("transformers")
     text = _qwen_text_config(make_model("gdn_heavy"))

@@ -192,6 +192,23 @@ def test_a_quantized_embedding_table(monkeypatch):
     assert runs.count(2) == 6
 
 
+def test_a_token_table_read_from_its_file(tmp_path, monkeypatch):
+    """clover.load of an untied safetensors checkpoint leaves the token table in the file
+    (layers/file_embedding.py): the plan still binds, and gives the layers' logits step for step."""
+    import clover
+    from clover.checkpoint import save_checkpoint
+    from clover.layers.file_embedding import FileEmbedding
+
+    model = make_model("base", seed=4, dtype=torch.bfloat16)
+    save_checkpoint(model, model.config, tmp_path)
+    fast = clover.load(tmp_path)
+    assert isinstance(fast.model.embed_tokens, FileEmbedding) and decode_plan.supported(fast)
+    runs = _plan_runs(monkeypatch)
+    with torch.inference_mode():
+        _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)
+    assert runs.count(2) == 6
+
+
 def _k_quant_sized_model(seed):
     """A tiny model whose rows are whole 256-input K-quant blocks, with the GGUF test tokenizer's
     vocabulary (so `write_gguf` can write it): (model, tokenizer)."""
@@ -229,9 +246,9 @@ def test_inputs_split_by_form(tmp_path, monkeypatch):
     assert all(len(runs) == 2 and len(runs[1]) == 3 and runs[1][-2:] == [Hv, Hv] for runs in splits), splits
     attention = [layer.self_attn for layer in fast.model.layers if layer.kind == "full_attention"]
     assert attention and all(len(a.fused_input.parts) == 2 for a in attention)        # [q, k] + [v]
-    from clover.gguf.embedding import FileEmbedding
+    from clover.gguf.embedding import QuantizedFileEmbedding
 
-    assert isinstance(fast.model.embed_tokens, FileEmbedding)    # the Q4_K token table read from the file
+    assert isinstance(fast.model.embed_tokens, QuantizedFileEmbedding)    # the Q4_K token table read from the file
     assert decode_plan.supported(fast)
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():

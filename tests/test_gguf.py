@@ -535,9 +535,9 @@ def test_k_quant_model(tmp_path):
         assert fast.packed == "clover-kernels"
         stored = [n for n, m in fast.named_modules() if isinstance(m, QuantizedWeight) and not isinstance(m, QuantizedEmbedding)]
         assert stored == []                   # every quantized matrix repacked, none left in its stored form
-        from clover.gguf.embedding import FileEmbedding
+        from clover.gguf.embedding import QuantizedFileEmbedding
 
-        assert isinstance(fast.model.embed_tokens, FileEmbedding)     # the token table read from the file
+        assert isinstance(fast.model.embed_tokens, QuantizedFileEmbedding)     # the token table read from the file
         got, ref_logits = fast(ids).float(), lib(ids).float()
         assert ((got - ref_logits).norm() / ref_logits.norm()).item() < 0.05   # the inputs' int8 rounding
 
@@ -551,7 +551,7 @@ def test_token_table_left_in_the_file_reads_the_rows_loading_would_hold(tmp_path
     exactly those of the table loaded into memory, by the native decoder and the PyTorch one alike; a
     bad id raises IndexError; a file rewritten after loading is refused with its name."""
     from clover.gguf import loader
-    from clover.gguf.embedding import FileEmbedding
+    from clover.gguf.embedding import QuantizedFileEmbedding
 
     if not native:
         monkeypatch.setattr(loader, "decode_into", lambda *a, **k: False)
@@ -563,7 +563,7 @@ def test_token_table_left_in_the_file_reads_the_rows_loading_would_hold(tmp_path
     held = load_gguf(path, dtype=torch.bfloat16)
     left = load_gguf(path, dtype=torch.bfloat16, table_in_file=True)
     table = left.model.embed_tokens
-    assert isinstance(held.model.embed_tokens, QuantizedEmbedding) and isinstance(table, FileEmbedding)
+    assert isinstance(held.model.embed_tokens, QuantizedEmbedding) and isinstance(table, QuantizedFileEmbedding)
     assert not any(n.startswith("model.embed_tokens") for n, _ in left.named_buffers())    # nothing held
     V = model.config.vocab_size
     ids = torch.tensor([[V - 1, 0, 7, 7, 8, 9, 3], [5, 5, 5, 5, 5, 5, V - 2]])

@@ -90,10 +90,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
                 if kernels is not None:
                     pack_part(model, part, kernels, consume=True)
 
-        # packed for the CPU: a quantized token table stays in the file, rows read on lookup (gguf/embedding.py)
+        # packed for the CPU: an untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
         model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs)
     else:
-        model = load_model(path, dtype=load_dtype, device=device)
+        model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs)
     if packs:
         from .layers.packed import pack_for_cpu
 

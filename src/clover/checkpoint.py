@@ -332,8 +332,11 @@ def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu"):
             r.close()
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", config: CloverConfig | None = None):
-    """Build a `CloverForCausalLM` from a model directory. `dtype=None` keeps the stored dtype."""
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", config: CloverConfig | None = None,
+               table_in_file: bool = False):
+    """Build a `CloverForCausalLM` from a model directory. `dtype=None` keeps the stored dtype.
+    `table_in_file` (on the CPU): an untied token embedding stored whole in one file stays there, its
+    rows read on lookup (layers/file_embedding.py)."""
     path = Path(path)
     config = config or CloverConfig.from_file(path)
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
@@ -341,6 +344,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     plan = plan_checkpoint(path, config)
     model, quant_buffers = plan.model, plan.quant_buffers
     dtype = dtype or _stored_dtype(plan.stored)
+    if table_in_file and torch.device(device).type == "cpu" and not config.tie_word_embeddings:
+        _leave_table_in_file(plan, dtype)
     if torch.device(device).type == "cpu":
         from .runtime import check_memory
 
@@ -360,6 +365,23 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     model.eval().requires_grad_(False)
     model.source_path = path
     return model
+
+
+def _leave_table_in_file(plan: CheckpointPlan, dtype: torch.dtype) -> None:
+    """Swap the planned token embedding, when stored whole as one float tensor, for a `FileEmbedding`
+    over its bytes, and drop it from what `read_tensors` reads."""
+    from .layers.file_embedding import FileEmbedding
+
+    name = "model.embed_tokens.weight"
+    source = plan.sources.get(name)
+    if source is None or source[0] != "stored":
+        return
+    _, f, key, shape, stored_dtype = source
+    meta, stored = plan.headers[f][key], READ_DTYPES[stored_dtype]
+    rows, dim = shape
+    plan.model.model.embed_tokens = FileEmbedding(f, plan.headers[f]["__data_start__"] + meta["data_offsets"][0],
+                                                  rows, dim, dim * stored.itemsize, dtype, stored, name=key)
+    del plan.sources[name], plan.expected[name]
 
 
 @contextmanager

@@ -40,7 +40,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
     are BF16 or quantized, else their float type (F16 → float16, F32 → float32). `on_filled(model,
     part)`, if given, is called as each part — "lm_head", "model.layers.N" — has all its parameters
     (clover.load packs each part then, so the stored forms of the whole model never sit beside the
-    packed ones). `table_in_file` (CPU only): a quantized, untied token embedding stays in the file,
+    packed ones). `table_in_file` (on the CPU): a quantized, untied token embedding stays in the file,
     its rows read on lookup (embedding.py); its scales are still checked here."""
     from ..model import CloverForCausalLM
 
@@ -56,8 +56,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
         with torch.device("meta"), _no_weight_init():
             model = CloverForCausalLM(config)
         quantized = _install_quantized(model, f, entries, dtype, device)   # (buffers not yet touched)
-        in_file = _leave_table_in_file(model, f, entries, quantized, dtype) if table_in_file else {}
-        if torch.device(device).type == "cpu":
+        on_cpu = torch.device(device).type == "cpu"
+        in_file = _leave_table_in_file(model, f, entries, quantized, dtype) if table_in_file and on_cpu else {}
+        if on_cpu:
             from ..runtime import check_memory
 
             check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path))
@@ -232,9 +233,9 @@ def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, 
 
 def _leave_table_in_file(model, f: GGUFFile, entries: list[Entry], quantized: dict, dtype) -> dict[str, tuple]:
     """Swap a quantized token embedding read from one whole stored tensor (not split across sources,
-    rows not reordered) for a `FileEmbedding` over that tensor; returns {parameter: (its stored form,
+    rows not reordered) for a `QuantizedFileEmbedding` over that tensor; returns {parameter: (its stored form,
     whether it has mins)}, which the load still checks the file's rows against."""
-    from .embedding import FileEmbedding
+    from .embedding import QuantizedFileEmbedding
 
     name = "model.embed_tokens.weight"
     module = quantized.get(name)
@@ -246,7 +247,7 @@ def _leave_table_in_file(model, f: GGUFFile, entries: list[Entry], quantized: di
     info = f.tensors[entry.sources[0].name]
     del quantized[name]
     form = (module.spec, module.mins is not None)
-    model.model.embed_tokens = FileEmbedding(f.file_of(info), info, *form, dtype)
+    model.model.embed_tokens = QuantizedFileEmbedding(f.file_of(info), info, *form, dtype)
     return {name: form}
 
 

@@ -34,7 +34,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ..gguf.embedding import FileEmbedding
+from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import library
 from .gdn_short import _constants as gdn_constants

@@ -1,0 +1,115 @@
+"""A token embedding left in its checkpoint file: rows read as they are looked up.
+
+Why: a lookup reads a few rows of the table (one per decode step), yet loading converts all of it
+into memory — Clover-35B-A3B's 248,320 × 2,048 table is 1.02 GB in bf16 (a Clover int4 checkpoint
+keeps it so), 0.29 GB at a GGUF file's Q4_K. Like llama.cpp's mapped weights, the table stays in the
+file and the OS page cache keeps the rows in use. Rows are read with `pread`, not through a memory
+map: a file cut or rewritten under a running model then gives an error naming it (each lookup checks
+the file's size and modification time first), never a SIGBUS; replacing the file by renaming a new one
+over it leaves the loaded model reading the old one.
+
+`clover.load` uses it where it packs the model for the CPU and the table is untied (a tied table is
+also the vocabulary projection, read whole every step). This class reads float rows (a safetensors
+table: `checkpoint.load_model(table_in_file=True)`); `gguf/embedding.py` decodes quantized ones.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class FileEmbedding(nn.Module):
+    """`nn.Embedding` over `rows` × `dim` values stored row-major at byte `offset` of the file `path`,
+    `row_bytes` a row, returned in `dtype`. `stored_dtype`: the float type of the stored values
+    (subclasses that decode another encoding override `decode`). `name`: the tensor, for messages."""
+
+    def __init__(self, path: str | Path, offset: int, rows: int, dim: int, row_bytes: int, dtype: torch.dtype,
+                 stored_dtype: torch.dtype | None = None, name: str = "the token embedding"):
+        super().__init__()
+        self.path, self.offset, self.name = Path(path), offset, name
+        self.num_embeddings, self.embedding_dim, self.row_bytes = rows, dim, row_bytes
+        self.compute_dtype, self.stored_dtype = dtype, stored_dtype
+        self.device = torch.device("cpu")
+        self._open()
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._closer = weakref.finalize(self, os.close, self._fd)     # closed with the module
+        if hasattr(os, "posix_fadvise"):          # lookups hop around the table: no read-ahead
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        if getattr(self, "_identity", None) is None:
+            self._identity = self._stat()          # (a copy keeps the original's: the file it loaded)
+
+    def _stat(self) -> tuple[int, int]:
+        st = os.fstat(self._fd)
+        return st.st_size, st.st_mtime_ns
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"index out of range in self (token ids must lie in 0..{self.num_embeddings - 1})")
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        ids_read = unique.tolist()
+        values = self.decode(self.read_rows(ids_read), len(ids_read))
+        return values.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
+
+    def error(self, message: str) -> Exception:
+        """The exception a problem with the file raises (a GGUF table's: GGUFError)."""
+        from ..checkpoint import CheckpointError
+
+        return CheckpointError(message)
+
+    def read_rows(self, ids: list[int]) -> torch.Tensor:
+        """The stored bytes of rows `ids` (ascending), [len(ids) · row_bytes] uint8: one read per run."""
+        if self._stat() != self._identity:
+            raise self.error(f"{self.path}: the file changed on disk after the model was loaded (its token "
+                                  "embedding is read from it at each lookup): load the model again")
+        raw = bytearray(len(ids) * self.row_bytes)
+        view, at = memoryview(raw), 0
+        for first, count in _runs(ids):
+            want = count * self.row_bytes
+            got = os.preadv(self._fd, [view[at:at + want]], self.offset + first * self.row_bytes)
+            if got != want:
+                raise self.error(f"{self.path}: {self.name}: rows {first}…{first + count - 1} could not be read "
+                                      f"({got} of {want} bytes): the file was cut after loading")
+            at += want
+        return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+    def decode(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        """Stored bytes of `rows` rows → [rows, dim] in `compute_dtype`."""
+        return raw.view(self.stored_dtype).view(rows, self.embedding_dim).to(self.compute_dtype)
+
+    def __getstate__(self):                      # copies (deepcopy, pickle) open the file again
+        state = self.__dict__.copy()
+        state["_fd"] = state["_closer"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._open()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.name} read from {self.path.name}"
+
+
+def _runs(ids: list[int]):
+    """(first, count) of each run of consecutive ids in ascending `ids`."""
+    start = prev = None
+    for i in ids:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            yield start, prev - start + 1
+            start = prev = i
+    if start is not None:
+        yield start, prev - start + 1
+
+
+__all__ = ["FileEmbedding"]
