@@ -459,9 +459,11 @@ def test_native_decoder_equals_the_pytorch_one(name):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_corrupt_scale_is_named(tmp_path, monkeypatch, native):
-    """A NaN scale in a quantized tensor (a corrupt download) is refused, naming the tensor, by the
-    native decoder and by the PyTorch one alike."""
+@pytest.mark.parametrize("tensor, block, table_in_file", [("blk.1.ffn_down_exps.weight", 1, False),
+                                                          ("token_embd.weight", 3, True)])
+def test_corrupt_scale_is_named(tmp_path, monkeypatch, native, tensor, block, table_in_file):
+    """A NaN scale in a quantized tensor (a corrupt download) is refused at load, naming the tensor, by
+    the native decoder and by the PyTorch one alike — a token table left in the file included."""
     from clover.gguf import loader
     from clover.gguf.file import GGUFFile
 
@@ -471,12 +473,12 @@ def test_corrupt_scale_is_named(tmp_path, monkeypatch, native):
     path = tmp_path / "q.gguf"
     write_gguf(path, model, T.Q8_0, tokenizer=TOKENIZER)
     with GGUFFile(path) as g:
-        offset = g.tensors["blk.1.ffn_down_exps.weight"].offset
-    with open(path, "r+b") as f:                                    # the second block's scale ← NaN
-        f.seek(offset + 34)
+        offset = g.tensors[tensor].offset
+    with open(path, "r+b") as f:                                    # that Q8_0 block's scale ← NaN
+        f.seek(offset + block * 34)
         f.write(bytes([0x00, 0x7E]))
-    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down_exps\.weight.*non-finite fp16 scale"):
-        load_gguf(path)
+    with pytest.raises(GGUFError, match=tensor.replace(".", r"\.") + ".*non-finite fp16 scale"):
+        load_gguf(path, table_in_file=table_in_file)
 
 
 def test_k_quant_model(tmp_path):
@@ -581,22 +583,6 @@ def test_token_table_left_in_the_file_reads_the_rows_loading_would_hold(tmp_path
         f.write(b"\0")
     with pytest.raises(GGUFError, match=r"t\.gguf: the file changed on disk after the model was loaded"):
         table(ids)
-
-
-def test_token_table_left_in_the_file_is_still_checked_at_load(tmp_path):
-    """A corrupt scale in the table is refused at load, naming the tensor, as when it is loaded."""
-    from clover.gguf.file import GGUFFile
-
-    model = tiny(**Q32)
-    path = tmp_path / "q.gguf"
-    write_gguf(path, model, T.Q8_0, tokenizer=TOKENIZER)
-    with GGUFFile(path) as g:
-        offset = g.tensors["token_embd.weight"].offset
-    with open(path, "r+b") as f:                                    # the fourth block's scale ← NaN
-        f.seek(offset + 3 * 34)
-        f.write(bytes([0x00, 0x7E]))
-    with pytest.raises(GGUFError, match=r"token_embd\.weight.*non-finite fp16 scale"):
-        load_gguf(path, table_in_file=True)
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------
