@@ -229,11 +229,12 @@ NATIVE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")    # g
 
 def decode_into(fmt: GGMLFormat, raw: torch.Tensor, K: int, first: int, dest_rows: torch.Tensor | None,
                 qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                super_scales: torch.Tensor | None, super_mins: torch.Tensor | None) -> bool:
+                super_scales: torch.Tensor | None, super_mins: torch.Tensor | None, threads: int | None = None) -> bool:
     """`decode_codes` written straight into rows of a module's stored tensors (each [rows, ·]) by the
     native decoder (kernels/gguf_decode.c): `raw` holds source rows first, first + 1, …; source row r
     goes to destination row `dest_rows[r]`, or r.
-    The destination must hold the type's own form (`fmt`'s bits, group, mins, super-group). Returns
+    The destination must hold the type's own form (`fmt`'s bits, group, mins, super-group). `threads`:
+    default torch's count (a few rows decode faster on one: no parallel region to wake). Returns
     False, writing nothing, where the native kernels are unavailable (the caller decodes in PyTorch)."""
     from ..kernels.build import library
 
@@ -255,7 +256,8 @@ def decode_into(fmt: GGMLFormat, raw: torch.Tensor, K: int, first: int, dest_row
     status = lib.clover_gguf_decode(NATIVE.index(fmt.name), raw.data_ptr(), row_bytes, rows, K, ptr(dest_rows), first,
                                     qweight.data_ptr(), qweight.stride(0), scales.data_ptr(), ptr(mins), scales.stride(0),
                                     ptr(super_scales), ptr(super_mins),
-                                    0 if super_scales is None else super_scales.stride(0), torch.get_num_threads())
+                                    0 if super_scales is None else super_scales.stride(0),
+                                    threads or torch.get_num_threads())
     if status == -2:
         raise ValueError(f"{K} columns are not whole {fmt.name} blocks")
     if status > 0:

@@ -18,6 +18,9 @@ from .blocks import FORMATS
 from .file import GGUFError, TensorInfo
 
 
+FEW_ROWS = 64      # lookups up to this many rows decode on one thread (a decode step's: one row)
+
+
 class QuantizedFileEmbedding(FileEmbedding):
     """The quantized table `info` of the GGUF file `path`, in Clover's stored form `spec` (with `mins`
     for an asymmetric type), dequantized to `dtype`."""
@@ -41,7 +44,7 @@ class QuantizedFileEmbedding(FileEmbedding):
         out = QuantizedWeight((rows, self.embedding_dim), self.spec, mins=self.mins, dtype=self.compute_dtype)
         if rows:
             try:
-                convert_rows(self.fmt, raw, self.embedding_dim, 0, rows, out)
+                convert_rows(self.fmt, raw, self.embedding_dim, 0, rows, out, threads=1 if rows <= FEW_ROWS else None)
             except ValueError as exc:
                 raise self.error(f"{self.path}: tensor {self.name}: {exc}") from None
         return out

@@ -344,11 +344,11 @@ def _fill_quantized(f: GGUFFile, entry: Entry, module: QuantizedWeight) -> None:
 
 
 def convert_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, r0: int, r1: int, module: QuantizedWeight,
-                 src_rows: torch.Tensor | None = None, layout=None) -> None:
+                 src_rows: torch.Tensor | None = None, layout=None, threads: int | None = None) -> None:
     """Source rows r0:r1 (`raw`, whole GGML rows of K) into the buffers of `module` (at `src_rows`'
     destinations, or rows r0:r1), undoing `layout`'s column reordering: by the native decoder where
-    the module holds the type's own form, else decoded, widened and reordered in PyTorch. Raises
-    ValueError on a corrupt scale."""
+    the module holds the type's own form (on `threads`), else decoded, widened and reordered in
+    PyTorch. Raises ValueError on a corrupt scale."""
 
     def rows_of(t):
         return None if t is None else t.view(-1, t.shape[-1])
@@ -358,7 +358,7 @@ def convert_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, r0: int, r1: int, m
     form = (module.bits, module.group_size, mins is not None, module.super_group)
     col_perm = None if layout is None else layout.col_perm
     native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == form and col_perm is None
-    if native and decode_into(fmt, raw, K, r0, src_rows, qweight, scales, mins, supers, super_mins):
+    if native and decode_into(fmt, raw, K, r0, src_rows, qweight, scales, mins, supers, super_mins, threads):
         return
     c = decode_codes(fmt, raw, K)
     if c.form() != form:

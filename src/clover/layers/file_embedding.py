@@ -51,12 +51,20 @@ class FileEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"index out of range in self (token ids must lie in 0..{self.num_embeddings - 1})")
+        if flat.numel() == 1:                      # a decode step's one token: no dedup, no gather
+            i = int(flat)
+            self._check_range(i, i)
+            return self.decode(self.read_rows([i]), 1).view(*ids.shape, self.embedding_dim)
+        if flat.numel():
+            self._check_range(int(flat.min()), int(flat.max()))
         unique, inverse = torch.unique(flat, return_inverse=True)
         ids_read = unique.tolist()
         values = self.decode(self.read_rows(ids_read), len(ids_read))
         return values.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
+
+    def _check_range(self, lo: int, hi: int) -> None:
+        if lo < 0 or hi >= self.num_embeddings:
+            raise IndexError(f"index out of range in self (token ids must lie in 0..{self.num_embeddings - 1})")
 
     def error(self, message: str) -> Exception:
         """The exception a problem with the file raises (a GGUF table's: GGUFError)."""
