@@ -55,9 +55,11 @@ def test_gguf_estimate(tmp_path, monkeypatch):
     write_gguf(path, tiny(**Q32), T.Q8_0, tokenizer=TOKENIZER)
     seen = []
     real = loader._planned_nbytes
-    monkeypatch.setattr(loader, "_planned_nbytes", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(loader, "_planned_nbytes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     model = clover.load(path, backend="reference")
     assert seen == [_held_bytes(model)]
+    left = loader.load_gguf(path, table_in_file=True)      # the token table left in the file: not counted
+    assert seen[-1] == _held_bytes(left) < seen[0]
 
 
 def test_a_model_too_large_is_refused_before_loading(little_memory, monkeypatch):
