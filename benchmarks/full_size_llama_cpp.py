@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from benchmarks import full_size, full_size_gguf
-from benchmarks.llama_cpp import _agreement, _gguf_sizes, _python, decode_bytes_per_token, describe_agreement, logit_agreement
+from benchmarks.llama_cpp import (_agreement, _gguf_sizes, _python, decode_bytes_per_token, describe_agreement,
+                                  logit_agreement)
 
 ENGINES = ("llama.cpp", "clover")
 
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         if i == 0:
             import numpy as np
 
-            rounds[0]["logits"] = logit_agreement(*(np.load(logits_dir / f"0-{e}.npy") for e in ("clover", "llama.cpp")))
+            clover_logits, llama_logits = (np.load(logits_dir / f"0-{e}.npy") for e in ("clover", "llama.cpp"))
+            rounds[0]["logits"] = logit_agreement(clover_logits, llama_logits)
 
     from benchmarks.common import emit_json
 

@@ -294,8 +294,12 @@ def save_logits(engine, config, prompt: int, path: str) -> None:
     from benchmarks.common import make_input_ids
 
     tmp = f"{path}.tmp-{os.getpid()}.npy"
-    np.save(tmp, engine.prompt_logits(make_input_ids(config, prompt)))
-    os.replace(tmp, path)
+    try:
+        np.save(tmp, engine.prompt_logits(make_input_ids(config, prompt)))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def logit_agreement(a, b, k: int = 10) -> dict:
@@ -538,7 +542,8 @@ def main(argv=None) -> int:
 
         ref = np.load(logits_dir / "0-Clover bf16.npy")
         for name in names:
-            rounds[0]["results"][name]["logits_vs_clover_bf16"] = logit_agreement(ref, np.load(logits_dir / f"0-{name}.npy"))
+            got = np.load(logits_dir / f"0-{name}.npy")
+            rounds[0]["results"][name]["logits_vs_clover_bf16"] = logit_agreement(ref, got)
     rows, table = summarize(rounds, bytes_per_token, file_bytes, names, args)
     load = os.getloadavg()[0]
     before = [r["results"][n]["loadavg_before"] for r in rounds for n in names]
