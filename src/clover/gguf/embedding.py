@@ -26,10 +26,10 @@ class QuantizedFileEmbedding(FileEmbedding):
     for an asymmetric type), dequantized to `dtype`."""
 
     def __init__(self, path: str | Path, info: TensorInfo, spec: QuantSpec, mins: bool, dtype: torch.dtype):
-        self.fmt = FORMATS[info.type_name]
+        fmt = FORMATS[info.type_name]
         rows, dim = info.shape
-        super().__init__(path, info.offset, rows, dim, self.fmt.row_bytes(dim), dtype, name=info.describe())
-        self.spec, self.mins = spec, mins
+        super().__init__(path, info.offset, rows, dim, fmt.row_bytes(dim), dtype, name=info.describe())
+        self.fmt, self.spec, self.mins = fmt, spec, mins
 
     def error(self, message: str) -> Exception:
         return GGUFError(message)

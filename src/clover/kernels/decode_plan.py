@@ -103,11 +103,11 @@ def refusal(model) -> str | None:
     if getattr(model.backend, "name", None) != "cpu" or library() is None:
         return "not the CPU backend with native kernels"
     embed = model.model.embed_tokens
-    quantized = isinstance(embed, (QuantizedEmbedding, FileEmbedding))
-    if not quantized and (type(embed) is not nn.Embedding or embed.weight.dtype != _BF16
-                          or embed.weight.device.type != "cpu"):
+    decoded = isinstance(embed, (QuantizedEmbedding, FileEmbedding))     # rows converted on lookup
+    if not decoded and (type(embed) is not nn.Embedding or embed.weight.dtype != _BF16
+                        or embed.weight.device.type != "cpu"):
         return "the token embedding is not a bf16 table on the CPU"
-    if quantized and (embed.compute_dtype != _BF16 or model.device.type != "cpu"):
+    if decoded and (embed.compute_dtype != _BF16 or model.device.type != "cpu"):
         return "the quantized token embedding does not compute in bf16 on the CPU"
     for i, layer in enumerate(model.model.layers):
         if type(layer.mlp) is not SparseMoE or not packed_for_kernels(layer.mlp):
@@ -339,7 +339,7 @@ class _Plan:
         embed = model.model.embed_tokens
         if isinstance(embed, nn.Embedding):
             torch.index_select(embed.weight, 0, ids.view(-1), out=buf.embed.view(B, -1))
-        else:                                            # a quantized table: the looked-up rows dequantized
+        else:                     # a quantized table, or one left in its file: rows converted on lookup
             buf.embed.view(B, -1).copy_(embed(ids.view(-1)))
         read, write = batch.read_slots, batch.write_slots
         for index, (tails, new_tails, states, new_states) in self.gdn:

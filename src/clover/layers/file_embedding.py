@@ -76,7 +76,7 @@ class FileEmbedding(nn.Module):
         """The stored bytes of rows `ids` (ascending), [len(ids) · row_bytes] uint8: one read per run."""
         if self._stat() != self._identity:
             raise self.error(f"{self.path}: the file changed on disk after the model was loaded (its token "
-                                  "embedding is read from it at each lookup): load the model again")
+                             "embedding is read from it at each lookup): load the model again")
         raw = bytearray(len(ids) * self.row_bytes)
         view, at = memoryview(raw), 0
         for first, count in _runs(ids):
@@ -84,7 +84,7 @@ class FileEmbedding(nn.Module):
             got = os.preadv(self._fd, [view[at:at + want]], self.offset + first * self.row_bytes)
             if got != want:
                 raise self.error(f"{self.path}: {self.name}: rows {first}…{first + count - 1} could not be read "
-                                      f"({got} of {want} bytes): the file was cut after loading")
+                                 f"({got} of {want} bytes): the file was cut after loading")
             at += want
         return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
