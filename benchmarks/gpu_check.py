@@ -12,6 +12,9 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
     agreeing with the reference's, and where they first differ: bf16 rounding on random weights);
   - timings (median ms): prefill, decode step, block step (selection off, 0.9, 0.7), commit, each eager
     and replayed as a CUDA graph (one captured forward at a fixed position: what graphs buy per step);
+  - the product's step graphs (clover/gpu/graphs.py) through `model.step`: graphed against eager logits
+    (decode, block steps, commit; 2 rows padded to a bucket), greedy generation, and decode / block step
+    times with graphs on and off at 1 and 4 rows;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -222,6 +225,58 @@ def time_steps(model, config, args, device, report, label):
     report[label] = res
 
 
+def check_step_graphs(fast, config, args, device, report):
+    """The product's step graphs (clover/gpu/graphs.py) through `model.step`, as the decoder runs them:
+    graphed against eager forwards of the same backend (logits of every graphed kind at 2 rows padded
+    to a bucket, greedy generation), and step times with graphs on and off at 1 and 4 rows."""
+    from clover.gpu import graphs
+
+    graphed = CloverForCausalLM.__new__(CloverForCausalLM)    # the same weights, its own pool and graphs
+    graphed.__dict__.update({k: v for k, v in fast.__dict__.items() if k not in ("_state_pool", "_step_graphs")})
+    graphed.configure_state_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
+    graphs.enable(graphed, "cuda" if device.type == "cuda" else "eager")
+    mask, L = config.mask_token_id, args.block
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(5, config.vocab_size - 8, (args.prompt // 4,), generator=g).tolist()
+    committed = torch.randint(5, 100, (2, L), generator=g).to(device)
+    res, outs = {}, {}
+    with torch.inference_mode():
+        for name, model in (("eager", fast), ("graphs", graphed)):
+            caches = prefilled(model, prompt, 2)
+            block = torch.full((2, L), mask, device=device)
+            out = {"decode": model.step(torch.tensor([[7], [8]], device=device), caches, logits_at="last"),
+                   "block_0.7": model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
+                   "block_off": model.step(block, caches, block=True, logits_at="block"),
+                   "commit": model.step(torch.cat([committed, block], 1), caches, block_len=L, block_top_p=0.9,
+                                        logits_at="block")}
+            out["decode_after"] = model.step(torch.tensor([[9], [10]], device=device), caches, logits_at="last")
+            outs[name] = out
+            for c in caches:
+                c.release()
+        res["logits_rel"] = {k: relative_error(outs["graphs"][k], outs["eager"][k]) for k in outs["eager"]}
+        ids = torch.tensor([prompt[:64]], device=device)
+        kw = dict(max_new_tokens=args.gen_tokens, block_size=L, threshold=0.9, eos_token_id=[])
+        a = graphed.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+        b = fast.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+        res["generation_agree"] = sum(x == y for x, y in zip(a, b)) / max(1, len(b))
+        for rows in (1, 4):
+            for name, model in (("eager", fast), ("graphs", graphed)):
+                caches = prefilled(model, prompt, rows)
+                tok = torch.full((rows, 1), 7, device=device)
+                res[f"decode_{rows}_{name}_ms"] = timed(lambda: model.step(tok, caches, logits_at="last"),
+                                                        device, 2, args.iters)
+                block = torch.full((rows, L), mask, device=device)
+                res[f"block_0.7_{rows}_{name}_ms"] = timed(
+                    lambda: model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
+                    device, 2, args.iters)
+                for c in caches:
+                    c.release()
+    runner = graphed.state_pool().__dict__.get("_step_graphs")
+    res["graphs"] = len(runner.graphs) if runner else 0
+    res["failed"] = [str(k) for k in runner.failed] if runner else []
+    report["step_graphs"] = res
+
+
 def time_transformers(ref, config, args, device, report):
     try:
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -369,6 +424,8 @@ def main(argv=None) -> int:
 
     section(report, "correctness", check_correctness, fast, ref, config, args, device, report)
     section(report, "clover_fast", time_steps, fast, config, args, device, report, "clover_fast")
+    if args.graphs:
+        section(report, "step_graphs", check_step_graphs, fast, config, args, device, report)
     if not args.cpu_dry_run:
         section(report, "clover_reference", time_steps, ref, config,
                 argparse.Namespace(**{**vars(args), "graphs": False}), device, report, "clover_reference")
@@ -396,6 +453,15 @@ def main(argv=None) -> int:
             vals = [res.get(k + suffix) for k in kinds]
             if any(v is not None for v in vals):
                 print(f"  {name:<14}" + "".join(f"{v:>11.2f}" if v is not None else f"{'-':>11}" for v in vals))
+    if "step_graphs" in report:
+        sg = report["step_graphs"]
+        worst = max(sg["logits_rel"].values())
+        print(f"  step graphs (model.step): {sg['graphs']} captured, {len(sg['failed'])} failed; logits rel |Δ| "
+              f"vs eager ≤ {worst:.2e} {'ok' if worst < args.tolerance else 'FAIL'}; generation "
+              f"{sg['generation_agree']:.0%} as eager")
+        for rows in (1, 4):
+            print(f"    {rows} row(s): decode {sg[f'decode_{rows}_eager_ms']:.2f} → {sg[f'decode_{rows}_graphs_ms']:.2f} "
+                  f"ms, block 0.7 {sg[f'block_0.7_{rows}_eager_ms']:.2f} → {sg[f'block_0.7_{rows}_graphs_ms']:.2f} ms")
     for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")

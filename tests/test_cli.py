@@ -104,7 +104,9 @@ def test_user_mistakes_are_one_line_errors(tmp_path):
         (["generate", "hi", "--model", str(tmp_path / "nope")], "no model at"),
         (["generate", "hi", "--block-size", "0"], "block_size must be >= 1"),
         (["eval-demo", "--modes", "bogus"], "unknown mode"),
-    ]:
+        (["generate", "hi", "--device", "warp9"], "is not a device"),
+        (["generate", "hi", "--device", "meta"], "Clover runs on cpu or cuda"),
+    ] + ([(["generate", "hi", "--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []):
         out = run_cli(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -9,6 +9,7 @@ The core import is light (torch, safetensors). Public API:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ BACKENDS = ("auto", "cpu", "cuda", "reference")
 
 
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
-         flush_denormal: bool = True, tensor_parallel=False):
+         flush_denormal: bool = True, tensor_parallel=False, cuda_graphs: bool = True):
     """Load a Clover (or Qwen3.5-MoE) model directory, a GGUF file (llama.cpp's `qwen35moe` layout,
     clover/gguf/; a split set by any of its shards) or a directory holding one; `path=None` loads the
     bundled demo model.
@@ -45,7 +46,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
     safetensors checkpoint and runs on the reference backend in the stored dtype (or `dtype`): "auto"
     means "reference" there; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
-    collective)."""
+    collective).
+    `cuda_graphs`: on a CUDA device with the "cuda" backend, replay decode steps, block steps and fused
+    commits as CUDA graphs (clover/gpu/graphs.py); False, or the environment's `CLOVER_CUDA_GRAPHS=0`,
+    runs every forward eagerly."""
     from .checkpoint import load_model
 
     if pack is not None:
@@ -105,6 +109,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         from .backend import Backend
 
         model.backend = Backend("cuda")
+        if cuda_graphs and torch.device(device).type == "cuda" and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0":
+            from .gpu.graphs import enable
+
+            enable(model, "cuda")
     _read_generation_defaults(model, path)
     return model
 

@@ -26,6 +26,9 @@ def _add_model_arg(p):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="weights dtype (default auto: bf16 with the native CPU kernels where they build, "
                         "else as stored; float32 runs the PyTorch reference)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or a CUDA device such as cuda or cuda:1 "
+                   "(the \"cuda\" backend, decode and block steps as CUDA graphs; CLOVER_CUDA_GRAPHS=0 turns "
+                   "the graphs off)")
 
 
 def _load(args, pack: bool = True):
@@ -38,15 +41,24 @@ def _load(args, pack: bool = True):
     if not gguf and not (path / "config.json").exists():
         raise UserError(f"no model at {path} (expected a directory with config.json, or a .gguf file)")
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    device = getattr(args, "device", "cpu")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: this torch sees no CUDA device")
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"--device {device}: Clover runs on cpu or cuda")
     from clover.distributed.launch import launched_tensor_parallel
 
     if launched_tensor_parallel():          # torchrun started several ranks: each loads its shard
         try:
-            model = clover.load(path, dtype=dtype, backend="reference", tensor_parallel=True)
+            model = clover.load(path, dtype=dtype, device=device, backend="reference", tensor_parallel=True)
         except RuntimeError as exc:        # no process group (launched without torchrun), a rank lost
             raise UserError(str(exc)) from None
     else:
-        model = clover.load(path, dtype=dtype, backend="auto" if pack else "reference")
+        model = clover.load(path, dtype=dtype, device=device, backend="auto" if pack else "reference")
     if not gguf and not (path / "tokenizer.json").exists():
         raise UserError(f"{path} has no tokenizer.json")
     return model, clover.load_tokenizer(path), path

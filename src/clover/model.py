@@ -104,6 +104,9 @@ class CloverForCausalLM(nn.Module):
     # Under tensor parallelism (clover.distributed) the config with this rank's head counts, from which
     # the state pool is sized; None: the pool holds the whole model's state.
     shard_config = None
+    # Short cached forwards replayed as CUDA graphs ("cuda"; "eager": the same static buffers without
+    # capture, for CPU tests) or run as they come (None); see gpu/graphs.py, set by `gpu.graphs.enable`.
+    graph_replay = None
 
     def state_pool(self) -> StatePool:
         """The model's one state pool (K/V pages, GDN slots, prefix cache), made on first use."""
@@ -215,6 +218,12 @@ class CloverForCausalLM(nn.Module):
             if (T == 1 and not block_len and stats is None and logits_at in ("last", "all")
                     and self.__dict__.get("packed") == "clover-kernels"):
                 logits = decode_step(self, ids, batch)     # a decode token: the prepared kernel calls
+            elif self.graph_replay is not None:               # decode / block steps as CUDA graphs (gpu/graphs.py)
+                from .gpu.graphs import step_graphs
+
+                runner = step_graphs(self, pool)
+                if runner is not None:
+                    logits = runner.run(ids, batch, block_len, block_top_p, logits_at, stats)
             if logits is None:
                 logits = self._run(ids, self._positions(ids, batch, T), batch, block_len, block_top_p, logits_at,
                                    stats)

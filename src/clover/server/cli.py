@@ -32,6 +32,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="weights dtype (auto: bf16 with the native kernels on CPU where they build, else as stored)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="on a CUDA device, run every forward eagerly (default: decode and block steps "
+                             "replayed as CUDA graphs)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--max-cache-gb", type=float, default=None, help="cache budget of the running batch")
@@ -138,7 +141,7 @@ def _load_model(args):
             return clover.load(path, dtype=dtype, device=args.device, backend="reference", tensor_parallel=True)
         except RuntimeError as exc:
             raise ServeError(str(exc)) from None
-    return clover.load(path, dtype=dtype, device=args.device)
+    return clover.load(path, dtype=dtype, device=args.device, cuda_graphs=args.cuda_graphs)
 
 
 def engine_options(args):

@@ -1,0 +1,290 @@
+"""CUDA graphs of the short cached forwards: decode steps, block steps and fused commits, per batch bucket.
+
+A decode step of a MoE model launches thousands of small kernels; replaying them as one CUDA graph
+removes the Python and launch overhead (nano-vllm and vLLM do the same). A graph replays fixed kernels
+on fixed addresses at fixed shapes, so each captured forward runs on static buffers:
+
+  - rows padded up to a batch bucket (`BATCH_BUCKETS`); a padding row reads the zero GDN state
+    (slot 0), writes its state to a scratch slot and its K/V to scratch pages that this runner holds
+    out of the pool for as long as it lives, so it never touches a sequence's state;
+  - keys gathered over a fixed window (the rows' longest end rounded up to a power of two, at least
+    `MIN_WINDOW`), masked at each row's own end — attention always takes a mask here;
+  - each step's index (the rows' starts, slots and page tables) goes to the device in one copy; the
+    key and K/V rows, positions and masks are computed from it inside the graph.
+
+Graphs are keyed by (rows, tokens per row, block length, window, selection on/off, which logits) and
+captured on first use into one shared memory pool. A forward the graphs do not cover (long prefill
+chunks, padded prompts, open speculations, more rows than the largest bucket) runs eagerly, and so
+does any key whose capture failed (logged once: an op that synchronises with the host cannot be
+captured). Outputs are copied out of the static buffers, so callers never see them overwritten.
+
+`replay="eager"` runs the same static-buffer forward without capturing it (each replay calls it
+again): what the tests check on CPU — padding, windows, scratch state, bucket choice — is everything
+but the capture itself, which only a GPU can do (`benchmarks/gpu_check.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import BatchIndex, ForwardBatch
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_WINDOW = 256
+MAX_TOKENS = 64          # tokens per row a graph covers: decode, block steps and fused commits of blocks ≤ 32
+MAX_GRAPHS = 64          # captured graphs kept (least recently used dropped first)
+
+
+def batch_bucket(rows: int) -> int | None:
+    """The smallest bucket that holds `rows` rows, or None when there are more than the largest."""
+    return next((b for b in BATCH_BUCKETS if b >= rows), None)
+
+
+def key_window(end: int, page_size: int) -> int:
+    """Keys a graph gathers per row for rows ending at most at `end`: a power of two ≥ MIN_WINDOW,
+    whole pages."""
+    window = max(MIN_WINDOW, 1 << (end - 1).bit_length())
+    return -(-window // page_size) * page_size
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    rows: int
+    tokens: int
+    block_len: int
+    window: int
+    selection: bool          # block expert selection on (a [rows] block_top_p input)
+    logits: str              # "last" or "block": which positions go through the vocabulary projection
+    stats: bool              # the block's distinct experts per MoE layer are outputs too
+
+
+class _StaticForward:
+    """One graph's static inputs, its forward over them, and (once captured) its outputs."""
+
+    def __init__(self, runner: "StepGraphs", key: GraphKey):
+        self.runner, self.key = runner, key
+        model, pool = runner.model, runner.pool
+        device = runner.device
+        B, T = key.rows, key.tokens
+        self.pages = key.window // pool.page_size
+        # one int64 buffer for everything the host decides each step: [starts, read slots, write slots, page table]
+        self.flat = torch.zeros(B * (3 + self.pages), dtype=torch.long, device=device)
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.top_p = torch.ones(B, dtype=torch.float32, device=device) if key.selection else None
+        commits = T - key.block_len
+        self.batch = ForwardBatch(pool, starts=[0] * B, commits=[commits] * B, block_len=key.block_len,
+                                  pages=[[]] * B, read_slots=[0] * B,
+                                  write_slots=[runner.scratch_slot] * B if commits and pool.has_gdn else None,
+                                  records=None)
+        self.outputs = None
+        self.graph = None
+
+    def fill(self, ids, batch: ForwardBatch | None, top_p) -> None:
+        """Copy one step's rows into the static inputs; rows past the batch (and all rows when `batch`
+        is None: before capture) are padding."""
+        key, runner = self.key, self.runner
+        B, T, W = key.rows, key.tokens, self.pages
+        n = 0 if batch is None else len(batch.starts)
+        P = runner.pool.page_size
+        pad_pages = runner.scratch_pages
+        starts = [0] * B
+        reads = [0] * B
+        writes = [runner.scratch_slot] * B
+        table = []
+        for b in range(B):
+            if b < n:
+                starts[b] = batch.starts[b]
+                reads[b] = batch.read_slots[b]
+                if batch.write_slots is not None and batch.write_slots[b] is not None:
+                    writes[b] = batch.write_slots[b]
+                pages = batch.pages[b][:-(-(starts[b] + T) // P)]
+            else:
+                pages = pad_pages
+            table.extend(pages)
+            table.extend([pages[-1]] * (W - len(pages)))
+        host = torch.tensor(starts + reads + writes + table, dtype=torch.long)
+        self.flat.copy_(host, non_blocking=True)
+        if n:
+            self.ids[:n].copy_(ids)
+        self.ids[n:].fill_(0)
+        if self.top_p is not None:
+            self.top_p.fill_(1.0)
+            if n and top_p is not None:
+                self.top_p[:n].copy_(top_p)
+
+    def index(self) -> BatchIndex:
+        """The forward's `BatchIndex`, computed on the device from the static inputs (inside the graph)."""
+        key, pool = self.key, self.runner.pool
+        B, T, W, P = key.rows, key.tokens, self.pages, pool.page_size
+        device = self.flat.device
+        starts, reads, writes, table = torch.split(self.flat, [B, B, B, B * W])
+        ends = starts + T
+        pos = torch.minimum(torch.arange(W * P, device=device)[None, :], ends[:, None] - 1)       # [B, S]
+        key_rows = table.view(B, W).gather(1, pos // P) * P + pos % P
+        new_rows = key_rows.gather(1, starts[:, None] + torch.arange(T, device=device)[None, :]).reshape(-1)
+        commits = T - key.block_len
+        write_rows = torch.arange(B if commits and pool.has_gdn else 0, device=device)
+        write_slots = writes if commits and pool.has_gdn else writes[:0]
+        return BatchIndex(reads, write_rows, write_slots, starts, new_rows, key_rows, ends, uniform=False)
+
+    def forward(self):
+        """The captured work: index, positions, the model's forward; (logits, per-layer distinct experts)."""
+        key = self.key
+        idx = self.index()
+        self.batch._index = {(self.flat.device, key.tokens): idx}
+        positions = idx.starts[:, None] + torch.arange(key.tokens, device=self.flat.device)
+        stats = [] if key.stats else None
+        logits = self.runner.model._run(self.ids, positions, self.batch, key.block_len, self.top_p, key.logits,
+                                        stats)
+        return logits, stats
+
+    def capture(self) -> None:
+        self.fill(None, None, None)                     # all padding: warm-up and capture touch scratch only
+        if self.runner.replay == "eager":
+            self.outputs = self.forward()
+            return
+        stream = torch.cuda.Stream(self.flat.device)
+        stream.wait_stream(torch.cuda.current_stream(self.flat.device))
+        with torch.cuda.stream(stream):                 # warm-up (Triton autotuning, cuBLAS workspaces)
+            self.forward()
+        torch.cuda.current_stream(self.flat.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.runner.memory_pool()):
+            self.outputs = self.forward()
+        self.graph = graph
+
+    def replay(self):
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs
+        logits, stats = self.forward()                  # eager replay: same buffers, run again
+        self.outputs = (logits, stats)
+        return self.outputs
+
+
+class StepGraphs:
+    """The graphs of one model over one state pool (a new pool — new addresses — needs a new runner)."""
+
+    def __init__(self, model, pool, replay: str = "cuda"):
+        if replay not in ("cuda", "eager"):
+            raise ValueError(f"replay must be 'cuda' or 'eager', got {replay!r}")
+        self.model, self.pool, self.replay = model, pool, replay
+        self.device = next(iter({**pool.k, **pool.conv}.values())).device
+        self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()
+        self.failed: set[GraphKey] = set()
+        self._memory_pool = None
+        with pool._lock:
+            need_pages = pool.pages_for(MAX_TOKENS)
+            if pool.available_pages() < need_pages or (pool.has_gdn and pool.available_slots() < 1):
+                raise RuntimeError("the state pool has no room for the graphs' scratch pages and slot")
+            self.scratch_pages = [pool._take_page() for _ in range(need_pages)]
+            self.scratch_slot = pool._take_slot() if pool.has_gdn else 0
+
+    def memory_pool(self):
+        if self._memory_pool is None:
+            self._memory_pool = torch.cuda.graph_pool_handle()
+        return self._memory_pool
+
+    def close(self) -> None:
+        """Give the scratch pages and slot back to the pool and drop the graphs."""
+        with self.pool._lock:
+            for page in self.scratch_pages:
+                self.pool._drop_page(page)
+            if self.pool.has_gdn:
+                self.pool._drop_slot(self.scratch_slot)
+        self.scratch_pages = []
+        self.graphs.clear()
+
+    def key_for(self, ids, batch: ForwardBatch, block_len: int, block_top_p, logits_at, stats) -> GraphKey | None:
+        """The graph that runs this forward, or None when graphs do not cover it."""
+        B, T = ids.shape
+        rows = batch_bucket(B)
+        if (rows is None or T > MAX_TOKENS or batch.padded or batch.records is not None
+                or ids.device != self.device):
+            return None
+        if torch.is_tensor(logits_at) or logits_at == "block":
+            if not block_len:
+                return None
+            kind = "block"
+        elif logits_at in ("last", "all") and T == 1 and not block_len:
+            kind = "last"
+        elif logits_at == "all" and block_len == T:
+            kind = "block"
+        else:
+            return None
+        window = key_window(max(batch.starts) + T, self.pool.page_size)
+        if window > self.pool.num_pages * self.pool.page_size:
+            return None
+        return GraphKey(rows, T, block_len, window, block_top_p is not None, kind, stats is not None)
+
+    def run(self, ids, batch: ForwardBatch, block_len: int, block_top_p, logits_at, stats):
+        """This forward's logits through a graph (capturing it first if new), or None when it runs eagerly."""
+        key = self.key_for(ids, batch, block_len, block_top_p, logits_at, stats)
+        if key is None or key in self.failed:
+            return None
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = _StaticForward(self, key)
+            try:
+                graph.capture()
+            except Exception as exc:                   # e.g. an op that reads back to the host
+                self.failed.add(key)
+                log.warning("CUDA graph capture failed for %s (%s: %s); that forward runs eagerly", key,
+                            type(exc).__name__, exc)
+                return None
+            self.graphs[key] = graph
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        graph.fill(ids, batch, block_top_p)
+        logits, layer_stats = graph.replay()
+        n = ids.shape[0]
+        if stats is not None:
+            stats.extend(s[:n].clone() for s in layer_stats)
+        logits = logits[:n]
+        if torch.is_tensor(logits_at):                 # the positions that will be read, chosen on the host
+            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(logits.device)
+            return logits.reshape(-1, logits.shape[-1])[picked]
+        return logits.clone()
+
+
+def step_graphs(model, pool) -> StepGraphs | None:
+    """The graph runner of `model` over `pool` (made on first use and kept on the pool: sequences of an
+    older pool keep their own), or None when the model's graphs are off or the pool has no room for
+    their scratch state."""
+    replay = model.__dict__.get("graph_replay")
+    if replay is None:
+        return None
+    runner = pool.__dict__.get("_step_graphs")
+    if runner is False:                               # no room in this pool (logged when found)
+        return None
+    if runner is not None and runner.replay == replay and runner.model is model:
+        return runner
+    if runner is not None:
+        runner.close()
+    try:
+        runner = StepGraphs(model, pool, replay)
+    except RuntimeError as exc:
+        log.warning("CUDA graphs off for this state pool: %s", exc)
+        runner = False
+    pool.__dict__["_step_graphs"] = runner
+    return runner or None
+
+
+def enable(model, replay: str | None = "cuda") -> None:
+    """Turn step graphs on (`replay="cuda"`: captured CUDA graphs; "eager": the same static-buffer
+    forwards run without capture, for CPU tests) or off (`replay=None`: the runner of the model's
+    current pool is closed, its scratch state given back)."""
+    if replay not in (None, "cuda", "eager"):
+        raise ValueError(f"replay must be None, 'cuda' or 'eager', got {replay!r}")
+    pool = model.__dict__.get("_state_pool")
+    runner = pool.__dict__.pop("_step_graphs", None) if pool is not None else None
+    if runner:
+        runner.close()
+    model.__dict__["graph_replay"] = replay

@@ -1,0 +1,229 @@
+"""Step graphs (clover/gpu/graphs.py): decode steps, block steps and fused commits run on static buffers
+(rows padded to a bucket, keys over a fixed window, padding rows on scratch state). On CPU the runner
+replays eagerly — the same static-buffer forward, run again — so everything but the CUDA capture is
+checked here against the same model without graphs; the capture itself is a `gpu` test."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from clover.backend import Backend
+from clover.gpu import graphs
+from tiny_models import make_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _pair(dtype=torch.float32, replay="eager", device="cpu"):
+    eager = make_model("base", seed=0, dtype=dtype).to(device)
+    eager.backend = Backend("cuda")
+    graphed = copy.deepcopy(eager)
+    graphs.enable(graphed, replay)
+    return eager, graphed
+
+
+def _runner(model):
+    return model.state_pool().__dict__["_step_graphs"]
+
+
+def _close(a, b, dtype=torch.float32):
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert a.shape == b.shape
+    assert torch.allclose(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol), (a.float().cpu() - b.float().cpu()).abs().max()
+
+
+def _forwards(model, prompts, device="cpu"):
+    """Every forward kind the decoder graphs, on 3 rows of different lengths (a 4-row bucket), decode
+    steps carrying the longest row across the 256-key window; returns each forward's outputs and the
+    rows' final caches."""
+    mask = model.config.mask_token_id
+    out = []
+    with torch.inference_mode():
+        caches = [model.make_cache() for _ in prompts]
+        model.prefill_batch(prompts, caches)
+        block = torch.full((3, 8), mask, device=device)
+        block[:, 2] = 7
+        wanted = block.cpu() == mask
+        stats: list = []
+        out.append(model.step(block, caches, block=True, block_top_p=[1.0, 0.7, 0.5], logits_at=wanted,
+                              stats=stats))
+        out.extend(stats)
+        stats = []
+        out.append(model.step(block, caches, block=True, logits_at="block", stats=stats))   # selection off
+        out.extend(stats)
+        for t in range(12):                                                  # decode: 245 → 257 tokens
+            out.append(model.step(torch.tensor([[5 + t], [6], [7]], device=device), caches, logits_at="last"))
+        fused = torch.cat([torch.randint(0, 90, (3, 8), generator=torch.Generator().manual_seed(4)).to(device),
+                           torch.full((3, 8), mask, device=device)], 1)
+        stats = []
+        out.append(model.step(fused, caches, block_len=8, block_top_p=0.9, logits_at="block", stats=stats))
+        out.extend(stats)
+        out.append(model.step(torch.tensor([[9], [10], [11]], device=device), caches))      # "all", one token
+    return out, caches
+
+
+PROMPTS = [list(range(3, 40)), [(7 * i) % 90 for i in range(245)], [11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_forwards_match_eager_ones(dtype):
+    eager, graphed = _pair(dtype)
+    a, caches_a = _forwards(eager, PROMPTS)
+    b, caches_b = _forwards(graphed, PROMPTS)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x.dtype == torch.long:                          # distinct experts: exact
+            assert torch.equal(x, y)
+        else:
+            _close(x, y, dtype)
+    # what the rows cached (K/V of every position, GDN state) is what the eager forwards cached
+    for ca, cb in zip(caches_a, caches_b):
+        assert ca.length == cb.length
+        for layer, kind in enumerate(eager.config.layer_types):
+            if kind == "linear_attention":
+                for sa, sb in zip(ca.gdn_state(layer), cb.gdn_state(layer)):
+                    _close(sa, sb, dtype)
+            else:
+                for sa, sb in zip(ca.kv(layer), cb.kv(layer)):
+                    _close(sa, sb, dtype)
+    runner = _runner(graphed)
+    kinds = {(k.rows, k.tokens, k.block_len, k.window, k.selection, k.logits) for k in runner.graphs}
+    assert {(4, 8, 8, 256, True, "block"), (4, 8, 8, 256, False, "block"), (4, 1, 0, 256, False, "last"),
+            (4, 1, 0, 512, False, "last"), (4, 16, 8, 512, True, "block")} <= kinds
+    assert not runner.failed
+
+
+def test_padding_rows_touch_only_the_scratch_state():
+    """A 3-row step runs as 4 rows; the fourth reads the zero state and writes scratch pages and the
+    scratch slot, which no sequence ever holds — an idle sequence's state is unchanged."""
+    _, model = _pair()
+    with torch.inference_mode():
+        idle = model.make_cache()
+        model.prefill_batch([[5, 6, 7, 8, 9, 10]], [idle])
+        pool = model.state_pool()
+        before = {layer: [t.clone() for t in (idle.gdn_state(layer) if kind == "linear_attention" else idle.kv(layer))]
+                  for layer, kind in enumerate(model.config.layer_types)}
+        zero = [pool.conv[0][0].clone(), pool.recurrent[0][0].clone()]
+        caches = [model.make_cache() for _ in range(3)]
+        model.prefill_batch([[1, 2, 3], [4, 5, 6, 7], [8]], caches)
+        for t in range(3):
+            model.step(torch.tensor([[t + 20]] * 3), caches)
+            model.step(torch.full((3, 8), model.config.mask_token_id), caches, block=True)
+        runner = _runner(model)
+        assert runner.graphs and all(k.rows == 4 for k in runner.graphs)
+        for c in caches + [idle]:
+            assert not set(c.pages) & set(runner.scratch_pages)
+            assert c.slot != runner.scratch_slot
+        for layer, kind in enumerate(model.config.layer_types):
+            now = idle.gdn_state(layer) if kind == "linear_attention" else idle.kv(layer)
+            for x, y in zip(before[layer], now):
+                assert torch.equal(x, y)
+        assert torch.equal(zero[0], pool.conv[0][0]) and torch.equal(zero[1], pool.recurrent[0][0])
+
+
+def test_the_runner_holds_its_scratch_state_until_turned_off():
+    _, model = _pair()
+    pool = model.state_pool()
+    pages, slots = pool.free_pages, pool.free_slots
+    with torch.inference_mode():
+        c = model.make_cache()
+        model.prefill_batch([[3, 4, 5]], [c])
+        model.step(torch.tensor([[6]]), [c])
+        c.release()
+    runner = _runner(model)
+    assert pool.free_pages == pages - len(runner.scratch_pages) and pool.free_slots == slots - 1
+    graphs.enable(model, None)
+    assert pool.free_pages == pages and pool.free_slots == slots
+    assert "_step_graphs" not in pool.__dict__ and model.graph_replay is None
+
+
+def test_generation_with_graphs_equals_generation_without():
+    eager, graphed = _pair()
+    prompts = [[5, 9, 13, 2 + i] * (i + 1) for i in range(3)]
+    for kw in (dict(block_size=8, threshold=0.5, block_expert_top_p=0.7), dict(block_size=1),
+               dict(decoding="self_speculative", block_size=4, draft_steps=1)):
+        a = eager.generate(prompts, max_new_tokens=20, eos_token_id=[], **kw)
+        b = graphed.generate(prompts, max_new_tokens=20, eos_token_id=[], **kw)
+        assert a == b if isinstance(a, list) else torch.equal(a, b), kw
+
+
+def test_forwards_the_graphs_do_not_cover_run_eagerly():
+    _, model = _pair()
+    with torch.inference_mode():
+        caches = [model.make_cache() for _ in range(2)]
+        model.prefill_batch([[3, 4, 5], [6, 7]], caches)             # right-padded prefill: eager
+        model.step(torch.arange(70).view(1, 70).expand(2, 70) % 90, caches)   # 70 tokens a row: eager
+        runner = _runner(model)
+        assert not runner.graphs
+        model.step(torch.tensor([[5], [6]]), caches, logits_at="none")   # a commit nobody reads: eager
+        assert not runner.graphs
+    assert graphs.batch_bucket(3) == 4 and graphs.batch_bucket(257) is None
+    assert graphs.key_window(5, 32) == 256 and graphs.key_window(256, 32) == 256 and graphs.key_window(257, 32) == 512
+
+
+def test_a_failed_capture_falls_back_to_the_eager_forward(monkeypatch, caplog):
+    eager, graphed = _pair()
+
+    def refuse(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs._StaticForward, "capture", refuse)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="clover.gpu.graphs"):
+        outs = []
+        for model in (eager, graphed):
+            c = model.make_cache()
+            model.prefill_batch([[3, 4, 5, 6]], [c])
+            outs.append([model.step(torch.tensor([[7 + t]]), [c]) for t in range(2)])
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+    runner = _runner(graphed)
+    assert len(runner.failed) == 1 and not runner.graphs
+    assert sum("capture failed" in r.message for r in caplog.records) == 1      # once per key
+
+
+def test_a_full_pool_turns_the_graphs_off_for_it(caplog):
+    _, model = _pair()
+    pool = model.configure_state_pool(memory_bytes=None, max_sequences=1)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="clover.gpu.graphs"):
+        held = [pool.new_sequence(reserve_tokens=(pool.available_pages() - 1) * pool.page_size)]
+        c = held[0]
+        model.prefill_batch([[3, 4, 5]], [c])
+        model.step(torch.tensor([[6]]), [c])
+    assert pool.__dict__["_step_graphs"] is False
+    assert any("no room" in r.message for r in caplog.records)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graphs_replay_what_the_eager_forwards_compute():
+    eager, graphed = _pair(torch.bfloat16, replay="cuda", device="cuda")
+    a, _ = _forwards(eager, PROMPTS, device="cuda")
+    b, _ = _forwards(graphed, PROMPTS, device="cuda")
+    for x, y in zip(a, b):
+        if x.dtype == torch.long:
+            assert torch.equal(x, y)
+        else:
+            _close(x, y, torch.bfloat16)
+    runner = _runner(graphed)
+    assert runner.graphs and not runner.failed and all(g.graph is not None for g in runner.graphs.values())
+
+
+def test_load_turns_graphs_on_only_on_a_cuda_device():
+    import clover
+
+    assert clover.load(backend="cuda").graph_replay is None          # the cuda backend on the CPU: eager
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_load_on_cuda_turns_graphs_on_unless_asked_not_to(monkeypatch):
+    import clover
+
+    assert clover.load(device="cuda").graph_replay == "cuda"
+    assert clover.load(device="cuda", cuda_graphs=False).graph_replay is None
+    monkeypatch.setenv("CLOVER_CUDA_GRAPHS", "0")
+    assert clover.load(device="cuda").graph_replay is None
