@@ -212,6 +212,26 @@ def test_cuda_graphs_replay_what_the_eager_forwards_compute():
     assert runner.graphs and not runner.failed and all(g.graph is not None for g in runner.graphs.values())
 
 
+def test_outputs_belong_to_the_caller():
+    """Logits and stats are copies: the next replay does not overwrite them, and a caller outside
+    inference mode gets ordinary tensors it may change in place."""
+    _, model = _pair()
+    c = model.make_cache()
+    with torch.inference_mode():
+        model.prefill_batch([[3, 4, 5]], [c])
+        first = model.step(torch.tensor([[6]]), [c])
+    kept = first.clone()
+    with torch.no_grad():
+        second = model.step(torch.tensor([[7]]), [c])
+        stats: list = []
+        block = model.step(torch.full((1, 8), model.config.mask_token_id), [c], block=True,
+                           logits_at=torch.ones(1, 8, dtype=torch.bool), stats=stats)
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+    for t in (second, block, stats[0]):
+        assert not t.is_inference()
+        t.add_(1)
+
+
 def test_load_turns_graphs_on_only_on_a_cuda_device():
     import clover
 

@@ -73,10 +73,11 @@ class _StaticForward:
         device = runner.device
         B, T = key.rows, key.tokens
         self.pages = key.window // pool.page_size
-        # one int64 buffer for everything the host decides each step: [starts, read slots, write slots, page table]
-        self.flat = torch.zeros(B * (3 + self.pages), dtype=torch.long, device=device)
-        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
-        self.top_p = torch.ones(B, dtype=torch.float32, device=device) if key.selection else None
+        with torch.inference_mode(False):       # plain tensors (as the pool's): filled in and out of inference mode
+            # one int64 buffer for everything the host decides each step: [starts, read slots, write slots, page table]
+            self.flat = torch.zeros(B * (3 + self.pages), dtype=torch.long, device=device)
+            self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
+            self.top_p = torch.ones(B, dtype=torch.float32, device=device) if key.selection else None
         commits = T - key.block_len
         self.batch = ForwardBatch(pool, starts=[0] * B, commits=[commits] * B, block_len=key.block_len,
                                   pages=[[]] * B, read_slots=[0] * B,
@@ -228,6 +229,21 @@ class StepGraphs:
         key = self.key_for(ids, batch, block_len, block_top_p, logits_at, stats)
         if key is None or key in self.failed:
             return None
+        with torch.inference_mode():
+            outputs = self._replay(key, ids, batch, block_top_p)
+        if outputs is None:
+            return None
+        logits, layer_stats = outputs              # static: copied out (outside inference mode when the caller is)
+        n = ids.shape[0]
+        if stats is not None:
+            stats.extend(s[:n].clone() for s in layer_stats)
+        logits = logits[:n]
+        if torch.is_tensor(logits_at):                 # the positions that will be read, chosen on the host
+            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(logits.device)
+            return logits.reshape(-1, logits.shape[-1])[picked]
+        return logits.clone()
+
+    def _replay(self, key: GraphKey, ids, batch: ForwardBatch, block_top_p):
         graph = self.graphs.get(key)
         if graph is None:
             graph = _StaticForward(self, key)
@@ -243,15 +259,7 @@ class StepGraphs:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
         graph.fill(ids, batch, block_top_p)
-        logits, layer_stats = graph.replay()
-        n = ids.shape[0]
-        if stats is not None:
-            stats.extend(s[:n].clone() for s in layer_stats)
-        logits = logits[:n]
-        if torch.is_tensor(logits_at):                 # the positions that will be read, chosen on the host
-            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(logits.device)
-            return logits.reshape(-1, logits.shape[-1])[picked]
-        return logits.clone()
+        return graph.replay()
 
 
 def step_graphs(model, pool) -> StepGraphs | None:
