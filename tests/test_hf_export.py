@@ -115,9 +115,11 @@ def run_without_clover(script: str, workdir: Path) -> subprocess.CompletedProces
 
 def package_completion(model_dir, question="What is diffusion?", dtype=torch.bfloat16, device="cpu",
                        max_new_tokens=QUICK_START_NEW_TOKENS) -> str:
-    """What the clover package itself generates for the quick start's request, decoded the same way: on
-    the reference backend, which the exported code is (the CPU fast path's kernels round differently)."""
-    model = clover.load(model_dir, dtype=dtype, device=device, backend="reference")
+    """What the clover package itself generates for the quick start's request, decoded the same way, on
+    the backend the exported code runs there: the reference on CPU (the CPU fast path's kernels round
+    differently), the "cuda" backend with step graphs on a GPU."""
+    backend = "auto" if torch.device(device).type == "cuda" else "reference"
+    model = clover.load(model_dir, dtype=dtype, device=device, backend=backend)
     tok = CloverTokenizer.from_dir(model_dir)
     ids = tok.apply_chat_template([{"role": "user", "content": question}], enable_thinking=True)
     out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, block_size=32,
@@ -290,6 +292,17 @@ def test_card_quick_start_on_cuda_verbatim(dirs):
     result = run_without_clover(quick_start(dirs.dst, device="cuda:0"), dirs.root)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected + "\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_wrapper_runs_the_cuda_backend_with_graphs_on_a_gpu(dirs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(dirs.dst), trust_remote_code=True, dtype=torch.bfloat16,
+                                              device_map="cuda:0").eval()
+    rt = hf.clover_model()
+    assert rt.backend.name == "cuda" and rt.graph_replay == "cuda"
 
 
 # ---- (b) HF generate == clover generate, float32 --------------------------------------------------

@@ -14,6 +14,7 @@ The network is the clover package's own `CloverForCausalLM`; this class only ada
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..backend import Backend
+from ..gpu.graphs import enable as enable_step_graphs
 from ..runtime import flush_denormals
 from ..generation.api import generate_batch, resolve_settings
 from ..generation.settings import GenerationSettings, GenerationSettingsError
@@ -132,7 +135,21 @@ class CloverForCausalLM(CloverPreTrainedModel):
         rt = self.__dict__["_clover_runtime"]
         rt._modules["model"], rt._modules["lm_head"] = self.model, self.lm_head
         rt.config = self.config.to_clover_config()
+        self._choose_backend(rt)
         return rt
+
+    def _choose_backend(self, rt: CloverModel) -> None:
+        """Weights on CUDA (`device_map="cuda:0"`, or split over GPUs) run the "cuda" backend (clover/gpu/:
+        fla-core where installed, grouped-GEMM experts, batched attention), on one device with decode and
+        block steps as CUDA graphs (`CLOVER_CUDA_GRAPHS=0`: off); anywhere else the reference modules."""
+        devices = {p.device for p in self.parameters()}
+        on_cuda = all(d.type == "cuda" for d in devices)
+        want = "cuda" if on_cuda else "reference"
+        if rt.backend.name != want:
+            rt.backend = Backend(want)
+        replay = "cuda" if on_cuda and len(devices) == 1 and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0" else None
+        if rt.graph_replay != replay:
+            enable_step_graphs(rt, replay)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
