@@ -1,11 +1,15 @@
-"""fla-core's fused-recurrent gated delta rule, as the "cuda" backend calls it, run on CPU under Triton's
-interpreter (`TRITON_INTERPRET=1`) on tiny shapes against Clover's PyTorch delta rule. Skipped where
-fla-core and Triton are not installed (they are not test dependencies: `pip install fla-core==0.6.0
-triton==3.9.0` — the versions this was checked with — enables it). fla's chunked kernel does not run in
-the interpreter: the GPU check (benchmarks/gpu_check.py) covers it."""
+"""fla-core's kernels as the "cuda" backend calls them — the fused-recurrent gated delta rule and the
+causal conv — run on CPU under Triton's interpreter (`TRITON_INTERPRET=1`) on tiny shapes against
+Clover's PyTorch arithmetic. fla-core and Triton are kept off the test environment's path (installed
+there, Triton makes transformers' Qwen3.5 take fla's kernels on CPU, which breaks its own reference
+tests), so the check runs in a subprocess with `CLOVER_FLA_SITE` — a directory they were installed to:
+`pip install --no-deps --target DIR fla-core==0.6.0 triton==3.9.0 einops`, the versions `.ci/run`
+pins — on its path; skipped where neither that nor an installed fla-core is there. fla's chunked
+kernel does not run in the interpreter: the GPU check (benchmarks/gpu_check.py) covers it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fla", reason="fla-core is not installed")
-pytest.importorskip("triton", reason="triton is not installed")
-
 ROOT = Path(__file__).resolve().parents[1]
+FLA_SITE = os.environ.get("CLOVER_FLA_SITE")
+
+pytestmark = pytest.mark.skipif(
+    not FLA_SITE and not (importlib.util.find_spec("fla") and importlib.util.find_spec("triton")),
+    reason="fla-core and triton are not installed (CLOVER_FLA_SITE unset)")
 
 CHECK = textwrap.dedent("""
     import copy, torch
@@ -41,6 +47,28 @@ CHECK = textwrap.dedent("""
         assert torch.allclose(o, o_ref, atol=1e-4), (o - o_ref).abs().max()
         assert torch.allclose(final, final_ref, atol=1e-4), (final - final_ref).abs().max()
 
+    # the causal conv from cached tails (what gdn_core_fast calls) against Clover's depthwise conv
+    from clover.gpu.fla import fla_conv_runs_on
+    from clover.gpu.gdn import causal_conv
+    from clover.layers.gated_deltanet import depthwise_conv
+    assert fla_conv_runs_on(torch.device("cpu"))
+    # The conv kernels autotune their tile sizes by timing each on a device, which the interpreter has
+    # not: one tile size each (every one computes the same result).
+    import fla.modules.causal_conv1d.ops as conv_ops
+    for kernel in vars(conv_ops).values():
+        while kernel is not None and not hasattr(kernel, "prune_configs"):      # through @triton.heuristics
+            kernel = getattr(kernel, "fn", None)
+        if kernel is not None:
+            kernel.configs = kernel.configs[:1]
+    for B, T, C, K in [(1, 1, 8, 4), (2, 5, 24, 4), (3, 70, 16, 3)]:
+        u = torch.randn(B, T, C, generator=g)
+        tail = torch.randn(B, C, K - 1, generator=g)
+        weight = torch.randn(C, 1, K, generator=g)
+        full = torch.cat([tail, u.transpose(1, 2)], 2)
+        got = causal_conv(u, tail, full, weight)
+        want = depthwise_conv(full, weight)
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
     # a decode step, a block step and a fused commit of the tiny model through the backend, fla inside
     ref = make_model("gdn_heavy")
     fast = copy.deepcopy(ref)
@@ -61,8 +89,8 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def test_fla_fused_recurrent_under_the_interpreter_matches_the_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+def test_fla_kernels_under_the_interpreter_match_the_reference():
+    paths = [str(ROOT / "src"), str(ROOT / "tests")] + ([FLA_SITE] if FLA_SITE else [])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "fla interpreter ok" in out.stdout, out.stderr[-3000:]

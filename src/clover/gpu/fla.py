@@ -8,6 +8,18 @@ import os
 import torch
 
 _FLA = None
+_CONV = None
+
+
+def fla_conv():
+    """fla-core's `causal_conv1d` (Triton), or None when fla-core (or Triton) is not installed."""
+    global _CONV
+    if _CONV is None:
+        try:
+            _CONV = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+        except Exception:
+            _CONV = False
+    return _CONV or None
 
 
 def fla_ops():
@@ -33,3 +45,11 @@ def fla_runs_on(device: torch.device, chunked: bool = False) -> bool:
         return fla_ops() is not None
     return (not chunked and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
             and fla_ops() is not None)
+
+
+def fla_conv_runs_on(device: torch.device) -> bool:
+    """Whether fla's causal conv can run on tensors of `device` (CUDA, or the CPU under Triton's
+    interpreter); `CLOVER_FLA=0` turns it off with the rest of fla."""
+    if os.environ.get("CLOVER_FLA", "1") == "0" or fla_conv() is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")

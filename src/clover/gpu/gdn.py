@@ -5,6 +5,7 @@ fla's layouts: q, k `[B, T, Hk, dk]` (GVA: value head h reads key head h // (Hv 
 the pool's recurrent slots' layout, so a batch's states are one gather of slots. q and k go in
 un-normalised with `use_qk_l2norm_in_kernel=True` (the kernel normalises in fp32 with Clover's ε).
 
+The causal conv runs fla's `causal_conv1d` where fla runs, from each row's cached tail.
 Per forward: the causal part (prefill chunk, commit) runs `chunk_gated_delta_rule` when it is long
 (> `CHUNKED_MIN_TOKENS`) and `fused_recurrent_gated_delta_rule` when short; its end state goes to the
 rows' write slots in one `index_copy_`. The block (block steps, the block half of a commit) runs the
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from ..layers.delta_rule import gated_delta_rule
 from ..layers.gated_deltanet import depthwise_conv, l2_normalize
 from ..layers.norms import compute_dtype
-from .fla import fla_ops, fla_runs_on
+from .fla import fla_conv, fla_conv_runs_on, fla_ops, fla_runs_on
 
 # Causal parts longer than this take fla's chunked kernel (its chunks are 64 tokens).
 CHUNKED_MIN_TOKENS = 64
@@ -48,6 +49,18 @@ def delta_rule(q, k, v, g, beta, state, scale: float):
     return o.transpose(1, 2), final
 
 
+def causal_conv(u, tail, full, weight):
+    """The GDN's left (causal) depthwise conv of u [B, T, C] after each row's cached tail [B, C, K−1]
+    (`full` = the two joined, [B, C, K−1+T]) → [B, C, T]: fla's `causal_conv1d` where it runs (its
+    state holds K columns and reads the last K−1, so the tail goes in behind one zero column), else
+    Clover's depthwise conv."""
+    if not fla_conv_runs_on(u.device):
+        return depthwise_conv(full, weight)
+    state = F.pad(tail, (1, 0)).contiguous()                              # [B, C, K]
+    y, _ = fla_conv()(u.contiguous(), weight.squeeze(1), initial_state=state, activation=None)
+    return y.transpose(1, 2)
+
+
 def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     """`gdn_core` (same arguments and result as `gdn_core_reference`) for forwards without an open
     speculation (whose replay records need the reference's per-token tensors)."""
@@ -65,7 +78,7 @@ def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
         conv_pool, rec_pool = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
         tail, state0 = conv_pool[idx.read_slots], rec_pool[idx.read_slots]
     full = torch.cat([tail, ut], dim=2)
-    left = depthwise_conv(full, mixer.conv1d.weight)                      # [B, C, T]
+    left = causal_conv(u, tail, full, mixer.conv1d.weight)                # [B, C, T]
     P = T - block_len
     if block_len:
         right = mixer._right_conv(ut[:, :, P:])
