@@ -460,8 +460,10 @@ def main(argv=None) -> int:
               f"vs eager ≤ {worst:.2e} {'ok' if worst < args.tolerance else 'FAIL'}; generation "
               f"{sg['generation_agree']:.0%} as eager")
         for rows in (1, 4):
-            print(f"    {rows} row(s): decode {sg[f'decode_{rows}_eager_ms']:.2f} → {sg[f'decode_{rows}_graphs_ms']:.2f} "
-                  f"ms, block 0.7 {sg[f'block_0.7_{rows}_eager_ms']:.2f} → {sg[f'block_0.7_{rows}_graphs_ms']:.2f} ms")
+            decode = [sg[f"decode_{rows}_{mode}_ms"] for mode in ("eager", "graphs")]
+            block = [sg[f"block_0.7_{rows}_{mode}_ms"] for mode in ("eager", "graphs")]
+            print(f"    {rows} row(s), eager → graphs: decode {decode[0]:.2f} → {decode[1]:.2f} ms, "
+                  f"block 0.7 {block[0]:.2f} → {block[1]:.2f} ms")
     for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")

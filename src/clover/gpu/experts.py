@@ -3,8 +3,9 @@
 Token-slots are sorted by expert (a stable sort: each expert's rows in token order, as the grouped
 reference does); `offs` — the cumulative row counts of all E experts, empty ones included — tells the
 grouped GEMM where each expert's rows end, so nothing is read back to the host and no Python loop
-runs over experts; each token's k products are then summed in a fixed order (deterministic on a GPU). Where the installed torch has no `grouped_mm`, or for other dtypes than bf16,
-the experts run one by one (`Experts._forward_grouped`, one host sync for the counts).
+runs over experts; each token's k products are then summed in a fixed order (deterministic on a GPU).
+Where the installed torch has no `grouped_mm`, or for other dtypes than bf16, the experts run one by
+one (`Experts._forward_grouped`, one host sync for the counts).
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: to
     ys = GROUPED_MM(hidden, experts.down_proj.transpose(-2, -1), offs=offs)          # [N·k, H]
     ys = ys * weights.reshape(-1)[order, None].to(x.dtype)
     # Back to token order without atomics (CUDA's index_add_ adds in a varying order, so repeated runs
-    # could round differently): each token's k products summed in expert order, as the reference adds them.
+    # could round differently): each token's k products, in expert order, summed in one reduction
+    # (fp32 accumulation for bf16, rounded once, as the reference's sum of a token's experts).
     row_of_slot = torch.empty_like(order)
     row_of_slot[order] = torch.arange(N * k, device=x.device)
     rows = row_of_slot.view(N, k).sort(dim=1).values                         # [N, k]: ys rows, expert order
-    out = ys[rows[:, 0]]
-    for j in range(1, k):
-        out = out + ys[rows[:, j]]
-    return out
+    return ys[rows].sum(1)

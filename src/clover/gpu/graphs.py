@@ -69,8 +69,7 @@ class _StaticForward:
 
     def __init__(self, runner: "StepGraphs", key: GraphKey):
         self.runner, self.key = runner, key
-        model, pool = runner.model, runner.pool
-        device = runner.device
+        pool, device = runner.pool, runner.device
         B, T = key.rows, key.tokens
         self.pages = key.window // pool.page_size
         with torch.inference_mode(False):       # plain tensors (as the pool's): filled in and out of inference mode
