@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .readback import decide_rows
 from .sequence import Sequence
 
 log = logging.getLogger("clover.decoder")
@@ -74,12 +75,12 @@ def reserved_tokens(config, prompt_len: int, max_new_tokens: int, block_size: in
     return min(prompt_len + (blocks + 1) * block_size, config.max_position_embeddings + block_size)
 
 
-def _per_row(stats: list, rows: int) -> list[list[int]]:
-    """Per row, the distinct experts of each MoE layer (`stats`: per layer a [rows] tensor), read back
-    in one transfer."""
+def _per_row(stats: list, rows: int) -> list:
+    """Per row, the distinct experts of each MoE layer as a device tensor (`stats`: per layer a [rows]
+    tensor), or None per row without statistics; read back with the rows' decisions."""
     if not stats:
-        return [[] for _ in range(rows)]
-    return torch.stack(stats, 1).tolist()
+        return [None] * rows
+    return list(torch.stack(stats, 1))
 
 
 def _reserved(seq: Sequence, config) -> int:
@@ -211,12 +212,11 @@ class Decoder:
         for seq, out in pairs:
             yield seq, out
 
-    def _decide(self, seq: Sequence, decision, *args) -> None:
-        """One sequence's decision after a forward (sampling, unmasking, acceptance); its failure is its own."""
-        try:
-            decision(*args)
-        except Exception as exc:
-            self._fail(seq, exc)
+    def _decide(self, work) -> None:
+        """The decisions after one forward (sampling, unmasking, acceptance, expert statistics), as
+        `(seq, decision)` pairs of readback.py generators: the device is read back once for all of
+        them; a failure is its own sequence's."""
+        decide_rows(work, self._fail)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         log.warning("request %s failed: %s: %s", seq.id, type(exc).__name__, exc)
@@ -264,18 +264,20 @@ class Decoder:
             def forward(rows):
                 return self.model.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
                                                 [seq.cache for seq in rows])
+            decisions = []
             for seq, logits in self._rows([seq for seq, _, _ in group], forward):
                 e = spans[seq.id][1]
                 seq.prefilled = e
                 if self.prefix_cache and e % P == 0 and e < len(seq.prompt):
                     self.pool.prefix.insert(seq.prompt[:e], seq.cache)     # every page-aligned chunk end
                 if e == len(seq.prompt):
-                    self._decide(seq, self._after_prefill, seq, logits[0])
+                    decisions.append((seq, self._after_prefill(seq, logits[0])))
+            self._decide(decisions)
 
-    def _after_prefill(self, seq: Sequence, logits) -> None:
+    def _after_prefill(self, seq: Sequence, logits):
         s = seq.settings
         if s.block_size == 1 or s.speculative:
-            seq.pending = seq.predict_next(logits[None], [], 0)[0]
+            seq.pending = (yield from seq.predict_next_steps(logits[None], [], 0))[0]
             if s.block_size == 1:
                 seq.phase = "ar"
             else:
@@ -299,9 +301,11 @@ class Decoder:
                     per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
                     distinct = _per_row(stats, len(rows))
                     return [(per_row[b], distinct[b]) for b in range(len(rows))]
+                decisions = []
                 for seq, (logits, distinct) in self._rows(chunk, forward):
-                    self._record_block_forward(seq, distinct)
-                    self._decide(seq, seq.denoise, logits)
+                    decisions.append((seq, self._record_block_forward(seq, distinct)))
+                    decisions.append((seq, seq.denoise_steps(logits)))
+                self._decide(decisions)
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
@@ -312,12 +316,13 @@ class Decoder:
         return [default if p is None else p for p in top_p]
 
     @staticmethod
-    def _record_block_forward(seq: Sequence, distinct: list) -> None:
-        """`distinct`: per MoE layer, the distinct experts this row's block used."""
+    def _record_block_forward(seq: Sequence, distinct):
+        """A decision: `distinct` (a device tensor, or None without MoE statistics) holds per MoE layer
+        the distinct experts this row's block used, read back with the batch's other decisions."""
         seq.stats.forwards += 1
         seq.stats.block_forwards += 1
-        if distinct:
-            distinct = [int(n) for n in distinct]
+        if distinct is not None:
+            distinct, = yield (distinct,)
             if not seq.stats.distinct_experts:
                 seq.stats.distinct_experts = [[] for _ in distinct]
             for layer, n in enumerate(distinct):
@@ -359,10 +364,12 @@ class Decoder:
                         for s in rows:
                             s.cache.begin_speculation()
                     return self.model.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
+                decisions = []
                 for seq, logits in self._rows(chunk, forward):
                     seq.stats.forwards += 1
                     seq.stats.causal_forwards += 1
-                    self._decide(seq, getattr(self, f"_after_{phase}"), seq, logits, produced)
+                    decisions.append((seq, getattr(self, f"_after_{phase}")(seq, logits, produced)))
+                self._decide(decisions)
 
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
         """Commit each row's resolved block and denoise its next block of masks in the same forward."""
@@ -375,22 +382,24 @@ class Decoder:
                                      logits_at="block", stats=stats)
             distinct = _per_row(stats, len(rows))
             return [(logits[b], distinct[b]) for b in range(len(rows))]
+        decisions = []
         for seq, (logits, distinct) in self._rows(chunk, forward):
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()
-            self._record_block_forward(seq, distinct)
-            self._decide(seq, seq.denoise, logits)
+            decisions.append((seq, self._record_block_forward(seq, distinct)))
+            decisions.append((seq, seq.denoise_steps(logits)))
+        self._decide(decisions)
 
-    def _after_ar(self, seq: Sequence, logits, produced) -> None:
+    def _after_ar(self, seq: Sequence, logits, produced):
         token = seq.pending
         produced[seq.id] += seq.extend([token])
         if not seq.done:
-            seq.pending = seq.predict_next(logits[-1:], [], 0)[0]
+            seq.pending = (yield from seq.predict_next_steps(logits[-1:], [], 0))[0]
 
-    def _after_verify(self, seq: Sequence, logits, produced) -> None:
+    def _after_verify(self, seq: Sequence, logits, produced):
         """SPEC §8 step 3: accept the longest run of draft tokens the causal mode agrees with."""
         draft = seq.block
-        predictions = seq.predict_next(logits, draft, 1)          # a_{P+1} … a_{P+L}
+        predictions = yield from seq.predict_next_steps(logits, draft, 1)          # a_{P+1} … a_{P+L}
         j = 0
         while j + 1 < len(draft) and draft[j + 1] == predictions[j]:
             j += 1

@@ -15,6 +15,7 @@ import torch
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, positions_to_fill
 from .constrained import BlockConstraint
+from .readback import resolve
 from .settings import GenerationSettings
 
 _ids = itertools.count()
@@ -216,6 +217,11 @@ class Sequence:
         """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
         mask-id positions, in position order (the decoder scores every mask id it sees, so a seed
         that is the mask id has a row too: it is dropped here)."""
+        resolve(self.denoise_steps(masked_logits))
+
+    def denoise_steps(self, masked_logits: torch.Tensor):
+        """`denoise` as a decision (generation/readback.py): it yields its fills to be read back with
+        the other rows' and applies them when resumed."""
         s = self.settings
         if self._seed_is_mask:
             masked_logits = masked_logits[1:]
@@ -237,7 +243,8 @@ class Sequence:
         self.draft_steps_done += 1
         if s.speculative and self.draft_steps_done >= s.draft_steps:
             fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
-        for i, t in zip(masked, torch.where(fill, tokens, -1).tolist()):    # one host sync
+        values, = yield (torch.where(fill, tokens, -1),)                    # read back with the batch
+        for i, t in zip(masked, values):
             if t >= 0:
                 self.block[i] = t
         if constraint is not None:
@@ -252,6 +259,11 @@ class Sequence:
         having seen `extra[: seen_first + k]` after the committed tokens. Greedy or sampled. Under a
         grammar, each prediction is the grammar's choice (consumed) and they stop at the first that
         differs from `extra` (what verification accepts no further than)."""
+        return resolve(self.predict_next_steps(logits, extra, seen_first))
+
+    def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int):
+        """`predict_next` as a decision (generation/readback.py); returns the predictions. Under a
+        grammar it reads the device itself (the grammar walks the choices one by one)."""
         n = logits.shape[0]
         queries = [self.position + seen_first + k for k in range(n)]
         if self._controls_on:
@@ -261,7 +273,8 @@ class Sequence:
             return self.constraint.choose_run(logits.float(), lambda row: int(self._candidates(row)[0][0]),
                                               extra[seen_first:], self.remaining - seen_first)
         tokens, _ = self._candidates(logits.float(), with_confidence=False)
-        return tokens.tolist()
+        values, = yield (tokens,)
+        return values
 
     def _candidates(self, logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
         """`candidates()` on logits made safe first, so no NaN can reach `torch.multinomial` (which
