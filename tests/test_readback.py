@@ -55,3 +55,100 @@ def test_a_batch_reads_back_once_per_forward(monkeypatch, settings):
     assert all(len(r.tokens) == 16 for r in results)
     assert 0 < len(reads) <= len(forwards)
     assert max(reads) >= 4                                      # several rows' tensors in one transfer
+
+
+def _sequences(model, **common):
+    """Rows in the states a denoising step meets: partly filled blocks at two thresholds, a draft
+    seeded with the mask id that completes now, and a draft that does not; responses so far (the
+    repetition control's history) and one row inside its thinking (the think-end control's)."""
+    from clover.generation.sequence import Sequence
+
+    mask, think = model.config.mask_token_id, model.config.think_token_id
+    seqs = []
+    for i, (kw, block) in enumerate((
+            (dict(block_size=8, threshold=0.5), [7, mask, mask, 9, mask, mask, mask, 3]),
+            (dict(block_size=4, threshold=0.9), [mask] * 4),
+            (dict(decoding="self_speculative", block_size=4, draft_steps=1), None),
+            (dict(decoding="self_speculative", block_size=6, draft_steps=3), None))):
+        settings = resolve_settings(model, max_new_tokens=64, eos_token_id=[1, 2], **kw, **common)
+        seq = Sequence([5, 6, think] if i == 1 else [5, 6, 7], settings, model.config)
+        seq.extend([(11 * i + 3 * k) % 90 + 5 for k in range(6 + i)])
+        if block is None:
+            seq.pending = mask if i == 2 else 11
+            seq.new_block()
+        else:
+            seq.block = list(block)
+        seqs.append(seq)
+    return seqs
+
+
+def _logits(model, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, model.config.vocab_size, generator=g) * 3 for n in rows]
+
+
+OFF = dict(dllm_repetition_penalty=1.0, dllm_length_penalty_strength=0.0, dllm_think_end_strength=0.0)
+STRONG = dict(dllm_repetition_penalty=1.5, dllm_length_penalty_start=4, dllm_length_penalty_window=64,
+              dllm_think_end_start=0, dllm_think_end_window=64)       # ramps mid-way, not saturated
+
+
+@pytest.mark.parametrize("controls, on", [({}, True), (OFF, False), (STRONG, True)])
+def test_batched_fills_equal_each_rows_own_denoise(controls, on):
+    import copy
+
+    from clover.generation.sequence import batched_fills
+
+    model = make_model("base")
+    seqs = _sequences(model, **controls)
+    assert len({s.batch_key for s in seqs}) == 1 and seqs[2]._seed_is_mask
+    assert all(s._controls_on == on for s in seqs)
+    logits = _logits(model, [len(s.masked_positions()) + s._seed_is_mask for s in seqs], 0)
+    logits[0][1, :] = float("nan")                 # a poisoned row, a tie, a dead row
+    logits[1][0, 10] = logits[1][0, 20] = logits[1][0].max() + 1
+    logits[3][2, :] = float("-inf")
+    alone = copy.deepcopy(seqs)
+    for s, x in zip(alone, logits):
+        s.denoise(x)
+    fills = batched_fills(seqs, logits)
+    for s, x, f in zip(seqs, logits, fills):
+        readback.resolve(s.denoise_steps(x, f))
+    for a, b in zip(alone, seqs):
+        assert a.block == b.block and a.draft_steps_done == b.draft_steps_done and a.phase == b.phase
+
+
+@pytest.mark.parametrize("controls", [{}, OFF, STRONG])
+def test_batched_predictions_equal_each_rows_own(controls):
+    from clover.generation.sequence import batched_predictions
+
+    model = make_model("base")
+    seqs = _sequences(model, **controls)
+    logits = _logits(model, (1, 4, 1, 6), 1)
+    logits[1][2, 5] = logits[1][2, 50] = 99.0      # a tie: the lower id
+    extras = [[], [20, 21, 22, 23, 24], [], [30, 31, 32, 33, 34, 35, 36]]
+    seen = [0, 1, 0, 1]
+    got = [t.tolist() for t in batched_predictions(seqs, logits, extras, seen)]
+    assert got == [s.predict_next(x, e, f) for s, x, e, f in zip(seqs, logits, extras, seen)]
+
+
+@pytest.mark.parametrize("controls", [{}, STRONG])
+def test_batched_controls_equal_each_rows_own(controls):
+    """The controlled logits themselves (decisions above hinge on them only near ties): the batch's
+    per-position histories, offsets and think distances give each row exactly its own."""
+    from clover.generation.sequence import _batched_controls
+
+    model = make_model("base")
+    seqs = _sequences(model, **controls)
+    for seq in seqs:
+        seq.response.extend([seq.prompt[-1]] * 3)              # repeats: the window holds duplicates too
+    logits = _logits(model, [len(s.masked_positions()) for s in seqs], 2)
+    queries, histories, extras, alone = [], [], [], []
+    for seq, x in zip(seqs, logits):
+        masked = seq.masked_positions()
+        history = seq._history([t for i, t in enumerate(seq.block) if i not in set(masked)])
+        queries.append([seq.position + i for i in masked])
+        histories.append([history] * len(masked))
+        extras.append(seq.block)
+        alone.append(seq._controlled(x, queries[-1], history, seq.block))
+    batched = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
+    assert torch.equal(batched, torch.cat(alone))
+    assert not torch.equal(batched, torch.cat(logits))         # the controls did act

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .readback import decide_rows
-from .sequence import Sequence
+from .sequence import Sequence, batched_fills, batched_predictions
 
 log = logging.getLogger("clover.decoder")
 
@@ -265,19 +265,23 @@ class Decoder:
                 return self.model.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
                                                 [seq.cache for seq in rows])
             decisions = []
-            for seq, logits in self._rows([seq for seq, _, _ in group], forward):
+            ran = list(self._rows([seq for seq, _, _ in group], forward))
+            ended = [(seq, logits) for seq, logits in ran if spans[seq.id][1] == len(seq.prompt)
+                     and (seq.settings.block_size == 1 or seq.settings.speculative)]
+            tokens = self._batched_predictions(ended, lambda seq, logits: (logits[0][None], [], 0))
+            for seq, logits in ran:
                 e = spans[seq.id][1]
                 seq.prefilled = e
                 if self.prefix_cache and e % P == 0 and e < len(seq.prompt):
                     self.pool.prefix.insert(seq.prompt[:e], seq.cache)     # every page-aligned chunk end
                 if e == len(seq.prompt):
-                    decisions.append((seq, self._after_prefill(seq, logits[0])))
+                    decisions.append((seq, self._after_prefill(seq, logits[0], tokens.get(seq.id))))
             self._decide(decisions)
 
-    def _after_prefill(self, seq: Sequence, logits):
+    def _after_prefill(self, seq: Sequence, logits, tokens=None):
         s = seq.settings
         if s.block_size == 1 or s.speculative:
-            seq.pending = (yield from seq.predict_next_steps(logits[None], [], 0))[0]
+            seq.pending = (yield from seq.predict_next_steps(logits[None], [], 0, tokens))[0]
             if s.block_size == 1:
                 seq.phase = "ar"
             else:
@@ -301,11 +305,46 @@ class Decoder:
                     per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
                     distinct = _per_row(stats, len(rows))
                     return [(per_row[b], distinct[b]) for b in range(len(rows))]
+                ran = list(self._rows(chunk, forward))
+                fills = self._batched_fills(ran)
                 decisions = []
-                for seq, (logits, distinct) in self._rows(chunk, forward):
+                for seq, (logits, distinct) in ran:
                     decisions.append((seq, self._record_block_forward(seq, distinct)))
-                    decisions.append((seq, seq.denoise_steps(logits)))
+                    decisions.append((seq, seq.denoise_steps(logits, fills.get(seq.id))))
                 self._decide(decisions)
+
+    @staticmethod
+    def _batched_fills(ran) -> dict:
+        """The fills of a forward's rows that share a `batch_key` (`sequence.batched_fills`, one
+        computation per key), by sequence id; the other rows compute their own."""
+        groups = defaultdict(list)
+        for seq, out in ran:
+            if seq.batch_key is not None:
+                groups[seq.batch_key].append((seq, out[0]))
+        fills = {}
+        for rows in groups.values():
+            if len(rows) > 1:
+                for (seq, _), f in zip(rows, batched_fills([seq for seq, _ in rows], [x for _, x in rows])):
+                    fills[seq.id] = f
+        return fills
+
+    @staticmethod
+    def _batched_predictions(ran, rows_of) -> dict:
+        """The greedy predictions of a forward's rows that share a `batch_key` in one computation per
+        key (`sequence.batched_predictions`), by sequence id; `rows_of(seq, logits)`: the arguments
+        `predict_next` would take (logits, extra, seen_first)."""
+        groups = defaultdict(list)
+        for seq, logits in ran:
+            if seq.batch_key is not None:
+                groups[seq.batch_key].append((seq, rows_of(seq, logits)))
+        tokens = {}
+        for rows in groups.values():
+            if len(rows) > 1:
+                seqs = [seq for seq, _ in rows]
+                args = list(zip(*(a for _, a in rows)))
+                for seq, t in zip(seqs, batched_predictions(seqs, list(args[0]), list(args[1]), list(args[2]))):
+                    tokens[seq.id] = t
+        return tokens
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
@@ -364,12 +403,18 @@ class Decoder:
                         for s in rows:
                             s.cache.begin_speculation()
                     return self.model.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
-                decisions = []
-                for seq, logits in self._rows(chunk, forward):
+                ran = list(self._rows(chunk, forward))
+                for seq, _ in ran:
                     seq.stats.forwards += 1
                     seq.stats.causal_forwards += 1
-                    decisions.append((seq, getattr(self, f"_after_{phase}")(seq, logits, produced)))
-                self._decide(decisions)
+                    if phase == "ar":                  # the token this forward fed is the response's now
+                        produced[seq.id] += seq.extend([seq.pending])
+                ran = [(seq, logits) for seq, logits in ran if not seq.done]
+                # rows that decide alike predict in one computation: AR from its one row, verify from all
+                tokens = self._batched_predictions(ran, lambda seq, logits, phase=phase:
+                                                   (logits[-1:], [], 0) if phase == "ar" else (logits, seq.block, 1))
+                self._decide([(seq, getattr(self, f"_after_{phase}")(seq, logits, produced, tokens.get(seq.id)))
+                              for seq, logits in ran])
 
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
         """Commit each row's resolved block and denoise its next block of masks in the same forward."""
@@ -382,24 +427,25 @@ class Decoder:
                                      logits_at="block", stats=stats)
             distinct = _per_row(stats, len(rows))
             return [(logits[b], distinct[b]) for b in range(len(rows))]
-        decisions = []
-        for seq, (logits, distinct) in self._rows(chunk, forward):
+        ran = list(self._rows(chunk, forward))
+        for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()
+        fills = self._batched_fills(ran)
+        decisions = []
+        for seq, (logits, distinct) in ran:
             decisions.append((seq, self._record_block_forward(seq, distinct)))
-            decisions.append((seq, seq.denoise_steps(logits)))
+            decisions.append((seq, seq.denoise_steps(logits, fills.get(seq.id))))
         self._decide(decisions)
 
-    def _after_ar(self, seq: Sequence, logits, produced):
-        token = seq.pending
-        produced[seq.id] += seq.extend([token])
-        if not seq.done:
-            seq.pending = (yield from seq.predict_next_steps(logits[-1:], [], 0))[0]
+    def _after_ar(self, seq: Sequence, logits, produced, tokens=None):
+        """The next token after the one this forward fed (already in the response)."""
+        seq.pending = (yield from seq.predict_next_steps(logits[-1:], [], 0, tokens))[0]
 
-    def _after_verify(self, seq: Sequence, logits, produced):
+    def _after_verify(self, seq: Sequence, logits, produced, tokens=None):
         """SPEC §8 step 3: accept the longest run of draft tokens the causal mode agrees with."""
         draft = seq.block
-        predictions = yield from seq.predict_next_steps(logits, draft, 1)          # a_{P+1} … a_{P+L}
+        predictions = yield from seq.predict_next_steps(logits, draft, 1, tokens)   # a_{P+1} … a_{P+L}
         j = 0
         while j + 1 < len(draft) and draft[j + 1] == predictions[j]:
             j += 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding.controls import apply_controls
-from ..decoding.unmasking import candidates, positions_to_fill
+from ..decoding.unmasking import candidates, first_argmax, positions_to_fill, positions_to_fill_batched
 from .constrained import BlockConstraint
 from .readback import resolve
 from .settings import GenerationSettings
@@ -180,18 +180,37 @@ class Sequence:
             return query_pos - self._marker[1] - 1
         return -1
 
+    def _control_inputs(self, query_positions, extra) -> tuple[list[int], list[int] | None]:
+        """Per query position, its response offset and think distance (None without a think token):
+        what `apply_controls` reads besides the histories."""
+        offsets = [q - len(self.prompt) for q in query_positions]
+        think = None
+        if self.think_id is not None:
+            think = [self._think_distance(q, extra) for q in query_positions]
+        return offsets, think
+
     def _controlled(self, logits, query_positions, histories, extra):
         if not self._controls_on:
             return logits.float()
         device = logits.device
-        offsets = torch.tensor([q - len(self.prompt) for q in query_positions], device=device)
-        think = None
-        if self.think_id is not None:
-            think = torch.tensor([self._think_distance(q, extra) for q in query_positions], device=device)
+        offsets, think = self._control_inputs(query_positions, extra)
         return apply_controls(
-            logits, histories=histories, response_offsets=offsets, think_distance=think,
+            logits, histories=histories, response_offsets=torch.tensor(offsets, device=device),
+            think_distance=None if think is None else torch.tensor(think, device=device),
             eos_ids=list(self.settings.eos_token_id), think_end_id=self.think_end_id, settings=self._controls,
         )
+
+    @property
+    def batch_key(self):
+        """Rows with equal keys decide in one batched computation (`batched_fills`,
+        `batched_predictions`): greedy, no grammar, the same controls. None: it decides alone
+        (sampling draws from its own generator; a grammar walks its choices on the host)."""
+        s = self.settings
+        if self.constraint is not None or (s.do_sample and s.temperature != 0):
+            return None
+        if not self._controls_on:
+            return (False,)
+        return (True, self._controls, tuple(s.eos_token_id), self.think_end_id)
 
     def _history(self, extra_tokens: list[int]):
         window = self.settings.dllm_repetition_window
@@ -219,31 +238,39 @@ class Sequence:
         that is the mask id has a row too: it is dropped here)."""
         resolve(self.denoise_steps(masked_logits))
 
-    def denoise_steps(self, masked_logits: torch.Tensor):
+    def draft_completes(self) -> bool:
+        """Whether this denoising step ends a self-speculative draft (every remaining mask is filled)."""
+        return self.settings.speculative and self.draft_steps_done + 1 >= self.settings.draft_steps
+
+    def denoise_steps(self, masked_logits: torch.Tensor, fills: torch.Tensor | None = None):
         """`denoise` as a decision (generation/readback.py): it yields its fills to be read back with
-        the other rows' and applies them when resumed."""
+        the other rows' and applies them when resumed. `fills`: this row's share of `batched_fills`
+        (its logits then go unused)."""
         s = self.settings
-        if self._seed_is_mask:
-            masked_logits = masked_logits[1:]
         masked = self.masked_positions()
-        undecided = set(masked)
-        filled = [t for i, t in enumerate(self.block) if i not in undecided]
-        queries = [self.position + i for i in masked]
-        controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
-        # A self-speculative draft is proposed freely: the grammar applies at its causal verification.
-        constraint = None if s.speculative else self.constraint
-        if constraint is not None:
-            controlled = constraint.mask_frontier(controlled)
-        tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
-        if constraint is None:
-            fill = positions_to_fill(confidence, s.threshold)
-        else:                                   # none confident: the frontier (row 0), valid by its mask
-            fill = confidence > s.threshold
-            fill[0] |= not bool(fill.any())
+        constraint = controlled = None
+        if fills is None:
+            if self._seed_is_mask:
+                masked_logits = masked_logits[1:]
+            undecided = set(masked)
+            filled = [t for i, t in enumerate(self.block) if i not in undecided]
+            queries = [self.position + i for i in masked]
+            controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
+            # A self-speculative draft is proposed freely: the grammar applies at its causal verification.
+            constraint = None if s.speculative else self.constraint
+            if constraint is not None:
+                controlled = constraint.mask_frontier(controlled)
+            tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
+            if constraint is None:
+                fill = positions_to_fill(confidence, s.threshold)
+            else:                                   # none confident: the frontier (row 0), valid by its mask
+                fill = confidence > s.threshold
+                fill[0] |= not bool(fill.any())
+            if self.draft_completes():
+                fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
+            fills = torch.where(fill, tokens, -1)
         self.draft_steps_done += 1
-        if s.speculative and self.draft_steps_done >= s.draft_steps:
-            fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
-        values, = yield (torch.where(fill, tokens, -1),)                    # read back with the batch
+        values, = yield (fills,)                                            # read back with the batch
         for i, t in zip(masked, values):
             if t >= 0:
                 self.block[i] = t
@@ -261,9 +288,14 @@ class Sequence:
         differs from `extra` (what verification accepts no further than)."""
         return resolve(self.predict_next_steps(logits, extra, seen_first))
 
-    def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int):
+    def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int,
+                           tokens: torch.Tensor | None = None):
         """`predict_next` as a decision (generation/readback.py); returns the predictions. Under a
-        grammar it reads the device itself (the grammar walks the choices one by one)."""
+        grammar it reads the device itself (the grammar walks the choices one by one). `tokens`:
+        this row's share of `batched_predictions` (its logits then go unused)."""
+        if tokens is not None:
+            values, = yield (tokens,)
+            return values
         n = logits.shape[0]
         queries = [self.position + seen_first + k for k in range(n)]
         if self._controls_on:
@@ -284,16 +316,8 @@ class Sequence:
         row's maximum (the same distribution, finite). Finite logits at ordinary temperatures pass
         through unchanged."""
         s = self.settings
-        x = logits.float()
-        on_host = x.device.type == "cpu"     # elsewhere the checks below would each be a device sync:
-        # their safe forms run unconditionally instead. On the host, all-finite logits (the usual
-        # case) skip the safe copies: a block's [32, 248k] float32 logits are 32 MB each.
-        finite = on_host and bool(torch.isfinite(x).all())
-        if not finite:
-            x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-            dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
-            if not on_host or bool(dead.any()):
-                x = torch.where(dead, torch.zeros_like(x), x)
+        x, finite = safe_logits(logits)
+        on_host = x.device.type == "cpu"
         temperature = s.temperature
         if s.do_sample and temperature > 0 and x.numel():
             if finite:
@@ -306,3 +330,95 @@ class Sequence:
                 temperature = 1.0
         return candidates(x, do_sample=s.do_sample, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
                           generator=self._generator_for(x.device), exclude=exclude, with_confidence=with_confidence)
+
+
+def safe_logits(logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(float32 logits no NaN can come out of, whether they were all finite — known on the host only).
+    NaN scores become -inf, +inf the largest float32, a row with no finite score uniform (zeros); each
+    row's result depends on that row alone. On a device the checks would each be a host sync, so the
+    safe forms run unconditionally; on the host all-finite logits (the usual case) skip the copies: a
+    block's [32, 248k] float32 logits are 32 MB each."""
+    x = logits.float()
+    on_host = x.device.type == "cpu"
+    finite = on_host and bool(torch.isfinite(x).all())
+    if not finite:
+        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+        if not on_host or bool(dead.any()):
+            x = torch.where(dead, torch.zeros_like(x), x)
+    return x, finite
+
+
+def _rows_padded(values: torch.Tensor, counts: list[int], fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [Σ counts] → ([B, max count] padded with `fill`, bool [B, max count] of the real entries)."""
+    device = values.device
+    B, width = len(counts), max(counts, default=0)
+    rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts, dtype=torch.long)).to(device)
+    cols = torch.cat([torch.arange(c) for c in counts]).to(device) if counts else rows
+    padded = torch.full((B, width), fill, dtype=values.dtype, device=device)
+    padded[rows, cols] = values
+    real = torch.zeros(B, width, dtype=torch.bool, device=device)
+    real[rows, cols] = True
+    return padded, real
+
+
+def _batched_controls(seqs, logits: torch.Tensor, queries, histories, extras) -> torch.Tensor:
+    """Controls (SPEC §7) over the concatenated rows of `seqs`, which share a `batch_key`: per row its
+    query positions, its histories (one per position) and its uncommitted tokens; float32 logits."""
+    first = seqs[0]
+    if not first._controls_on:
+        return logits.float()
+    offsets, think = [], []
+    for seq, q, extra in zip(seqs, queries, extras):
+        o, t = seq._control_inputs(q, extra)
+        offsets += o
+        think += t or []
+    device = logits.device
+    return apply_controls(
+        logits, histories=[h for row in histories for h in row], response_offsets=torch.tensor(offsets, device=device),
+        think_distance=torch.tensor(think, device=device) if first.think_id is not None else None,
+        eos_ids=list(first.settings.eos_token_id), think_end_id=first.think_end_id, settings=first._controls)
+
+
+def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`denoise`'s device half for rows with one `batch_key`, all at once: one controls / candidates /
+    confidence / fill computation over every row's masked positions instead of ~20 small kernels per
+    row (what a GPU step would otherwise spend launching them). Each row's result, [its masked
+    positions] of token or −1, equals what its own `denoise` computes (every op is row-wise); pass it
+    as `denoise_steps(..., fills=)`."""
+    xs = [x[1:] if s._seed_is_mask else x for s, x in zip(seqs, masked_logits)]
+    counts = [x.shape[0] for x in xs]
+    if not sum(counts):
+        return [x.new_zeros(0, dtype=torch.long) for x in xs]
+    queries, histories = [], []
+    for seq in seqs:
+        masked = seq.masked_positions()
+        undecided = set(masked)
+        history = seq._history([t for i, t in enumerate(seq.block) if i not in undecided])
+        queries.append([seq.position + i for i in masked])
+        histories.append([history] * len(masked))
+    x = _batched_controls(seqs, torch.cat(xs), queries, histories, [seq.block for seq in seqs])
+    x, _ = safe_logits(x)
+    tokens, confidence = candidates(x, do_sample=False, exclude=seqs[0].mask_id)
+    conf, real = _rows_padded(confidence, counts, float("-inf"))
+    toks, _ = _rows_padded(tokens, counts, -1)
+    # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
+    thresholds = torch.tensor([float("-inf") if s.draft_completes() else s.settings.threshold for s in seqs],
+                              dtype=torch.float32).to(x.device)
+    decided = torch.where(positions_to_fill_batched(conf, real, thresholds), toks, -1)
+    return [decided[b, :n] for b, n in enumerate(counts)]
+
+
+def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
+                        seen_first: list[int]) -> list[torch.Tensor]:
+    """`predict_next`'s device half for rows with one `batch_key`, all at once (arguments per row as
+    `predict_next` takes them): each row's greedy tokens, as its own `predict_next` computes them; pass
+    them as `predict_next_steps(..., tokens=)`."""
+    counts = [x.shape[0] for x in logits]
+    queries, histories = [], []
+    for seq, n, extra, first in zip(seqs, counts, extras, seen_first):
+        queries.append([seq.position + first + k for k in range(n)])
+        histories.append([seq._history(extra[: first + k]) for k in range(n)] if seq._controls_on else [])
+    x = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
+    x, _ = safe_logits(x)
+    return list(torch.split(first_argmax(x, dim=-1), counts))
