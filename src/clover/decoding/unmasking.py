@@ -14,7 +14,10 @@ from torch import Tensor
 __all__ = ["candidates", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
 
 
-ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax: its index temporary stays ~8 MB
+ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax on the CPU: its index temporary stays ~8 MB
+# On a GPU each step is a few kernel launches, and a batch of rows' blocks ([512, 248k]) would take
+# hundreds in 8 MB steps: there the steps are 16× larger (a 128 MB temporary), a handful per batch.
+DEVICE_ARGMAX_CHUNK = 1 << 24
 
 
 def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -25,12 +28,13 @@ def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
     the max. A row that is all NaN returns index 0 instead of an out-of-range value. Rows go a few
     at a time, so a block's [32, 248k] logits never get a full-size int64 index beside them.
     """
-    if x.numel() <= ARGMAX_CHUNK or x.shape[dim] == 0:
+    chunk = ARGMAX_CHUNK if x.device.type == "cpu" else DEVICE_ARGMAX_CHUNK
+    if x.numel() <= chunk or x.shape[dim] == 0:
         return _first_argmax(x, dim)
     n = x.shape[dim]
     rows = x.movedim(dim, -1)
     flat = rows.reshape(-1, n)
-    step = max(1, ARGMAX_CHUNK // n)
+    step = max(1, chunk // n)
     out = torch.cat([_first_argmax(flat[r:r + step], -1) for r in range(0, flat.shape[0], step)])
     return out.view(rows.shape[:-1])
 
