@@ -163,14 +163,13 @@ def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
         if h.dim() != 1:
             raise ValueError("each per-row history must be 1-D")
         h = h[-window:]
-        parts.append(h.to(device=device, dtype=torch.long))
+        parts.append(h.long())
         lengths.append(h.shape[0])
     if sum(lengths) == 0:
         return out
-    ids = torch.cat(parts)
-    rows = torch.repeat_interleave(
-        torch.arange(N, device=device), torch.tensor(lengths, device=device)
-    )
+    # joined where the histories are (the host, usually), then moved in one copy each, not one per row
+    ids = torch.cat([p.to(parts[0].device) for p in parts]).to(device)
+    rows = torch.repeat_interleave(torch.arange(N), torch.tensor(lengths)).to(device)
     ok = (ids >= 0) & (ids < V)
     rows, ids = rows[ok], ids[ok]
     out[rows, ids] = _penalise(out[rows, ids], r)
