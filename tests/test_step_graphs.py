@@ -250,3 +250,25 @@ def test_load_on_cuda_turns_graphs_on_unless_asked_not_to(monkeypatch):
     assert clover.load(device="cuda", cuda_graphs=False).graph_replay is None
     monkeypatch.setenv("CLOVER_CUDA_GRAPHS", "0")
     assert clover.load(device="cuda").graph_replay is None
+
+
+@pytest.mark.parametrize("kind", ["decode", "block"])
+def test_the_graphed_forward_traces_into_one_graph(kind):
+    """What a CUDA graph captures — the index computed from the static buffers, then the forward — has
+    no graph break (`torch.compile(fullgraph=True)`; a break would be a host read, which capture
+    refuses) and computes what the eager replay computes."""
+    _, model = _pair(torch.bfloat16)
+    mask = model.config.mask_token_id
+    with torch.inference_mode():
+        caches = [model.make_cache() for _ in range(3)]
+        model.prefill_batch([[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]], caches)
+        if kind == "decode":
+            model.step(torch.tensor([[3], [4], [5]]), caches)
+        else:
+            model.step(torch.full((3, 8), mask), caches, block=True, block_top_p=[0.7, 0.9, 1.0], stats=[])
+        (graph,) = _runner(model).graphs.values()
+        torch._dynamo.reset()
+        compiled = torch.compile(graph.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+        (logits_c, stats_c), (logits_e, stats_e) = compiled(), graph.forward()
+    assert torch.equal(logits_c, logits_e)
+    assert (stats_c is None) == (stats_e is None) and all(torch.equal(a, b) for a, b in zip(stats_c or [], stats_e or []))

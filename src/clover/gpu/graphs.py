@@ -155,7 +155,8 @@ class _StaticForward:
             self.forward()
         torch.cuda.current_stream(self.flat.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.runner.memory_pool()):
+        # thread-local: the server's other threads may touch CUDA while the engine thread captures
+        with torch.cuda.graph(graph, pool=self.runner.memory_pool(), capture_error_mode="thread_local"):
             self.outputs = self.forward()
         self.graph = graph
 
