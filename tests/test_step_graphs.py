@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from clover.backend import Backend
 from clover.gpu import graphs
@@ -252,11 +253,56 @@ def test_load_on_cuda_turns_graphs_on_unless_asked_not_to(monkeypatch):
     assert clover.load(device="cuda").graph_replay is None
 
 
-@pytest.mark.parametrize("kind", ["decode", "block"])
-def test_the_graphed_forward_traces_into_one_graph(kind):
-    """What a CUDA graph captures — the index computed from the static buffers, then the forward — has
-    no graph break (`torch.compile(fullgraph=True)`; a break would be a host read, which capture
-    refuses) and computes what the eager replay computes."""
+class HostReads(TorchFunctionMode):
+    """Records the tensor operations that read device values on the host, or size their output by
+    them (on a GPU each is a synchronisation, which a CUDA graph capture refuses), and host data
+    turned into tensors (a host-to-device copy, refused too)."""
+
+    SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero",
+               "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "tensor"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in self.SYNCING or (name == "as_tensor" and not torch.is_tensor(args[0])):   # (of a tensor: itself)
+            self.seen.append(name)
+        elif name in ("__getitem__", "__setitem__", "index_put_") and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in _flat(args[1:2])):
+            self.seen.append(f"{name} with a bool mask")
+        elif name == "repeat_interleave" and torch.is_tensor(args[1] if len(args) > 1 else kwargs.get("repeats")) \
+                and kwargs.get("output_size") is None:
+            self.seen.append("repeat_interleave without output_size")
+        return func(*args, **kwargs)
+
+
+def _flat(items):
+    for item in items:
+        if isinstance(item, (tuple, list)):
+            yield from _flat(item)
+        else:
+            yield item
+
+
+def test_the_host_read_guard_sees_what_it_looks_for():
+    x = torch.arange(6.0)
+    with HostReads() as guard:
+        int(x.max()), bool(x.any()), x.tolist(), x[x > 2], x.nonzero(), torch.tensor([1])
+        x[x > 4] = 0.0
+        x[torch.tensor([1, 2])] + x.sum() * 2                      # none of these but the index's data
+        torch.as_tensor(x), torch.as_tensor([3.0])                 # a tensor as itself: not seen
+    assert guard.seen == ["__int__", "__bool__", "tolist", "__getitem__ with a bool mask", "nonzero", "tensor",
+                          "__setitem__ with a bool mask", "tensor", "as_tensor"]
+
+
+@pytest.mark.parametrize("kind", ["decode", "block", "commit"])
+def test_the_graphed_forward_never_reads_the_device_on_the_host(kind):
+    """What a CUDA graph captures — the index computed from the static buffers, then the forward —
+    makes no host read, no data-sized output and no host-to-device copy (each would end a capture),
+    checked op by op on CPU; and it traces whole with torch.compile(fullgraph=True), equal to eager."""
     _, model = _pair(torch.bfloat16)
     mask = model.config.mask_token_id
     with torch.inference_mode():
@@ -264,11 +310,17 @@ def test_the_graphed_forward_traces_into_one_graph(kind):
         model.prefill_batch([[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]], caches)
         if kind == "decode":
             model.step(torch.tensor([[3], [4], [5]]), caches)
-        else:
+        elif kind == "block":
             model.step(torch.full((3, 8), mask), caches, block=True, block_top_p=[0.7, 0.9, 1.0], stats=[])
+        else:
+            ids = torch.cat([torch.tensor([[7, 8, 9, 10]] * 3), torch.full((3, 4), mask)], 1)
+            model.step(ids, caches, block_len=4, block_top_p=0.9, logits_at="block", stats=[])
         (graph,) = _runner(model).graphs.values()
+        with HostReads() as guard:
+            logits_e, stats_e = graph.forward()
+        assert guard.seen == []
         torch._dynamo.reset()
         compiled = torch.compile(graph.forward, fullgraph=True, dynamic=False, backend="aot_eager")
-        (logits_c, stats_c), (logits_e, stats_e) = compiled(), graph.forward()
+        logits_c, stats_c = compiled()
     assert torch.equal(logits_c, logits_e)
     assert (stats_c is None) == (stats_e is None) and all(torch.equal(a, b) for a, b in zip(stats_c or [], stats_e or []))
