@@ -152,3 +152,23 @@ def test_batched_controls_equal_each_rows_own(controls):
     batched = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
     assert torch.equal(batched, torch.cat(alone))
     assert not torch.equal(batched, torch.cat(logits))         # the controls did act
+
+
+def test_a_failing_batched_decision_falls_back_to_row_by_row(monkeypatch, caplog):
+    import logging
+
+    from clover.generation import decoder
+
+    model = make_model("base")
+    prompts = [[5, 9, 13, 2 + i] * (i + 1) for i in range(3)]
+    settings = resolve_settings(model, max_new_tokens=12, eos_token_id=[], block_size=4, threshold=0.7)
+    want = [r.tokens for r in generate_batch(model, prompts, settings)]
+
+    def refuse(*args):
+        raise RuntimeError("no batch today")
+
+    monkeypatch.setattr(decoder, "batched_fills", refuse)
+    with caplog.at_level(logging.WARNING, logger="clover.decoder"):
+        got = [r.tokens for r in generate_batch(model, prompts, settings)]
+    assert got == want
+    assert any("deciding row by row" in r.message for r in caplog.records)

@@ -221,10 +221,11 @@ def test_a_failing_decision_ends_only_its_own_request():
     prompts = [[20 + i, 21, 22, 23, 24] for i in range(3)]
     seqs = [Sequence(p, s, model.config) for p in prompts]
 
-    def broken(*args):
+    def broken(*args):                 # a decision (generation/readback.py) that fails when run
         raise RuntimeError("sampling blew up")
+        yield
 
-    seqs[1].denoise = broken
+    seqs[1].denoise_steps = broken
     run(Decoder(model), seqs)
     assert seqs[1].finish_reason == "error" and "sampling blew up" in seqs[1].error
     for i in (0, 2):

@@ -29,6 +29,7 @@ import torch
 
 from .layers.delta_rule import gated_delta_rule
 from .layers.norms import compute_dtype
+from .transfer import to_device
 
 PAGE_SIZE = 32
 _BYTES = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -119,7 +120,7 @@ class BatchIndex:
         write_slots = torch.tensor([w for w in write if w is not None], dtype=torch.long)
         read = torch.tensor(batch.read_slots, dtype=torch.long)
         parts = [read, write_rows, write_slots, starts, new_rows, key_rows.reshape(-1), ends]
-        flat = torch.cat(parts).to(device, non_blocking=True)            # one host-to-device copy
+        flat = to_device(torch.cat(parts), device)                       # one host-to-device copy
         out = list(torch.split(flat, [t.numel() for t in parts]))
         out[5] = out[5].view(B, S)
         return cls(*out, uniform=len(set(batch.starts)) == 1)

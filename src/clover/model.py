@@ -22,6 +22,7 @@ from .layers.gated_deltanet import GatedDeltaNet
 from .layers.moe import SparseMoE
 from .layers.norms import ZeroCenteredRMSNorm, compute_dtype
 from .layers.rotary import RotaryEmbedding
+from .transfer import device_tensor, to_device
 
 
 class DecoderLayer(nn.Module):
@@ -152,11 +153,11 @@ class CloverForCausalLM(nn.Module):
             return None
         if torch.is_tensor(logits_at):                 # only the positions that will be read
             L = logits_at.shape[1]                     # (their indices found on the mask's device, the host's)
-            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(h.device)
+            picked = to_device(logits_at.reshape(-1).nonzero().squeeze(1), h.device)
             rows = lambda t: t[:, t.shape[1] - L:].reshape(-1, t.shape[-1])[picked]  # noqa: E731
         elif logits_at == "last":
             if batch is not None and batch.padded:     # right-padded rows: each row's own last token
-                last = torch.tensor(batch.commits, device=h.device) - 1
+                last = device_tensor(batch.commits, h.device) - 1
                 rows = lambda t: t[torch.arange(t.shape[0], device=t.device), last][:, None]  # noqa: E731
             else:
                 rows = lambda t: t[:, -1:]  # noqa: E731
@@ -308,4 +309,4 @@ class CloverForCausalLM(nn.Module):
             raise ValueError(f"block_expert_top_p must lie in (0, 1], got {t.tolist()}")
         if bool((t >= 1).all()):
             return None
-        return t.to(self.device)
+        return to_device(t, self.device)

@@ -14,6 +14,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..transfer import device_tensor, to_device
+
 __all__ = ["ControlSettings", "think_distances", "apply_controls"]
 
 
@@ -144,8 +146,8 @@ def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
     if isinstance(histories, Tensor):
         if histories.dim() != 1:
             raise ValueError("a shared history must be a 1-D tensor; pass a list for per-row histories")
-        h = histories[-window:].to(device=device, dtype=torch.long)
-        h = h[(h >= 0) & (h < V)]
+        h = histories[-window:].long()
+        h = to_device(h[(h >= 0) & (h < V)], device)          # filtered where it is (the host): no sync
         if h.numel():
             out[:, h] = _penalise(out[:, h], r)
         return out
@@ -167,11 +169,12 @@ def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
         lengths.append(h.shape[0])
     if sum(lengths) == 0:
         return out
-    # joined where the histories are (the host, usually), then moved in one copy each, not one per row
-    ids = torch.cat([p.to(parts[0].device) for p in parts]).to(device)
-    rows = torch.repeat_interleave(torch.arange(N), torch.tensor(lengths)).to(device)
+    # joined and filtered where the histories are (the host, usually: a filter on the device would read
+    # its size back), then moved in one copy each, not one per row
+    ids = torch.cat([p.to(parts[0].device) for p in parts])
+    rows = torch.repeat_interleave(torch.arange(N, device=ids.device), torch.tensor(lengths, device=ids.device))
     ok = (ids >= 0) & (ids < V)
-    rows, ids = rows[ok], ids[ok]
+    rows, ids = to_device(rows[ok], device), to_device(ids[ok], device)
     out[rows, ids] = _penalise(out[rows, ids], r)
     return out
 
@@ -216,7 +219,7 @@ def apply_controls(
                 raise ValueError("response_offsets is required when the length penalty is on")
             offs = torch.as_tensor(response_offsets, device=device).reshape(-1)
             bias = s * _ramp(offs, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
-            eos_t = torch.tensor(eos, device=device, dtype=torch.long)
+            eos_t = device_tensor(eos, device, torch.long)
             out[:, eos_t] += bias.expand(N)[:, None]
 
     # 3. think-end: inside thinking, push </think> as thinking grows long

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transfer import device_tensor
 from .readback import decide_rows
 from .sequence import Sequence, batched_fills, batched_predictions
 
@@ -296,7 +297,7 @@ class Decoder:
         for group in groups.values():
             for chunk in self._chunks(group):
                 def forward(rows):
-                    ids = torch.tensor([s.block for s in rows], dtype=torch.long, device=self.model.device)
+                    ids = device_tensor([s.block for s in rows], self.model.device, torch.long)
                     stats: list = []
                     # which positions get logits, decided on the host (a device mask would be read back)
                     wanted = torch.tensor([[t == s.mask_id for t in s.block] for s in rows])
@@ -324,8 +325,12 @@ class Decoder:
         fills = {}
         for rows in groups.values():
             if len(rows) > 1:
-                for (seq, _), f in zip(rows, batched_fills([seq for seq, _ in rows], [x for _, x in rows])):
-                    fills[seq.id] = f
+                try:
+                    batch = batched_fills([seq for seq, _ in rows], [x for _, x in rows])
+                except Exception as exc:       # each row then decides alone: a bad row fails by itself
+                    log.warning("batched decisions failed (%s: %s); deciding row by row", type(exc).__name__, exc)
+                    continue
+                fills.update((seq.id, f) for (seq, _), f in zip(rows, batch))
         return fills
 
     @staticmethod
@@ -342,8 +347,12 @@ class Decoder:
             if len(rows) > 1:
                 seqs = [seq for seq, _ in rows]
                 args = list(zip(*(a for _, a in rows)))
-                for seq, t in zip(seqs, batched_predictions(seqs, list(args[0]), list(args[1]), list(args[2]))):
-                    tokens[seq.id] = t
+                try:
+                    batch = batched_predictions(seqs, list(args[0]), list(args[1]), list(args[2]))
+                except Exception as exc:       # each row then decides alone: a bad row fails by itself
+                    log.warning("batched decisions failed (%s: %s); deciding row by row", type(exc).__name__, exc)
+                    continue
+                tokens.update((seq.id, t) for seq, t in zip(seqs, batch))
         return tokens
 
     def _top_p(self, chunk):
@@ -398,7 +407,7 @@ class Decoder:
 
                 def forward(rows, phase=phase):
                     token_rows = [[s.pending] if phase == "ar" else s.block for s in rows]
-                    ids = torch.tensor(token_rows, dtype=torch.long, device=self.model.device)
+                    ids = device_tensor(token_rows, self.model.device, torch.long)
                     if phase == "verify":
                         for s in rows:
                             s.cache.begin_speculation()
@@ -421,7 +430,7 @@ class Decoder:
         L = chunk[0].settings.block_size
 
         def forward(rows):
-            ids = torch.tensor([s.block + [s.mask_id] * L for s in rows], dtype=torch.long, device=self.model.device)
+            ids = device_tensor([s.block + [s.mask_id] * L for s in rows], self.model.device, torch.long)
             stats: list = []
             logits = self.model.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
                                      logits_at="block", stats=stats)

@@ -15,6 +15,7 @@ import torch
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, first_argmax, positions_to_fill, positions_to_fill_batched
 from .constrained import BlockConstraint
+from ..transfer import device_tensor, to_device
 from .readback import resolve
 from .settings import GenerationSettings
 
@@ -195,8 +196,8 @@ class Sequence:
         device = logits.device
         offsets, think = self._control_inputs(query_positions, extra)
         return apply_controls(
-            logits, histories=histories, response_offsets=torch.tensor(offsets, device=device),
-            think_distance=None if think is None else torch.tensor(think, device=device),
+            logits, histories=histories, response_offsets=device_tensor(offsets, device),
+            think_distance=None if think is None else device_tensor(think, device),
             eos_ids=list(self.settings.eos_token_id), think_end_id=self.think_end_id, settings=self._controls,
         )
 
@@ -353,8 +354,8 @@ def _rows_padded(values: torch.Tensor, counts: list[int], fill) -> tuple[torch.T
     """values [Σ counts] → ([B, max count] padded with `fill`, bool [B, max count] of the real entries)."""
     device = values.device
     B, width = len(counts), max(counts, default=0)
-    rows = torch.repeat_interleave(torch.arange(B), torch.tensor(counts, dtype=torch.long)).to(device)
-    cols = torch.cat([torch.arange(c) for c in counts]).to(device) if counts else rows
+    rows = to_device(torch.repeat_interleave(torch.arange(B), torch.tensor(counts, dtype=torch.long)), device)
+    cols = to_device(torch.cat([torch.arange(c) for c in counts]), device) if counts else rows
     padded = torch.full((B, width), fill, dtype=values.dtype, device=device)
     padded[rows, cols] = values
     real = torch.zeros(B, width, dtype=torch.bool, device=device)
@@ -375,8 +376,8 @@ def _batched_controls(seqs, logits: torch.Tensor, queries, histories, extras) ->
         think += t or []
     device = logits.device
     return apply_controls(
-        logits, histories=[h for row in histories for h in row], response_offsets=torch.tensor(offsets, device=device),
-        think_distance=torch.tensor(think, device=device) if first.think_id is not None else None,
+        logits, histories=[h for row in histories for h in row], response_offsets=device_tensor(offsets, device),
+        think_distance=device_tensor(think, device) if first.think_id is not None else None,
         eos_ids=list(first.settings.eos_token_id), think_end_id=first.think_end_id, settings=first._controls)
 
 
@@ -403,8 +404,8 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
     conf, real = _rows_padded(confidence, counts, float("-inf"))
     toks, _ = _rows_padded(tokens, counts, -1)
     # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
-    thresholds = torch.tensor([float("-inf") if s.draft_completes() else s.settings.threshold for s in seqs],
-                              dtype=torch.float32).to(x.device)
+    thresholds = device_tensor([float("-inf") if s.draft_completes() else s.settings.threshold for s in seqs],
+                               x.device, torch.float32)
     decided = torch.where(positions_to_fill_batched(conf, real, thresholds), toks, -1)
     return [decided[b, :n] for b, n in enumerate(counts)]
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..layers.delta_rule import gated_delta_rule
 from ..layers.gated_deltanet import depthwise_conv, l2_normalize
 from ..layers.norms import compute_dtype
+from ..transfer import device_tensor
 from .fla import fla_conv, fla_conv_runs_on, fla_ops, fla_runs_on
 
 # Causal parts longer than this take fla's chunked kernel (its chunks are 64 tokens).
@@ -89,7 +90,7 @@ def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     beta = torch.sigmoid(b.to(cdt))                                       # [B, T, Hv]
     g = -mixer.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + mixer.dt_bias.to(cdt))
     if batch is not None and batch.padded:
-        lens = torch.tensor(batch.commits, device=u.device)
+        lens = device_tensor(batch.commits, u.device)
         keep = (torch.arange(T, device=u.device)[None, :] < lens[:, None])[..., None]
         g, beta = g * keep, beta * keep
     scale = dk ** -0.5
@@ -102,7 +103,7 @@ def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
         if batch is not None and idx.write_rows.numel():
             rows = idx.write_rows
             if batch.padded:          # each row's conv tail ends at its own length
-                ends = torch.tensor(batch.commits, device=u.device)[rows]
+                ends = device_tensor(batch.commits, u.device)[rows]
                 cols = ends[:, None] + torch.arange(K - 1, device=u.device)            # [W, K−1]
                 tails = full[rows].gather(2, cols[:, None, :].expand(-1, full.shape[1], -1))
             else:

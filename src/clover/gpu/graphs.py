@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import BatchIndex, ForwardBatch
+from ..transfer import device_tensor, to_device
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,7 @@ class _StaticForward:
                 pages = pad_pages
             table.extend(pages)
             table.extend([pages[-1]] * (W - len(pages)))
-        host = torch.tensor(starts + reads + writes + table, dtype=torch.long)
-        self.flat.copy_(host, non_blocking=True)
+        self.flat.copy_(device_tensor(starts + reads + writes + table, self.flat.device, torch.long))
         if n:
             self.ids[:n].copy_(ids)
         self.ids[n:].fill_(0)
@@ -239,7 +239,7 @@ class StepGraphs:
             stats.extend(s[:n].clone() for s in layer_stats)
         logits = logits[:n]
         if torch.is_tensor(logits_at):                 # the positions that will be read, chosen on the host
-            picked = logits_at.reshape(-1).nonzero().squeeze(1).to(logits.device)
+            picked = to_device(logits_at.reshape(-1).nonzero().squeeze(1), logits.device)
             return logits.reshape(-1, logits.shape[-1])[picked]
         return logits.clone()
 
