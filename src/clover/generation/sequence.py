@@ -14,8 +14,8 @@ import torch
 
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, first_argmax, positions_to_fill, positions_to_fill_batched
-from .constrained import BlockConstraint
 from ..transfer import device_tensor, to_device
+from .constrained import BlockConstraint
 from .readback import resolve
 from .settings import GenerationSettings
 
