@@ -13,8 +13,9 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
   - timings (median ms): prefill, decode step, block step (selection off, 0.9, 0.7), commit, each eager
     and replayed as a CUDA graph (one captured forward at a fixed position: what graphs buy per step);
   - the product's step graphs (clover/gpu/graphs.py) through `model.step`: graphed against eager logits
-    (decode, block steps, commit; 2 rows padded to a bucket), greedy generation, and decode / block step
-    times with graphs on and off at 1 and 4 rows;
+    (decode, block steps, commit; 2 rows padded to a bucket), greedy generation, decode / block step
+    times with graphs on and off at 1 and 4 rows, and tokens/s of 4 requests generated together (AR
+    and LowConfidence) with graphs on and off;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -271,6 +272,19 @@ def check_step_graphs(fast, config, args, device, report):
                     device, 2, args.iters)
                 for c in caches:
                     c.release()
+        # whole generations, 4 requests together (what the step loop adds: decisions, read-backs)
+        from clover.generation.api import generate_batch, resolve_settings
+
+        prompts = [prompt[: 64 + 16 * i] for i in range(4)]
+        for mode, kw in (("ar", dict(block_size=1)), ("lowconf", dict(block_size=L, threshold=0.9))):
+            for name, model in (("eager", fast), ("graphs", graphed)):
+                settings = resolve_settings(model, max_new_tokens=args.gen_tokens // 2, eos_token_id=[], **kw)
+                generate_batch(model, prompts, settings)                     # warm (captures, autotuning)
+                sync(device)
+                t = time.perf_counter()
+                out = generate_batch(model, prompts, settings)
+                sync(device)
+                res[f"generate_{mode}_{name}_tok_s"] = sum(len(r.tokens) for r in out) / (time.perf_counter() - t)
     runner = graphed.state_pool().__dict__.get("_step_graphs")
     res["graphs"] = len(runner.graphs) if runner else 0
     res["failed"] = [str(k) for k in runner.failed] if runner else []
@@ -464,6 +478,9 @@ def main(argv=None) -> int:
             block = [sg[f"block_0.7_{rows}_{mode}_ms"] for mode in ("eager", "graphs")]
             print(f"    {rows} row(s), eager → graphs: decode {decode[0]:.2f} → {decode[1]:.2f} ms, "
                   f"block 0.7 {block[0]:.2f} → {block[1]:.2f} ms")
+        for mode in ("ar", "lowconf"):
+            print(f"    4 requests, {mode}: {sg[f'generate_{mode}_eager_tok_s']:.1f} → "
+                  f"{sg[f'generate_{mode}_graphs_tok_s']:.1f} tok/s")
     for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")
