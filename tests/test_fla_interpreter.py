@@ -47,6 +47,24 @@ CHECK = textwrap.dedent("""
         assert torch.allclose(o, o_ref, atol=1e-4), (o - o_ref).abs().max()
         assert torch.allclose(final, final_ref, atol=1e-4), (final - final_ref).abs().max()
 
+    # right-padded rows as fla's packed variable-length sequences, against the padded rows with
+    # g = 0, β = 0 past each row's length through the PyTorch rule
+    from clover.gpu.gdn import delta_rule_ragged
+    lens = [5, 2, 8]
+    B, T, Hk, Hv, dk, dv = 3, 8, 2, 4, 8, 12
+    q, k = torch.randn(B, T, Hk, dk, generator=g), torch.randn(B, T, Hk, dk, generator=g)
+    v = torch.randn(B, T, Hv, dv, generator=g)
+    gate, beta = -torch.rand(B, T, Hv, generator=g) * 3, torch.rand(B, T, Hv, generator=g)
+    state = torch.randn(B, Hv, dk, dv, generator=g)
+    o, final = delta_rule_ragged(q, k, v, gate, beta, state, dk ** -0.5, lens)
+    keep = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None])[..., None]
+    os.environ["CLOVER_FLA"] = "0"
+    o_ref, final_ref = delta_rule(q, k, v, gate * keep, beta * keep, state, dk ** -0.5)
+    del os.environ["CLOVER_FLA"]
+    assert torch.allclose(final, final_ref, atol=1e-4), (final - final_ref).abs().max()
+    assert torch.allclose(o * keep[..., None], o_ref * keep[..., None], atol=1e-4)
+    assert not o[~keep[..., 0]].any()                        # nothing computed for padding
+
     # the causal conv from cached tails (what gdn_core_fast calls) against Clover's depthwise conv
     from clover.gpu.fla import fla_conv_runs_on
     from clover.gpu.gdn import causal_conv

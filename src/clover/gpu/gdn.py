@@ -10,7 +10,8 @@ Per forward: the causal part (prefill chunk, commit) runs `chunk_gated_delta_rul
 (> `CHUNKED_MIN_TOKENS`) and `fused_recurrent_gated_delta_rule` when short; its end state goes to the
 rows' write slots in one `index_copy_`. The block (block steps, the block half of a commit) runs the
 fused recurrent rule from that state and reads the end-of-block state out with one batched matmul.
-Right-padded prefill rows get g = 0, β = 0 past their length (state unchanged), as the reference does.
+Right-padded prefill rows run as fla's variable-length packed sequences (`cu_seqlens`: no work on
+padding); without fla they get g = 0, β = 0 past their length (state unchanged), as the reference does.
 Without fla (or on a device it cannot run on) Clover's PyTorch delta rule runs on the same tensors.
 """
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from ..layers.delta_rule import gated_delta_rule
 from ..layers.gated_deltanet import depthwise_conv, l2_normalize
 from ..layers.norms import compute_dtype
-from ..transfer import device_tensor
+from ..transfer import device_tensor, to_device
 from .fla import fla_conv, fla_conv_runs_on, fla_ops, fla_runs_on
 
 # Causal parts longer than this take fla's chunked kernel (its chunks are 64 tokens).
@@ -48,6 +49,27 @@ def delta_rule(q, k, v, g, beta, state, scale: float):
     tr = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
     o, final = gated_delta_rule(tr(qh), tr(kh), tr(v.to(cdt)), tr(g.to(cdt)), tr(beta.to(cdt)), state)
     return o.transpose(1, 2), final
+
+
+def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int]):
+    """`delta_rule` over right-padded rows (row b's first lens[b] of T tokens are real) with fla's
+    variable-length form: the real tokens packed into one sequence of Σ lens with `cu_seqlens`, so no
+    work goes to padding. Returns (o [B, T, Hv, dv] with zeros past each row's length, each row's
+    final state) — what `delta_rule` gives on the padded rows with g = 0, β = 0 past their ends."""
+    B, T = q.shape[:2]
+    device = q.device
+    lengths = torch.tensor(lens, dtype=torch.long)
+    rows = to_device(torch.repeat_interleave(torch.arange(B), lengths), device)
+    cols = to_device(torch.cat([torch.arange(n) for n in lens]), device)
+    cu_seqlens = to_device(torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), device)
+    ops = fla_ops()
+    run = ops.chunk_gated_delta_rule if max(lens) > CHUNKED_MIN_TOKENS else ops.fused_recurrent_gated_delta_rule
+    packed = [t[rows, cols][None] for t in (q, k, v, g, beta)]                # [1, Σ lens, …]
+    o, final = run(*packed[:3], g=packed[3], beta=packed[4], scale=scale, initial_state=state,
+                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    out = o.new_zeros(B, T, *o.shape[2:])
+    out[rows, cols] = o[0]
+    return out.to(state.dtype), final
 
 
 def causal_conv(u, tail, full, weight):
@@ -89,7 +111,11 @@ def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     q, k, v = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv)
     beta = torch.sigmoid(b.to(cdt))                                       # [B, T, Hv]
     g = -mixer.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + mixer.dt_bias.to(cdt))
-    if batch is not None and batch.padded:
+    # right-padded prefill rows: fla runs only each row's own tokens, as packed sequences (ragged);
+    # without fla the padding gets g = 0, β = 0 (the state passes through unchanged), as the reference
+    ragged = (batch is not None and batch.padded
+              and fla_runs_on(u.device, chunked=max(batch.commits) > CHUNKED_MIN_TOKENS))
+    if batch is not None and batch.padded and not ragged:
         lens = device_tensor(batch.commits, u.device)
         keep = (torch.arange(T, device=u.device)[None, :] < lens[:, None])[..., None]
         g, beta = g * keep, beta * keep
@@ -98,7 +124,10 @@ def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     parts = []
     state = state0
     if P:
-        o_causal, state = delta_rule(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state, scale)
+        if ragged:
+            o_causal, state = delta_rule_ragged(q, k, v, g, beta, state, scale, batch.commits)
+        else:
+            o_causal, state = delta_rule(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state, scale)
         parts.append(o_causal)
         if batch is not None and idx.write_rows.numel():
             rows = idx.write_rows
