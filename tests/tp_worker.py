@@ -135,16 +135,17 @@ def diverge_in_this_rank() -> None:
     first decided position is changed (what a corrupted shard or a non-deterministic kernel would do)."""
     from clover.generation import sequence
 
-    original = sequence.Sequence.denoise
+    original = sequence.Sequence.denoise_steps
 
-    def denoise(self, masked_logits):
-        original(self, masked_logits)
+    def denoise_steps(self, *args, **kwargs):       # a decision (generation/readback.py), wrapped
+        result = yield from original(self, *args, **kwargs)
         for i, t in enumerate(self.block):
             if t != self.mask_id:
                 self.block[i] = 6 if t != 6 else 7
                 break
+        return result
 
-    sequence.Sequence.denoise = denoise
+    sequence.Sequence.denoise_steps = denoise_steps
 
 
 def hang_when_scoring() -> None:
