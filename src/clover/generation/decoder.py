@@ -306,13 +306,17 @@ class Decoder:
                     per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
                     distinct = _per_row(stats, len(rows))
                     return [(per_row[b], distinct[b]) for b in range(len(rows))]
-                ran = list(self._rows(chunk, forward))
-                fills = self._batched_fills(ran)
-                decisions = []
-                for seq, (logits, distinct) in ran:
-                    decisions.append((seq, self._record_block_forward(seq, distinct)))
-                    decisions.append((seq, seq.denoise_steps(logits, fills.get(seq.id))))
-                self._decide(decisions)
+                self._denoise(list(self._rows(chunk, forward)))
+
+    def _denoise(self, ran) -> None:
+        """After a block forward, each row's decisions: its expert statistics and a denoising step
+        (computed together for rows that decide alike), read back at once."""
+        fills = self._batched_fills(ran)
+        decisions = []
+        for seq, (logits, distinct) in ran:
+            decisions.append((seq, self._record_block_forward(seq, distinct)))
+            decisions.append((seq, seq.denoise_steps(logits, fills.get(seq.id))))
+        self._decide(decisions)
 
     @staticmethod
     def _batched_fills(ran) -> dict:
@@ -440,12 +444,7 @@ class Decoder:
         for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()
-        fills = self._batched_fills(ran)
-        decisions = []
-        for seq, (logits, distinct) in ran:
-            decisions.append((seq, self._record_block_forward(seq, distinct)))
-            decisions.append((seq, seq.denoise_steps(logits, fills.get(seq.id))))
-        self._decide(decisions)
+        self._denoise(ran)
 
     def _after_ar(self, seq: Sequence, logits, produced, tokens=None):
         """The next token after the one this forward fed (already in the response)."""
