@@ -324,3 +324,39 @@ def test_the_graphed_forward_never_reads_the_device_on_the_host(kind):
         logits_c, stats_c = compiled()
     assert torch.equal(logits_c, logits_e)
     assert (stats_c is None) == (stats_e is None) and all(torch.equal(a, b) for a, b in zip(stats_c or [], stats_e or []))
+
+
+def test_graph_memory_stays_within_its_budgets(monkeypatch):
+    """Forwards whose static logits would pass MAX_GRAPH_LOGITS_BYTES run eagerly; past
+    MAX_GRAPHS_BYTES the least recently used graphs are dropped; results stay those of the eager model."""
+    eager, model = _pair()
+    V = model.config.vocab_size
+    one_row_block = 8 * V * 4                                    # a 1-row, 8-position fp32 block's logits
+    monkeypatch.setattr(graphs, "MAX_GRAPH_LOGITS_BYTES", one_row_block)
+    budget = one_row_block + 1000          # the block graph with its inputs, not with the decode graphs too
+    monkeypatch.setattr(graphs, "MAX_GRAPHS_BYTES", budget)
+    captured, capture = [], graphs._StaticForward.capture
+    monkeypatch.setattr(graphs._StaticForward, "capture", lambda self: captured.append(self.key) or capture(self))
+    mask = model.config.mask_token_id
+    outs = []
+    with torch.inference_mode():
+        for m in (eager, model):
+            got = []
+            caches = [m.make_cache() for _ in range(2)]
+            m.prefill_batch([[3, 4, 5, 6], [7, 8, 9]], caches)
+            got.append(m.step(torch.full((2, 8), mask), caches, block=True, logits_at="block"))     # 2 rows: eager
+            got.append(m.step(torch.full((1, 8), mask), caches[:1], block=True, logits_at="block"))  # 1 row: graphed
+            for t in range(3):
+                got.append(m.step(torch.tensor([[t + 10], [t + 20]]), caches))                      # decode: graphed
+                got.append(m.step(torch.tensor([[t + 30]]), caches[:1]))
+            outs.append(got)
+    for a, b in zip(*outs):
+        _close(a, b)
+    runner = _runner(model)
+    assert {(k.rows, k.tokens) for k in captured} == {(1, 8), (2, 1), (1, 1)}     # not the 2-row block
+    assert runner.nbytes() <= budget
+    assert GraphKey_with(runner, rows=1, tokens=1) and not GraphKey_with(runner, rows=1, tokens=8)  # the block was dropped
+
+
+def GraphKey_with(runner, **fields):
+    return [k for k in runner.graphs if all(getattr(k, f) == v for f, v in fields.items())]

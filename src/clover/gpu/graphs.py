@@ -13,9 +13,11 @@ on fixed addresses at fixed shapes, so each captured forward runs on static buff
     key and K/V rows, positions and masks are computed from it inside the graph.
 
 Graphs are keyed by (rows, tokens per row, block length, window, selection on/off, which logits) and
-captured on first use into one shared memory pool. A forward the graphs do not cover (long prefill
-chunks, padded prompts, open speculations, more rows than the largest bucket) runs eagerly, and so
-does any key whose capture failed (logged once: an op that synchronises with the host cannot be
+captured on first use into one shared memory pool. Each keeps its logits as static memory, so a
+forward whose logits would pass `MAX_GRAPH_LOGITS_BYTES` runs eagerly, and the least recently used
+graphs are dropped past `MAX_GRAPHS` graphs or `MAX_GRAPHS_BYTES` of static buffers. A forward the
+graphs do not cover (long prefill chunks, padded prompts, open speculations, more rows than the
+largest bucket) runs eagerly, and so does any key whose capture failed (logged once: an op that synchronises with the host cannot be
 captured). Outputs are copied out of the static buffers, so callers never see them overwritten.
 
 `replay="eager"` runs the same static-buffer forward without capturing it (each replay calls it
@@ -39,7 +41,11 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_WINDOW = 256
 MAX_TOKENS = 64          # tokens per row a graph covers: decode, block steps and fused commits of blocks ≤ 32
-MAX_GRAPHS = 64          # captured graphs kept (least recently used dropped first)
+MAX_GRAPHS = 64          # captured graphs kept (least recently used dropped first) …
+MAX_GRAPHS_BYTES = 2 << 30  # … and their static outputs' bytes, together
+# A graph's logits are static memory of their own: a block step's [rows, 32, 248k] bf16 logits are
+# 16 MB a row, so graphs are kept to the forwards whose logits fit this (larger ones run eagerly).
+MAX_GRAPH_LOGITS_BYTES = 256 << 20
 
 
 def batch_bucket(rows: int) -> int | None:
@@ -160,6 +166,11 @@ class _StaticForward:
             self.outputs = self.forward()
         self.graph = graph
 
+    def nbytes(self) -> int:
+        logits, stats = self.outputs
+        tensors = [self.flat, self.ids, logits] + list(stats or []) + ([self.top_p] if self.top_p is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def replay(self):
         if self.graph is not None:
             self.graph.replay()
@@ -186,6 +197,10 @@ class StepGraphs:
                 raise RuntimeError("the state pool has no room for the graphs' scratch pages and slot")
             self.scratch_pages = [pool._take_page() for _ in range(need_pages)]
             self.scratch_slot = pool._take_slot() if pool.has_gdn else 0
+
+    def nbytes(self) -> int:
+        """Bytes of the kept graphs' static inputs and outputs (their logits, mostly)."""
+        return sum(g.nbytes() for g in self.graphs.values())
 
     def memory_pool(self):
         if self._memory_pool is None:
@@ -222,6 +237,10 @@ class StepGraphs:
         window = key_window(max(batch.starts) + T, self.pool.page_size)
         if window > self.pool.num_pages * self.pool.page_size:
             return None
+        positions = 1 if kind == "last" else block_len
+        logits_bytes = rows * positions * self.model.config.vocab_size * torch.empty((), dtype=self.model.dtype).element_size()
+        if logits_bytes > MAX_GRAPH_LOGITS_BYTES:
+            return None
         return GraphKey(rows, T, block_len, window, block_top_p is not None, kind, stats is not None)
 
     def run(self, ids, batch: ForwardBatch, block_len: int, block_top_p, logits_at, stats):
@@ -255,8 +274,8 @@ class StepGraphs:
                             type(exc).__name__, exc)
                 return None
             self.graphs[key] = graph
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            while len(self.graphs) > 1 and (len(self.graphs) > MAX_GRAPHS or self.nbytes() > MAX_GRAPHS_BYTES):
+                self.graphs.popitem(last=False)      # least recently used first (the new one is last)
         self.graphs.move_to_end(key)
         graph.fill(ids, batch, block_top_p)
         return graph.replay()
