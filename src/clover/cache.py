@@ -103,6 +103,18 @@ class BatchIndex:
     key_ends: torch.Tensor
     uniform: bool                  # every row has the same start (no padding needed among keys)
 
+    @staticmethod
+    def rows_from_pages(table: torch.Tensor, starts: torch.Tensor, T: int, S: int, page_size: int):
+        """(key_rows [B, S], new_rows [B·T]) from each row's page table [B, pages] and start [B], on
+        the tensors' device: the flat K/V rows of positions 0 … S−1 (past a row's end, its last row
+        again) and of its T new tokens."""
+        device = table.device
+        ends = starts + T
+        pos = torch.minimum(torch.arange(S, device=device)[None, :], ends[:, None] - 1)          # [B, S]
+        key_rows = table.gather(1, pos // page_size) * page_size + pos % page_size
+        new_rows = key_rows.gather(1, starts[:, None] + torch.arange(T, device=device)[None, :]).reshape(-1)
+        return key_rows, new_rows
+
     @classmethod
     def build(cls, batch: ForwardBatch, T: int, device) -> "BatchIndex":
         P = batch.pool.page_size
@@ -112,9 +124,7 @@ class BatchIndex:
         S = max(batch.starts) + T
         width = max(1, max(len(p) for p in batch.pages))
         table = torch.tensor([p + [0] * (width - len(p)) for p in batch.pages], dtype=torch.long)   # [B, pages]
-        pos = torch.minimum(torch.arange(S)[None, :], ends[:, None] - 1)                           # [B, S]
-        key_rows = table.gather(1, pos // P) * P + pos % P
-        new_rows = key_rows.gather(1, starts[:, None] + torch.arange(T)[None, :]).reshape(-1)
+        key_rows, new_rows = cls.rows_from_pages(table, starts, T, S, P)
         write = batch.write_slots or [None] * B
         write_rows = torch.tensor([r for r, w in enumerate(write) if w is not None], dtype=torch.long)
         write_slots = torch.tensor([w for w in write if w is not None], dtype=torch.long)

@@ -319,45 +319,36 @@ class Decoder:
         self._decide(decisions)
 
     @staticmethod
-    def _batched_fills(ran) -> dict:
-        """The fills of a forward's rows that share a `batch_key` (`sequence.batched_fills`, one
-        computation per key), by sequence id; the other rows compute their own."""
+    def _batched(rows, compute) -> dict:
+        """Per sequence id, its share of `compute(seqs, args)` over each group of ≥ 2 `(seq, args)`
+        rows that share a `Sequence.batch_key`; the other rows (and a group whose computation fails,
+        logged) decide row by row."""
         groups = defaultdict(list)
-        for seq, out in ran:
+        for seq, args in rows:
             if seq.batch_key is not None:
-                groups[seq.batch_key].append((seq, out[0]))
-        fills = {}
-        for rows in groups.values():
-            if len(rows) > 1:
+                groups[seq.batch_key].append((seq, args))
+        out = {}
+        for group in groups.values():
+            if len(group) > 1:
+                seqs = [seq for seq, _ in group]
                 try:
-                    batch = batched_fills([seq for seq, _ in rows], [x for _, x in rows])
+                    results = compute(seqs, [args for _, args in group])
                 except Exception as exc:       # each row then decides alone: a bad row fails by itself
                     log.warning("batched decisions failed (%s: %s); deciding row by row", type(exc).__name__, exc)
                     continue
-                fills.update((seq.id, f) for (seq, _), f in zip(rows, batch))
-        return fills
+                out.update((seq.id, r) for seq, r in zip(seqs, results))
+        return out
 
-    @staticmethod
-    def _batched_predictions(ran, rows_of) -> dict:
-        """The greedy predictions of a forward's rows that share a `batch_key` in one computation per
-        key (`sequence.batched_predictions`), by sequence id; `rows_of(seq, logits)`: the arguments
-        `predict_next` would take (logits, extra, seen_first)."""
-        groups = defaultdict(list)
-        for seq, logits in ran:
-            if seq.batch_key is not None:
-                groups[seq.batch_key].append((seq, rows_of(seq, logits)))
-        tokens = {}
-        for rows in groups.values():
-            if len(rows) > 1:
-                seqs = [seq for seq, _ in rows]
-                args = list(zip(*(a for _, a in rows)))
-                try:
-                    batch = batched_predictions(seqs, list(args[0]), list(args[1]), list(args[2]))
-                except Exception as exc:       # each row then decides alone: a bad row fails by itself
-                    log.warning("batched decisions failed (%s: %s); deciding row by row", type(exc).__name__, exc)
-                    continue
-                tokens.update((seq.id, t) for seq, t in zip(seqs, batch))
-        return tokens
+    def _batched_fills(self, ran) -> dict:
+        """The fills of a forward's rows that decide alike (`sequence.batched_fills`), by sequence id."""
+        return self._batched([(seq, out[0]) for seq, out in ran], batched_fills)
+
+    def _batched_predictions(self, ran, rows_of) -> dict:
+        """The greedy predictions of a forward's rows that decide alike (`sequence.batched_predictions`),
+        by sequence id; `rows_of(seq, logits)`: the arguments `predict_next` would take (logits, extra,
+        seen_first)."""
+        return self._batched([(seq, rows_of(seq, logits)) for seq, logits in ran],
+                             lambda seqs, args: batched_predictions(seqs, *map(list, zip(*args))))
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""

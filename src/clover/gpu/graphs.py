@@ -130,14 +130,11 @@ class _StaticForward:
         B, T, W, P = key.rows, key.tokens, self.pages, pool.page_size
         device = self.flat.device
         starts, reads, writes, table = torch.split(self.flat, [B, B, B, B * W])
-        ends = starts + T
-        pos = torch.minimum(torch.arange(W * P, device=device)[None, :], ends[:, None] - 1)       # [B, S]
-        key_rows = table.view(B, W).gather(1, pos // P) * P + pos % P
-        new_rows = key_rows.gather(1, starts[:, None] + torch.arange(T, device=device)[None, :]).reshape(-1)
+        key_rows, new_rows = BatchIndex.rows_from_pages(table.view(B, W), starts, T, W * P, P)
         commits = T - key.block_len
         write_rows = torch.arange(B if commits and pool.has_gdn else 0, device=device)
         write_slots = writes if commits and pool.has_gdn else writes[:0]
-        return BatchIndex(reads, write_rows, write_slots, starts, new_rows, key_rows, ends, uniform=False)
+        return BatchIndex(reads, write_rows, write_slots, starts, new_rows, key_rows, starts + T, uniform=False)
 
     def forward(self):
         """The captured work: index, positions, the model's forward; (logits, per-layer distinct experts)."""
@@ -238,7 +235,7 @@ class StepGraphs:
         if window > self.pool.num_pages * self.pool.page_size:
             return None
         positions = 1 if kind == "last" else block_len
-        logits_bytes = rows * positions * self.model.config.vocab_size * torch.empty((), dtype=self.model.dtype).element_size()
+        logits_bytes = rows * positions * self.model.config.vocab_size * self.model.dtype.itemsize
         if logits_bytes > MAX_GRAPH_LOGITS_BYTES:
             return None
         return GraphKey(rows, T, block_len, window, block_top_p is not None, kind, stats is not None)
