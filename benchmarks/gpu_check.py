@@ -16,6 +16,8 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
     (decode, block steps, commit; 2 rows padded to a bucket), greedy generation, decode / block step
     times with graphs on and off at 1 and 4 rows, and tokens/s of 4 requests generated together (AR
     and LowConfidence) with graphs on and off;
+  - attention over the pool's pages in place (FlexAttention, clover/gpu/paged_attention.py) against
+    gathered keys, one layer, 8 rows of 32K cached tokens: relative |Δ| and ms;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -291,6 +293,51 @@ def check_step_graphs(fast, config, args, device, report):
     report["step_graphs"] = res
 
 
+def check_paged_attention(config, args, device, report):
+    """Attention over the pool's pages in place (clover/gpu/paged_attention.py) against the same keys
+    gathered out of the pages (gpu/attention.py), one layer at the real head shapes: `rows` rows of
+    `context` cached tokens on shuffled pages, decode (1 token), block step (32, a whole block) and
+    fused commit (64: 32 causal + a block). Relative |Δ| and median ms of each; the gather is what the
+    paged path saves, growing with rows × context."""
+    from clover.cache import BatchIndex
+    from clover.gpu import paged_attention
+    from clover.gpu.attention import _attend_gathered
+
+    Hq, Hkv, D, P = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 32
+    res = {}
+    cases = [(1, 4096), (8, 32768)] if device.type == "cuda" else [(2, 96)]
+    g = torch.Generator(device=device).manual_seed(6)
+    for rows, context in cases:
+        per_row = -(-(context + 64) // P)
+        pages = rows * per_row
+        k_pool = torch.randn(pages, P, Hkv, D, device=device, dtype=torch.bfloat16, generator=g)
+        v_pool = torch.randn(pages, P, Hkv, D, device=device, dtype=torch.bfloat16, generator=g)
+        table = torch.randperm(pages, device=device, generator=g).view(rows, per_row)
+        for kind, T, block_len in (("decode", 1, 0), ("block", 32, 32), ("commit", 64, 32)):
+            starts = torch.full((rows,), context, device=device) - torch.arange(rows, device=device) * 7
+            idx = BatchIndex(starts[:0], starts[:0], starts[:0], starts, table, tokens=T,
+                             key_len=context + T, page_size=P, uniform=rows == 1)
+            q = torch.randn(rows, Hq, T, D, device=device, dtype=torch.bfloat16, generator=g)
+            kf, vf = k_pool.view(-1, Hkv, D), v_pool.view(-1, Hkv, D)
+            with torch.inference_mode():
+                gathered = _attend_gathered(q, kf, vf, idx, T, block_len)
+                paged = paged_attention.attend_paged(q, k_pool, v_pool, idx, block_len)
+                name = f"{kind}_{rows}x{context}"
+                if paged is None:
+                    res[name] = {"paged": None}
+                    continue
+                res[name] = {
+                    "rel": relative_error(paged, gathered),
+                    "gathered_ms": timed(lambda: _attend_gathered(q, kf, vf, idx, T, block_len), device, 2, args.iters),
+                    "paged_ms": timed(lambda: paged_attention.attend_paged(q, k_pool, v_pool, idx, block_len),
+                                      device, 2, args.iters),
+                }
+        del k_pool, v_pool
+    res["status"] = paged_attention.status()
+    report["paged_attention"] = res
+    report["paged_ok"] = all(r.get("rel", 0.0) < args.tolerance for k, r in res.items() if k != "status")
+
+
 def time_transformers(ref, config, args, device, report):
     try:
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -437,6 +484,7 @@ def main(argv=None) -> int:
         model.configure_state_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
 
     section(report, "correctness", check_correctness, fast, ref, config, args, device, report)
+    section(report, "paged_attention", check_paged_attention, config, args, device, report)
     section(report, "clover_fast", time_steps, fast, config, args, device, report, "clover_fast")
     if args.graphs:
         section(report, "step_graphs", check_step_graphs, fast, config, args, device, report)
@@ -481,6 +529,14 @@ def main(argv=None) -> int:
         for mode in ("ar", "lowconf"):
             print(f"    4 requests, {mode}: {sg[f'generate_{mode}_eager_tok_s']:.1f} → "
                   f"{sg[f'generate_{mode}_graphs_tok_s']:.1f} tok/s")
+    if "paged_attention" in report:
+        pa = report["paged_attention"]
+        print(f"  paged attention ({pa['status']}), one layer, gathered → paged:")
+        for name, r in pa.items():
+            if name != "status":
+                print(f"    {name:<20} " + ("did not run" if r.get("paged") is None and "rel" not in r else
+                                         f"{r['gathered_ms']:.3f} → {r['paged_ms']:.3f} ms, rel |Δ| {r['rel']:.2e} "
+                                         f"{'ok' if r['rel'] < args.tolerance else 'FAIL'}"))
     for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")
@@ -490,7 +546,7 @@ def main(argv=None) -> int:
     for name, err in report.get("errors", {}).items():
         print(f"  ERROR in {name}: {err}")
     print(json.dumps(report))
-    return 1 if report.get("errors") or not report.get("ops_ok", False) else 0
+    return 1 if report.get("errors") or not report.get("ops_ok", False) or not report.get("paged_ok", True) else 0
 
 
 if __name__ == "__main__":

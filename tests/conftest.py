@@ -20,3 +20,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["gathered", "paged"])
+def attention_path(request, monkeypatch):
+    """The "cuda" backend's attention over keys gathered from the pages, or over the pages in place
+    (clover/gpu/paged_attention.py; uncompiled FlexAttention on CPU: its masks, not its kernels)."""
+    from clover.gpu import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MODE", "1" if request.param == "paged" else "0")
+    return request.param

@@ -38,7 +38,7 @@ def test_uncached_forward_matches_reference(variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cached_steps_match_reference(dtype):
+def test_cached_steps_match_reference(dtype, attention_path):
     """Prefill (padded, ragged), decode, block steps with selection, fused commit: every forward kind
     of the decoder, rows at different lengths (masks, gathers of pages that are not consecutive)."""
     ref, fast = _pair("base", dtype)
@@ -63,7 +63,7 @@ def test_cached_steps_match_reference(dtype):
         _close(a, b, dtype)
 
 
-def test_generation_matches_reference():
+def test_generation_matches_reference(attention_path):
     ref, fast = _pair("base")
     prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(5))
     for kw in (dict(block_size=8, threshold=0.5), dict(block_size=1), dict(block_size=8, threshold=0.3,
@@ -120,7 +120,7 @@ def test_cuda_sampling_uses_a_device_generator():
 
 
 @pytest.mark.parametrize("kind", ["decode", "block"])
-def test_steps_compile_without_graph_breaks(kind):
+def test_steps_compile_without_graph_breaks(kind, attention_path):
     """The GPU path's decode step and block step (with per-row expert selection) trace into one graph
     (`fullgraph=True`: a graph break is an error). aot_eager checks dynamo and the ops' shape functions
     without inductor's slow C++ codegen; the compiled step equals the eager one."""

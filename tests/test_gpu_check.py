@@ -19,6 +19,8 @@ def test_gpu_check_dry_run_on_cpu():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ops_ok"] and not report.get("errors")
+    paged = {k: v for k, v in report["paged_attention"].items() if k != "status"}
+    assert report["paged_ok"] and len(paged) == 3 and all(v["rel"] < 1e-2 for v in paged.values())
     assert set(report["ops"]) == {"prefill", "decode", "block_top_p_1.0", "block_top_p_0.9", "block_top_p_0.7",
                                   "commit"}
     assert report["generation"]["agree"] == 1.0

@@ -72,7 +72,7 @@ PROMPTS = [list(range(3, 40)), [(7 * i) % 90 for i in range(245)], [11, 12, 13, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_forwards_match_eager_ones(dtype):
+def test_graphed_forwards_match_eager_ones(dtype, attention_path):
     eager, graphed = _pair(dtype)
     a, caches_a = _forwards(eager, PROMPTS)
     b, caches_b = _forwards(graphed, PROMPTS)
@@ -299,7 +299,7 @@ def test_the_host_read_guard_sees_what_it_looks_for():
 
 
 @pytest.mark.parametrize("kind", ["decode", "block", "commit"])
-def test_the_graphed_forward_never_reads_the_device_on_the_host(kind):
+def test_the_graphed_forward_never_reads_the_device_on_the_host(kind, attention_path):
     """What a CUDA graph captures — the index computed from the static buffers, then the forward —
     makes no host read, no data-sized output and no host-to-device copy (each would end a capture),
     checked op by op on CPU; and it traces whole with torch.compile(fullgraph=True), equal to eager."""

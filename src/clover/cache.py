@@ -88,52 +88,65 @@ class ForwardBatch:
 
 @dataclass
 class BatchIndex:
-    """A `ForwardBatch` as device tensors (all int64): `read_slots [B]`; `write_rows [W]` (the rows
-    that commit) and their `write_slots [W]`; `starts [B]`; `new_rows [B·T]`: the flat K/V rows
-    (`[pages · page_size]` view) of each row's new tokens; `key_rows [B, S]`: flat rows of positions
-    0 … S−1 (S = the longest start + T; a row's entries past its own end repeat its last row, and
-    attention masks them); `key_ends [B]` = starts + T."""
+    """A `ForwardBatch` as device tensors (all int64), for T new tokens per row: `read_slots [B]`;
+    `write_rows [W]` (the rows that commit) and their `write_slots [W]`; `starts [B]`; `table [B, N]`:
+    each row's page table (entries past its pages are padding). Everything else is derived on the
+    device when first asked for, so the host sends only these: `new_rows`, `key_rows`, `key_ends`,
+    and `derived`, where a backend keeps what it computes once per forward for all its layers."""
 
     read_slots: torch.Tensor
     write_rows: torch.Tensor
     write_slots: torch.Tensor
     starts: torch.Tensor
-    new_rows: torch.Tensor
-    key_rows: torch.Tensor
-    key_ends: torch.Tensor
+    table: torch.Tensor
+    tokens: int                    # T
+    key_len: int                   # S: key positions 0 … S−1 cover every row (≥ the longest start + T)
+    page_size: int
     uniform: bool                  # every row has the same start (no padding needed among keys)
+    derived: dict = field(default_factory=dict, repr=False)
 
-    @staticmethod
-    def rows_from_pages(table: torch.Tensor, starts: torch.Tensor, T: int, S: int, page_size: int):
-        """(key_rows [B, S], new_rows [B·T]) from each row's page table [B, pages] and start [B], on
-        the tensors' device: the flat K/V rows of positions 0 … S−1 (past a row's end, its last row
-        again) and of its T new tokens."""
-        device = table.device
-        ends = starts + T
-        pos = torch.minimum(torch.arange(S, device=device)[None, :], ends[:, None] - 1)          # [B, S]
-        key_rows = table.gather(1, pos // page_size) * page_size + pos % page_size
-        new_rows = key_rows.gather(1, starts[:, None] + torch.arange(T, device=device)[None, :]).reshape(-1)
-        return key_rows, new_rows
+    @property
+    def key_ends(self) -> torch.Tensor:
+        """[B]: each row's end, starts + T."""
+        return self.starts + self.tokens
+
+    @property
+    def new_rows(self) -> torch.Tensor:
+        """[B·T]: the flat K/V rows (`[pages · page_size]` view) of each row's new tokens."""
+        if "new_rows" not in self.derived:
+            P, T = self.page_size, self.tokens
+            pos = self.starts[:, None] + torch.arange(T, device=self.starts.device)[None, :]
+            self.derived["new_rows"] = (self.table.gather(1, pos // P) * P + pos % P).reshape(-1)
+        return self.derived["new_rows"]
+
+    @property
+    def key_rows(self) -> torch.Tensor:
+        """[B, S]: flat rows of positions 0 … S−1; a row's entries past its own end repeat its last row
+        (attention masks them)."""
+        if "key_rows" not in self.derived:
+            P = self.page_size
+            pos = torch.arange(self.key_len, device=self.starts.device)[None, :]
+            pos = torch.minimum(pos, self.key_ends[:, None] - 1)                               # [B, S]
+            self.derived["key_rows"] = self.table.gather(1, pos // P) * P + pos % P
+        return self.derived["key_rows"]
 
     @classmethod
     def build(cls, batch: ForwardBatch, T: int, device) -> "BatchIndex":
         P = batch.pool.page_size
         B = len(batch.starts)
         starts = torch.tensor(batch.starts, dtype=torch.long)
-        ends = starts + T
-        S = max(batch.starts) + T
         width = max(1, max(len(p) for p in batch.pages))
         table = torch.tensor([p + [0] * (width - len(p)) for p in batch.pages], dtype=torch.long)   # [B, pages]
-        key_rows, new_rows = cls.rows_from_pages(table, starts, T, S, P)
         write = batch.write_slots or [None] * B
         write_rows = torch.tensor([r for r, w in enumerate(write) if w is not None], dtype=torch.long)
         write_slots = torch.tensor([w for w in write if w is not None], dtype=torch.long)
         read = torch.tensor(batch.read_slots, dtype=torch.long)
-        parts = [read, write_rows, write_slots, starts, new_rows, key_rows.reshape(-1), ends]
+        parts = [read, write_rows, write_slots, starts, table.reshape(-1)]
         flat = to_device(torch.cat(parts), device)                       # one host-to-device copy
         out = list(torch.split(flat, [t.numel() for t in parts]))
-        out[5] = out[5].view(B, S)
-        return cls(*out, uniform=len(set(batch.starts)) == 1)
+        out[4] = out[4].view(B, width)
+        return cls(*out, tokens=T, key_len=max(batch.starts) + T, page_size=P,
+                   uniform=len(set(batch.starts)) == 1)
 
 
 class _Holdings:

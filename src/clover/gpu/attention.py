@@ -1,11 +1,13 @@
 """Gated attention (`attention`, see layers/attention.py for the definition) over the state pool, batched.
 
-A cached forward writes every row's new K/V into its pages with one `index_copy_`, gathers each row's
-keys 0 … S−1 (S: the longest row's end) from the pages with one index, and runs one SDPA call for
-all rows. No mask when every query sees every key of its row — a decode step or a block step of rows
-with equal lengths (a block sees its whole prefix and the whole block): the flash kernels. Otherwise
-a boolean mask `[B, 1, T, S]` ("prefix plus whole block" for a commit's block rows, causal for its
-committed rows, each row's own end), built once per forward from the batch's index.
+A cached forward writes every row's new K/V into its pages with one `index_copy_`. Short forwards on
+CUDA (decode, block steps, commits) then attend over the pages in place (gpu/paged_attention.py).
+Otherwise — prefill chunks, or where the paged path does not run — the keys 0 … S−1 of each row (S: the
+longest row's end) are gathered from the pages with one index for one SDPA call over all rows. No
+mask when every query sees every key of its row — a decode step or a block step of rows with equal
+lengths (a block sees its whole prefix and the whole block): the flash kernels. Otherwise a boolean
+mask `[B, 1, T, S]` ("prefix plus whole block" for a commit's block rows, causal for its committed
+rows, each row's own end), built once per forward from the batch's index.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.attention import attend_uncached, attention_inputs
+from . import paged_attention
 
 
 def _visible(idx, T: int, block_len: int) -> torch.Tensor:
@@ -30,6 +33,15 @@ def _visible(idx, T: int, block_len: int) -> torch.Tensor:
     return (visible & (key < idx.key_ends[:, None, None]))[:, None]
 
 
+def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
+    """One SDPA call over each row's keys 0 … S−1 copied out of the pages (flat `[pages·P, Hkv, D]`)."""
+    keys = kf[idx.key_rows].permute(0, 2, 1, 3)                             # [B, Hkv, S, D]
+    values = vf[idx.key_rows].permute(0, 2, 1, 3)
+    sees_all = block_len == T or (block_len == 0 and T == 1)
+    mask = None if idx.uniform and sees_all else _visible(idx, T, block_len)
+    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
+
+
 def attention_fast(attn, qg, k, v, cos, sin, batch, block_len: int):
     """`attention` (same arguments and result as `attention_reference`)."""
     B, T, _ = qg.shape
@@ -44,14 +56,10 @@ def attention_fast(attn, qg, k, v, cos, sin, batch, block_len: int):
         vf = pool.v[attn.layer_index].view(-1, Hkv, D)
         kf.index_copy_(0, idx.new_rows, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kf.dtype))
         vf.index_copy_(0, idx.new_rows, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vf.dtype))
-        keys = kf[idx.key_rows].permute(0, 2, 1, 3)                         # [B, Hkv, S, D]
-        values = vf[idx.key_rows].permute(0, 2, 1, 3)
-        sees_all = block_len == T or (block_len == 0 and T == 1)
-        if idx.uniform and sees_all:
-            mask = None
-        else:
-            mask = _visible(idx, T, block_len)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                             enable_gqa=True)
+        out = None
+        if paged_attention.applies(q.device, T):
+            out = paged_attention.attend_paged(q, pool.k[attn.layer_index], pool.v[attn.layer_index], idx, block_len)
+        if out is None:
+            out = _attend_gathered(q, kf, vf, idx, T, block_len)
     out = out.transpose(1, 2).reshape(B, T, attn.num_heads * attn.head_dim)
     return out * torch.sigmoid(gate)

@@ -130,11 +130,11 @@ class _StaticForward:
         B, T, W, P = key.rows, key.tokens, self.pages, pool.page_size
         device = self.flat.device
         starts, reads, writes, table = torch.split(self.flat, [B, B, B, B * W])
-        key_rows, new_rows = BatchIndex.rows_from_pages(table.view(B, W), starts, T, W * P, P)
         commits = T - key.block_len
         write_rows = torch.arange(B if commits and pool.has_gdn else 0, device=device)
         write_slots = writes if commits and pool.has_gdn else writes[:0]
-        return BatchIndex(reads, write_rows, write_slots, starts, new_rows, key_rows, starts + T, uniform=False)
+        return BatchIndex(reads, write_rows, write_slots, starts, table.view(B, W), tokens=T, key_len=W * P,
+                          page_size=P, uniform=False)
 
     def forward(self):
         """The captured work: index, positions, the model's forward; (logits, per-layer distinct experts)."""
