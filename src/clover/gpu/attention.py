@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.attention import attend_uncached, attention_inputs
-from . import paged_attention
+from .paged_attention import applies as paged_applies, attend_paged
 
 
 def _visible(idx, T: int, block_len: int) -> torch.Tensor:
@@ -57,8 +57,8 @@ def attention_fast(attn, qg, k, v, cos, sin, batch, block_len: int):
         kf.index_copy_(0, idx.new_rows, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kf.dtype))
         vf.index_copy_(0, idx.new_rows, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vf.dtype))
         out = None
-        if paged_attention.applies(q.device, T):
-            out = paged_attention.attend_paged(q, pool.k[attn.layer_index], pool.v[attn.layer_index], idx, block_len)
+        if paged_applies(q.device, T):
+            out = attend_paged(q, pool.k[attn.layer_index], pool.v[attn.layer_index], idx, block_len)
         if out is None:
             out = _attend_gathered(q, kf, vf, idx, T, block_len)
     out = out.transpose(1, 2).reshape(B, T, attn.num_heads * attn.head_dim)
