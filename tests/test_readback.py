@@ -64,13 +64,17 @@ def _sequences(model, **common):
     from clover.generation.sequence import Sequence
 
     mask, think = model.config.mask_token_id, model.config.think_token_id
+    rows = [(dict(block_size=8, threshold=0.5), [7, mask, mask, 9, mask, mask, mask, 3]),
+            (dict(block_size=4, threshold=0.9), [mask] * 4)]
+    if common.get("do_sample"):           # (self-speculative decoding is greedy only)
+        rows += [(dict(block_size=4, threshold=0.2), [mask] * 4), (dict(block_size=6, threshold=0.99), [mask] * 6)]
+    else:
+        rows += [(dict(decoding="self_speculative", block_size=4, draft_steps=1), None),
+                 (dict(decoding="self_speculative", block_size=6, draft_steps=3), None)]
     seqs = []
-    for i, (kw, block) in enumerate((
-            (dict(block_size=8, threshold=0.5), [7, mask, mask, 9, mask, mask, mask, 3]),
-            (dict(block_size=4, threshold=0.9), [mask] * 4),
-            (dict(decoding="self_speculative", block_size=4, draft_steps=1), None),
-            (dict(decoding="self_speculative", block_size=6, draft_steps=3), None))):
-        settings = resolve_settings(model, max_new_tokens=64, eos_token_id=[1, 2], **kw, **common)
+    for i, (kw, block) in enumerate(rows):
+        seed = {"seed": 100 + i} if common.get("do_sample") else {}         # sampled rows: a generator each
+        settings = resolve_settings(model, max_new_tokens=64, eos_token_id=[1, 2], **kw, **seed, **common)
         seq = Sequence([5, 6, think] if i == 1 else [5, 6, 7], settings, model.config)
         seq.extend([(11 * i + 3 * k) % 90 + 5 for k in range(6 + i)])
         if block is None:
@@ -92,15 +96,26 @@ STRONG = dict(dllm_repetition_penalty=1.5, dllm_length_penalty_start=4, dllm_len
               dllm_think_end_start=0, dllm_think_end_window=64)       # ramps mid-way, not saturated
 
 
-@pytest.mark.parametrize("controls, on", [({}, True), (OFF, False), (STRONG, True)])
-def test_batched_fills_equal_each_rows_own_denoise(controls, on):
+SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.9)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 2])
+@pytest.mark.parametrize("controls, on", [({}, True), (OFF, False), (STRONG, True), (SAMPLED, True),
+                                          (dict(OFF, do_sample=True, top_k=7), False)])
+def test_batched_fills_equal_each_rows_own_denoise(controls, on, chunk_rows, monkeypatch):
+    """Greedy, and sampled: each row then draws from its own generator (seeded per row), in the batch
+    exactly what it draws alone; also when the batch's positions are decided a few rows at a time
+    (`DECISION_CHUNK`, 2 rows here: chunks that split requests)."""
     import copy
 
+    from clover.generation import sequence
     from clover.generation.sequence import batched_fills
 
     model = make_model("base")
+    if chunk_rows:
+        monkeypatch.setattr(sequence, "DECISION_CHUNK", chunk_rows * model.config.vocab_size)
     seqs = _sequences(model, **controls)
-    assert len({s.batch_key for s in seqs}) == 1 and seqs[2]._seed_is_mask
+    assert len({s.batch_key for s in seqs}) == 1 and (seqs[2]._seed_is_mask or controls.get("do_sample"))
     assert all(s._controls_on == on for s in seqs)
     logits = _logits(model, [len(s.masked_positions()) + s._seed_is_mask for s in seqs], 0)
     logits[0][1, :] = float("nan")                 # a poisoned row, a tie, a dead row
@@ -114,20 +129,30 @@ def test_batched_fills_equal_each_rows_own_denoise(controls, on):
         readback.resolve(s.denoise_steps(x, f))
     for a, b in zip(alone, seqs):
         assert a.block == b.block and a.draft_steps_done == b.draft_steps_done and a.phase == b.phase
+    if controls.get("do_sample"):                   # the generators moved on alike
+        assert all(torch.equal(a.generator.get_state(), b.generator.get_state()) for a, b in zip(alone, seqs))
+        assert len({bytes(s.generator.get_state().numpy()) for s in seqs}) == len(seqs)    # and differ
 
 
-@pytest.mark.parametrize("controls", [{}, OFF, STRONG])
-def test_batched_predictions_equal_each_rows_own(controls):
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+@pytest.mark.parametrize("controls", [{}, OFF, STRONG, SAMPLED])
+def test_batched_predictions_equal_each_rows_own(controls, chunk_rows, monkeypatch):
+    import copy
+
+    from clover.generation import sequence
     from clover.generation.sequence import batched_predictions
 
     model = make_model("base")
+    if chunk_rows:
+        monkeypatch.setattr(sequence, "DECISION_CHUNK", chunk_rows * model.config.vocab_size)
     seqs = _sequences(model, **controls)
     logits = _logits(model, (1, 4, 1, 6), 1)
     logits[1][2, 5] = logits[1][2, 50] = 99.0      # a tie: the lower id
     extras = [[], [20, 21, 22, 23, 24], [], [30, 31, 32, 33, 34, 35, 36]]
     seen = [0, 1, 0, 1]
+    alone = copy.deepcopy(seqs)
     got = [t.tolist() for t in batched_predictions(seqs, logits, extras, seen)]
-    assert got == [s.predict_next(x, e, f) for s, x, e, f in zip(seqs, logits, extras, seen)]
+    assert got == [s.predict_next(x, e, f) for s, x, e, f in zip(alone, logits, extras, seen)]
 
 
 @pytest.mark.parametrize("controls", [{}, STRONG])
@@ -172,3 +197,24 @@ def test_a_failing_batched_decision_falls_back_to_row_by_row(monkeypatch, caplog
         got = [r.tokens for r in generate_batch(model, prompts, settings)]
     assert got == want
     assert any("deciding row by row" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", [dict(block_size=4, threshold=0.7), dict(block_size=1)])
+def test_sampled_requests_decide_together_and_each_gets_what_it_gets_alone(monkeypatch, mode):
+    """Three sampled requests with one sampling setting and their own seeds take the batched path
+    (LowConfidence fills, autoregressive predictions) and each generates exactly its tokens alone."""
+    from clover.generation import decoder
+
+    model = make_model("base")
+    prompts = [[5, 9, 13, 2 + i] * (i + 1) for i in range(3)]
+    settings = [resolve_settings(model, max_new_tokens=12, eos_token_id=[], do_sample=True, temperature=0.9,
+                                 top_p=0.95, seed=seed, **mode) for seed in (1, 2, 3)]
+    alone = [generate_batch(model, [p], [s])[0].tokens for p, s in zip(prompts, settings)]
+    groups = []
+    for name in ("batched_fills", "batched_predictions"):
+        real = getattr(decoder, name)
+        monkeypatch.setattr(decoder, name, lambda seqs, *a, real=real: groups.append(len(seqs)) or real(seqs, *a))
+    together = [r.tokens for r in generate_batch(model, prompts, settings)]
+    assert together == alone
+    assert groups and max(groups) == 3
+    assert len({tuple(t) for t in alone}) == 3

@@ -11,7 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["candidates", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
+__all__ = ["candidates", "draw", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
 
 
 ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax on the CPU: its index temporary stays ~8 MB
@@ -68,6 +68,7 @@ def candidates(
     generator: Optional[torch.Generator] = None,
     exclude: Optional[int] = None,
     with_confidence: bool = True,
+    uniforms: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """One candidate token per row of ``logits[M, V]`` and its confidence (SPEC §5).
 
@@ -75,9 +76,11 @@ def candidates(
     softmax probability at temperature 1 (top-k/top-p play no role).
     Sampling: ``softmax(logits / temperature)`` restricted to the top-k ids (ties at the k-th value
     → lower ids), then to the top-p nucleus (smallest prefix of the most likely ids whose cumulative
-    probability ≥ p, never empty), renormalised; one ``torch.multinomial`` draw per row with
-    ``generator``; confidence = the sampled id's probability under that filtered distribution,
-    i.e. the distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
+    probability ≥ p, never empty), renormalised; one draw per row (:func:`draw`) with the uniform
+    ``uniforms[row]``, or when not given ``torch.rand(M, generator=generator)`` in float64 — so rows
+    of several requests sample together, each from its own generator, and get what they would get
+    alone; confidence = the sampled id's probability under that filtered distribution, i.e. the
+    distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
     ``exclude``: an id never proposed — the mask token, since a position "filled" with it stays masked
     and a model that keeps proposing it would never finish its block. A row whose candidate would be
     that id takes the most likely other id instead (confidence: that id's probability under the same
@@ -101,11 +104,13 @@ def candidates(
     if M == 0:
         return torch.zeros(0, dtype=torch.long, device=x.device), x.new_zeros(0)
 
+    if uniforms is None:
+        uniforms = torch.rand(M, generator=generator, dtype=torch.float64, device=x.device)
     probs = torch.softmax(x / float(temperature), dim=-1)
     use_k = top_k is not None and 0 < top_k < V
     use_p = top_p is not None and top_p < 1.0
     if not (use_k or use_p):
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = draw(probs, uniforms)
         return _avoid(tokens, probs, probs, exclude)
 
     # Work in sorted order (descending prob, stable ⇒ lower id first among ties).
@@ -122,11 +127,24 @@ def candidates(
         keep &= before < float(top_p)
         sp = sp * keep
         sp = sp / sp.sum(-1, keepdim=True)
-    choice = torch.multinomial(sp, 1, generator=generator)  # index into sorted order
+    choice = draw(sp, uniforms)[:, None]  # index into sorted order
     tokens = order.gather(-1, choice).squeeze(-1)
     if _may_hold(tokens, exclude):
         return _avoid(tokens, probs, torch.zeros_like(probs).scatter_(-1, order, sp), exclude)
     return tokens, sp.gather(-1, choice).squeeze(-1)
+
+
+def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One index per row of ``probs`` [M, V] (non-negative, each row's sum > 0, not necessarily 1):
+    the first index whose float64 cumulative sum passes ``uniforms[row]`` [M] in [0, 1) times the
+    row's sum — index i with probability probs[i] / sum. Never an index of probability 0: such an
+    index adds nothing to the sum, and a product rounded up to the whole sum takes the last positive
+    index."""
+    cumulative = probs.to(torch.float64).cumsum(-1)
+    target = uniforms.to(torch.float64)[:, None] * cumulative[:, -1:]
+    index = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
+    last_positive = first_argmax((probs > 0).cumsum(-1).to(torch.float32), dim=-1)
+    return torch.minimum(index, last_positive)
 
 
 def _may_hold(tokens: Tensor, exclude: Optional[int]) -> bool:

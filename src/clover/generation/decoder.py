@@ -344,7 +344,7 @@ class Decoder:
         return self._batched([(seq, out[0]) for seq, out in ran], batched_fills)
 
     def _batched_predictions(self, ran, rows_of) -> dict:
-        """The greedy predictions of a forward's rows that decide alike (`sequence.batched_predictions`),
+        """The predictions of a forward's rows that decide alike (`sequence.batched_predictions`),
         by sequence id; `rows_of(seq, logits)`: the arguments `predict_next` would take (logits, extra,
         seen_first)."""
         return self._batched([(seq, rows_of(seq, logits)) for seq, logits in ran],

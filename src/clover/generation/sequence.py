@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding.controls import apply_controls
-from ..decoding.unmasking import candidates, first_argmax, positions_to_fill, positions_to_fill_batched
+from ..decoding.unmasking import candidates, positions_to_fill, positions_to_fill_batched
 from ..transfer import device_tensor, to_device
 from .constrained import BlockConstraint
 from .readback import resolve
@@ -22,6 +22,7 @@ from .settings import GenerationSettings
 _ids = itertools.count()
 # |logit| / temperature above this may overflow float32 on the way through softmax.
 _SAFE_SCALED_LOGIT = 1e30
+DECISION_CHUNK = 1 << 26   # logits entries (256 MB of float32) a batched decision works on at once
 
 
 @dataclass
@@ -204,14 +205,16 @@ class Sequence:
     @property
     def batch_key(self):
         """Rows with equal keys decide in one batched computation (`batched_fills`,
-        `batched_predictions`): greedy, no grammar, the same controls. None: it decides alone
-        (sampling draws from its own generator; a grammar walks its choices on the host)."""
+        `batched_predictions`): no grammar, the same sampling settings (greedy, or temperature, top-k
+        and top-p — each row still draws from its own generator) and the same controls. None: it
+        decides alone (a grammar walks its choices on the host)."""
         s = self.settings
-        if self.constraint is not None or (s.do_sample and s.temperature != 0):
+        if self.constraint is not None:
             return None
+        sampling = (s.temperature, s.top_k, s.top_p) if s.do_sample and s.temperature != 0 else None
         if not self._controls_on:
-            return (False,)
-        return (True, self._controls, tuple(s.eos_token_id), self.think_end_id)
+            return (sampling, False)
+        return (sampling, True, self._controls, tuple(s.eos_token_id), self.think_end_id)
 
     def _history(self, extra_tokens: list[int]):
         window = self.settings.dllm_repetition_window
@@ -310,27 +313,32 @@ class Sequence:
         return values
 
     def _candidates(self, logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
-        """`candidates()` on logits made safe first, so no NaN can reach `torch.multinomial` (which
-        would raise inside the shared decoder step and fail every co-batched request): NaN scores
-        become -inf, +inf the largest float32, a row with no finite score uniform; and a temperature so
-        small that logits / temperature would overflow float32 is applied in float64, shifted by each
-        row's maximum (the same distribution, finite). Finite logits at ordinary temperatures pass
-        through unchanged."""
+        """`candidates()` on logits made safe first (`safe_logits`, `sampling_logits`), so no NaN or
+        overflow can reach a draw inside the shared decoder step and fail every co-batched request."""
         s = self.settings
-        x, finite = safe_logits(logits)
-        on_host = x.device.type == "cpu"
-        temperature = s.temperature
-        if s.do_sample and temperature > 0 and x.numel():
-            if finite:
-                largest = max(float(x.amax()), -float(x.amin()))
-            else:
-                largest = float("inf") if not on_host else float(torch.where(torch.isfinite(x), x.abs(), 0).amax())
-            if largest / temperature > _SAFE_SCALED_LOGIT:
-                scaled = x.double() / temperature
-                x = (scaled - scaled.amax(dim=-1, keepdim=True)).float()   # max 0; the rest <= 0, maybe -inf
-                temperature = 1.0
-        return candidates(x, do_sample=s.do_sample, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
-                          generator=self._generator_for(x.device), exclude=exclude, with_confidence=with_confidence)
+        x, _ = safe_logits(logits)
+        if s.do_sample and s.temperature > 0:
+            return candidates(sampling_logits(x, s.temperature), do_sample=True, temperature=1.0, top_k=s.top_k,
+                              top_p=s.top_p, generator=self._generator_for(x.device), exclude=exclude)
+        return candidates(x, do_sample=False, exclude=exclude, with_confidence=with_confidence)
+
+
+def sampling_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`x / temperature` (float32, from `safe_logits`), row by row: a row whose largest finite |score|
+    / temperature would pass _SAFE_SCALED_LOGIT (overflowing float32 on the way through softmax) is
+    divided in float64 and shifted by its maximum instead — the same distribution, finite. Each row's
+    result depends on that row alone. On the host the float64 form is computed only when a row needs
+    it; on a device always (a check would be a host sync)."""
+    scaled = x / temperature
+    if not x.numel():
+        return scaled
+    largest = torch.where(torch.isfinite(x), x.abs(), 0).amax(-1)
+    extreme = largest / temperature > _SAFE_SCALED_LOGIT
+    if x.device.type == "cpu" and not bool(extreme.any()):
+        return scaled
+    wide = x.double() / temperature
+    shifted = (wide - wide.amax(dim=-1, keepdim=True)).float()           # max 0; the rest <= 0, maybe -inf
+    return torch.where(extreme[:, None], shifted, scaled)
 
 
 def safe_logits(logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -399,8 +407,7 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
         queries.append([seq.position + i for i in masked])
         histories.append([history] * len(masked))
     x = _batched_controls(seqs, torch.cat(xs), queries, histories, [seq.block for seq in seqs])
-    x, _ = safe_logits(x)
-    tokens, confidence = candidates(x, do_sample=False, exclude=seqs[0].mask_id)
+    tokens, confidence = _batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)
     conf, real = _rows_padded(confidence, counts, float("-inf"))
     toks, _ = _rows_padded(tokens, counts, -1)
     # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
@@ -413,7 +420,7 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
 def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
                         seen_first: list[int]) -> list[torch.Tensor]:
     """`predict_next`'s device half for rows with one `batch_key`, all at once (arguments per row as
-    `predict_next` takes them): each row's greedy tokens, as its own `predict_next` computes them; pass
+    `predict_next` takes them): each row's tokens, as its own `predict_next` computes them; pass
     them as `predict_next_steps(..., tokens=)`."""
     counts = [x.shape[0] for x in logits]
     queries, histories = [], []
@@ -421,5 +428,31 @@ def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extr
         queries.append([seq.position + first + k for k in range(n)])
         histories.append([seq._history(extra[: first + k]) for k in range(n)] if seq._controls_on else [])
     x = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
-    x, _ = safe_logits(x)
-    return list(torch.split(first_argmax(x, dim=-1), counts))
+    tokens, _ = _batched_candidates(seqs, x, counts, with_confidence=False)
+    return list(torch.split(tokens, counts))
+
+
+def _batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | None = None,
+                        with_confidence: bool = True):
+    """`Sequence._candidates` over the concatenated rows of `seqs` (one `batch_key`, `counts[b]` rows
+    each): sampled rows draw their uniforms from their own sequence's generator, as many as each
+    would draw alone and in the same order, so every row gets exactly its own result."""
+    s = seqs[0].settings
+    sampled = s.do_sample and s.temperature > 0
+    if sampled and sum(counts):
+        uniforms = torch.cat([torch.rand(n, generator=seq._generator_for(x.device), dtype=torch.float64,
+                                         device=x.device) for seq, n in zip(seqs, counts) if n])
+    # a few hundred rows at a time: a softmax, a sort or a cumulative sum over the whole vocabulary
+    # makes temporaries of several times the logits' size (64 rows' blocks: 2048 rows, 2 GB each)
+    step = max(1, DECISION_CHUNK // max(1, x.shape[-1]))
+    parts = []
+    for i in range(0, max(1, x.shape[0]), step):
+        chunk, _ = safe_logits(x[i:i + step])
+        if sampled:
+            parts.append(candidates(sampling_logits(chunk, s.temperature), do_sample=True, temperature=1.0,
+                                    top_k=s.top_k, top_p=s.top_p, exclude=exclude,
+                                    uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
+        else:
+            parts.append(candidates(chunk, do_sample=False, exclude=exclude, with_confidence=with_confidence))
+    tokens = torch.cat([t for t, _ in parts])
+    return tokens, None if parts[0][1] is None else torch.cat([c for _, c in parts])
