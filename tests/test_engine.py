@@ -241,3 +241,27 @@ def test_options_are_validated():
         EngineOptions(max_queue=-1)
     with pytest.raises(ValueError, match="max_cache_bytes"):
         EngineOptions(max_cache_bytes=0)
+
+
+def test_on_a_gpu_the_pool_takes_most_of_the_free_memory(caplog):
+    """`engine.budget.device_cache_bytes`: 90% of what is free after a 6 GiB reserve; when that is less
+    than the batch needs but the device holds it, what it needs (with a warning); a device that cannot
+    hold it at all: an error naming the sizes. Off a GPU the engine keeps the model's default."""
+    import logging
+
+    from clover.engine.budget import CUDA_CACHE_FRACTION, CUDA_RESERVE_BYTES, default_cache_bytes, device_cache_bytes
+
+    GiB = 1 << 30
+    assert device_cache_bytes(70 * GiB, 4 * GiB, "cuda:0") == int((70 * GiB - CUDA_RESERVE_BYTES) * CUDA_CACHE_FRACTION)
+    with caplog.at_level(logging.WARNING, logger="clover.engine.budget"):
+        assert device_cache_bytes(9 * GiB, 4 * GiB, "cuda:0") == 4 * GiB
+    assert "leaving less than 6 GiB for activations" in caplog.text
+    with pytest.raises(ValueError, match=r"cuda:0: the state pool needs 4\.0 GiB .* 3\.0 GiB is free"):
+        device_cache_bytes(3 * GiB, 4 * GiB, "cuda:0")
+    model = make_model("base")
+    assert default_cache_bytes(model, 4) is None
+    engine = Engine(model, EngineOptions(max_batch=4), start=False)
+    try:
+        assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(4))
+    finally:
+        engine.shutdown()

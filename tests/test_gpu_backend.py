@@ -142,3 +142,34 @@ def test_steps_compile_without_graph_breaks(kind, attention_path):
         eager = model._run(ids, positions, batch, block_len, top_p, logits_at, None)
         pool.finish(batch, caches)
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_engine_serves_greedy_and_sampled_requests_on_cuda():
+    """The engine on a GPU: its pool sized from the device's free memory, greedy and sampled requests
+    decided together (step graphs, paged attention, batched sampling), each finished at its length;
+    a seeded request's tokens repeat when it runs again beside other requests."""
+    from clover.engine import Engine, EngineOptions
+    from clover.engine.budget import default_cache_bytes
+    from clover.gpu import graphs
+
+    model = make_model("base", dtype=torch.float32).to("cuda")     # (float32: row order moves no token)
+    model.backend = Backend("cuda")
+    graphs.enable(model, "cuda")
+    assert default_cache_bytes(model, 4) > model.pool_floor_bytes(4)
+    reqs = [([5, 6, 7, 8], dict(max_new_tokens=16, block_size=4, threshold=0.8)),
+            ([9, 10, 11], dict(max_new_tokens=12, block_size=1)),
+            ([12, 13], dict(max_new_tokens=16, block_size=4, do_sample=True, temperature=0.9, seed=1)),
+            ([14, 15, 16, 17, 18], dict(max_new_tokens=12, block_size=4, do_sample=True, temperature=0.9, seed=2))]
+    runs = []
+    for order in (reqs, reqs[::-1]):
+        with Engine(model, EngineOptions(max_batch=4)) as engine:
+            handles = [engine.submit(p, eos_token_id=[], **s) for p, s in order]
+            for h in handles:
+                h.result(120)
+        runs.append({tuple(p): h.tokens for (p, _), h in zip(order, handles)})
+    for p, s in reqs:
+        assert len(runs[0][tuple(p)]) == s["max_new_tokens"]
+    for p, s in reqs[2:]:
+        assert runs[0][tuple(p)] == runs[1][tuple(p)]

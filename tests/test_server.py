@@ -490,3 +490,17 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.flush() == ""
     m = StopMatcher(["STOP"])
     assert m.feed("aST") + m.feed("Ob") + m.flush() == "aSTOb"
+
+
+def test_a_pool_budget_too_small_is_a_clear_error(model_dir):
+    """`--max-cache-gb` below what the batch's GDN states need: `clover serve` names the sizes and exits
+    2, before anything listens (no traceback)."""
+    import argparse
+
+    from clover.server import add_serve_arguments
+    from clover.server.cli import ServeError, build
+
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--model", str(model_dir), "--port", "0", "--max-cache-gb", "0.000001"])
+    with pytest.raises(ServeError, match="state-pool budget of 1073 bytes is too small"):
+        build(args)

@@ -124,16 +124,19 @@ class CloverForCausalLM(nn.Module):
         config = self.shard_config or self.config     # a tensor-parallel rank holds only its heads' state
         max_sequences = max_sequences or self.default_pool_sequences
         if memory_bytes is None:
-            # at least the GDN slots of max_sequences plus 64K tokens of K/V (the real model's slots alone
-            # take ~3 GB for 16 sequences); untouched pool memory stays virtual
-            slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
-            floor = (slots * StatePool.bytes_per_slot(config, self.dtype)
-                     + 2048 * StatePool.bytes_per_page(config, self.dtype))
-            memory_bytes = max(self.default_pool_bytes, floor)
+            # untouched pool memory stays virtual (on the CPU)
+            memory_bytes = max(self.default_pool_bytes, self.pool_floor_bytes(max_sequences, prefix_slots))
         pool = StatePool.for_budget(config, self.dtype, memory_bytes, max_sequences=max_sequences,
                                     prefix_slots=prefix_slots, devices=devices)
         self.__dict__["_state_pool"] = pool
         return pool
+
+    def pool_floor_bytes(self, max_sequences: int, prefix_slots: int | None = None) -> int:
+        """The smallest default pool: the GDN slots of `max_sequences` (and their cached prefixes) plus
+        64K tokens of K/V (the real model's slots alone take ~3 GB for 16 sequences)."""
+        config = self.shard_config or self.config
+        slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
+        return slots * StatePool.bytes_per_slot(config, self.dtype) + 2048 * StatePool.bytes_per_page(config, self.dtype)
 
     def make_cache(self, capacity: int = 0) -> SequenceState:
         """A new empty sequence in the model's state pool (`capacity`: tokens to reserve, 0 = none)."""

@@ -32,6 +32,7 @@ from ..generation.decoder import Decoder, reserved_tokens
 from ..generation.scoring import causal_logprobs
 from ..generation.sequence import Sequence
 from ..generation.settings import GenerationSettings, GenerationSettingsError
+from .budget import default_cache_bytes
 from .handle import EngineEvent, RequestHandle
 from .metrics import EngineMetrics
 
@@ -54,7 +55,8 @@ class RequestTooLarge(GenerationSettingsError):
 class EngineOptions:
     max_batch: int = 16                    # requests decoded together
     max_queue: int = 64                    # requests waiting for a slot; one more raises QueueFull
-    max_cache_bytes: int | None = None     # the state pool's size (K/V pages + GDN slots); None: the model's default
+    max_cache_bytes: int | None = None     # the state pool's size (K/V pages + GDN slots); None: on one GPU most of
+    #                                        its free memory (engine/budget.py), elsewhere the model's default
     step_tokens: int | None = None         # tokens per decoder step (prefill chunks fill what decoding leaves)
     decode_prefill_tokens: int | None = None   # prefill tokens per step while requests are decoding
     prefix_cache: bool = True              # reuse cached prompt prefixes across requests
@@ -76,7 +78,10 @@ class Engine:
         self.config = model.config
         self.options = options or EngineOptions()
         self.metrics = EngineMetrics()
-        self.pool = model.configure_state_pool(self.options.max_cache_bytes, self.options.max_batch)
+        budget = self.options.max_cache_bytes
+        if budget is None:
+            budget = default_cache_bytes(model, self.options.max_batch)   # on a GPU: most of its free memory
+        self.pool = model.configure_state_pool(budget, self.options.max_batch)
         self._decoder = self._new_decoder()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

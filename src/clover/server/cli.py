@@ -37,7 +37,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "replayed as CUDA graphs)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
-    parser.add_argument("--max-cache-gb", type=float, default=None, help="cache budget of the running batch")
+    parser.add_argument("--max-cache-gb", type=float, default=None,
+                        help="the state pool (K/V pages, GDN states) of the running batch; default on a GPU: 90%% "
+                             "of the memory free after the weights less 6 GiB, on the CPU 2 GiB (virtual until used) "
+                             "or what --max-batch requests' GDN states need")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="largest block_size a request may ask for (default: the model's "
@@ -113,12 +116,15 @@ def build(args):
     path = Path(args.model) if args.model else clover.DEMO_MODEL_DIR
     model = _load_model(args)
     tokenizer = clover.load_tokenizer(args.tokenizer or path)
-    if getattr(model, "parallel", None) is not None:      # rank 0 of several: the followers mirror its steps
-        from clover.distributed.serving import ControlChannel, LeaderEngine
+    try:                                                  # (the state pool's size is checked here)
+        if getattr(model, "parallel", None) is not None:  # rank 0 of several: the followers mirror its steps
+            from clover.distributed.serving import ControlChannel, LeaderEngine
 
-        engine = LeaderEngine(model, engine_options(args), channel=ControlChannel(model.parallel))
-    else:
-        engine = Engine(model, engine_options(args))
+            engine = LeaderEngine(model, engine_options(args), channel=ControlChannel(model.parallel))
+        else:
+            engine = Engine(model, engine_options(args))
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     app = create_app(engine, tokenizer, served_name(args), max_body_bytes=args.max_body_bytes,
                      shutdown_timeout=args.graceful_timeout, max_block_size=args.max_block_size,
                      api_key=args.api_key or os.environ.get("CLOVER_API_KEY") or None,
