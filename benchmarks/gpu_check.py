@@ -15,7 +15,7 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
   - the product's step graphs (clover/gpu/graphs.py) through `model.step`: graphed against eager logits
     (decode, block steps, commit; 2 rows padded to a bucket), greedy generation, decode / block step
     times with graphs on and off at 1 and 4 rows, and tokens/s of 4 requests generated together (AR
-    and LowConfidence) with graphs on and off;
+    and LowConfidence, greedy and sampled: the sampled rows decide in one batch too) with graphs on and off;
   - attention over the pool's pages in place (FlexAttention, clover/gpu/paged_attention.py) against
     gathered keys, one layer, 8 rows of 32K cached tokens: relative |Δ| and ms;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
@@ -278,7 +278,9 @@ def check_step_graphs(fast, config, args, device, report):
         from clover.generation.api import generate_batch, resolve_settings
 
         prompts = [prompt[: 64 + 16 * i] for i in range(4)]
-        for mode, kw in (("ar", dict(block_size=1)), ("lowconf", dict(block_size=L, threshold=0.9))):
+        for mode, kw in (("ar", dict(block_size=1)), ("lowconf", dict(block_size=L, threshold=0.9)),
+                         ("lowconf_sampled", dict(block_size=L, threshold=0.9, do_sample=True, temperature=0.8,
+                                                  top_p=0.95, seed=7))):
             for name, model in (("eager", fast), ("graphs", graphed)):
                 settings = resolve_settings(model, max_new_tokens=args.gen_tokens // 2, eos_token_id=[], **kw)
                 generate_batch(model, prompts, settings)                     # warm (captures, autotuning)
@@ -526,7 +528,7 @@ def main(argv=None) -> int:
             block = [sg[f"block_0.7_{rows}_{mode}_ms"] for mode in ("eager", "graphs")]
             print(f"    {rows} row(s), eager → graphs: decode {decode[0]:.2f} → {decode[1]:.2f} ms, "
                   f"block 0.7 {block[0]:.2f} → {block[1]:.2f} ms")
-        for mode in ("ar", "lowconf"):
+        for mode in ("ar", "lowconf", "lowconf_sampled"):
             print(f"    4 requests, {mode}: {sg[f'generate_{mode}_eager_tok_s']:.1f} → "
                   f"{sg[f'generate_{mode}_graphs_tok_s']:.1f} tok/s")
     if "paged_attention" in report:

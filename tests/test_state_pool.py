@@ -330,3 +330,34 @@ def test_the_default_pool_holds_the_real_model_shape():
     pool = model.state_pool()
     assert pool.num_slots == 49 and pool.num_pages == 2048
     assert pool.nbytes() == 49 * 64389120 + 2048 * 655360
+
+
+def test_generate_grows_a_pool_too_small_for_its_request():
+    """A pool of 4 pages cannot hold a 200-token prompt: `generate` replaces it by one that holds the
+    request (same slots), and the tokens are those a large pool gives; a request that fits keeps the
+    pool. A sequence still on the old pool keeps working on it."""
+    from clover.generation.api import generate_batch, resolve_settings
+
+    model = make_model("base")
+    prompt = [(7 * i) % 90 + 3 for i in range(200)]
+    settings = resolve_settings(model, max_new_tokens=16, block_size=4, threshold=0.7, eos_token_id=[])
+    model.configure_state_pool(1 << 26)
+    want = generate_batch(model, [prompt], settings)[0].tokens
+    small = model.configure_state_pool(_pool_bytes(model, pages=4, max_sequences=16), 16)
+    assert small.num_pages == 4
+    held = model.make_cache()
+    model.prefill_batch([[5, 6, 7]], [held])
+    got = generate_batch(model, [prompt], settings)[0].tokens
+    grown = model.state_pool()
+    assert got == want and grown is not small
+    assert grown.num_slots == small.num_slots and grown.num_pages >= grown.pages_for(200 + 5 * 4)
+    assert generate_batch(model, [prompt[:20]], settings) and model.state_pool() is grown
+    model.step(torch.tensor([[8]]), [held])                     # the old pool still serves its sequence
+    assert held.length == 4 and held.pool is small
+
+
+def _pool_bytes(model, pages: int, max_sequences: int) -> int:
+    from clover.cache import StatePool
+
+    return ((1 + 3 * max_sequences) * StatePool.bytes_per_slot(model.config, model.dtype)
+            + pages * StatePool.bytes_per_page(model.config, model.dtype))

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoder import Decoder, step_digest
+from ..cache import StatePool
+from .decoder import Decoder, reserved_tokens, step_digest
 from .sequence import GenerationStats, Sequence
 from .settings import GenerationSettings, GenerationSettingsError
 
@@ -62,6 +63,7 @@ def generate_batch(model, prompts, settings: GenerationSettings | list[Generatio
         validate(model, len(prompt), s)
         seqs.append(Sequence(prompt, s, model.config, grammar))
     index = {seq.id: i for i, seq in enumerate(seqs)}
+    fit_pool(model, seqs)
     decoder = Decoder(model, max_batch=max_batch)
     for seq in seqs:
         decoder.add(seq)
@@ -115,3 +117,27 @@ def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
         out[i, : len(f)] = torch.tensor(f)
     out = out.to(input_ids.device)
     return out if input_ids.dim() == 2 else out[0]
+
+
+def fit_pool(model, seqs: list[Sequence]) -> None:
+    """Grow the model's state pool when it cannot hold the largest of these requests even alone: the
+    library's default pool holds 64K tokens of the real model's K/V (beside its GDN slots), and a
+    128K-token request through `generate()` should not need `configure_state_pool` first. The new pool
+    keeps the old one's slots; sequences still on the old pool keep it alive, others let it go."""
+    pool = model.state_pool()
+    config = model.config
+    need = max(pool.pages_for(reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens,
+                                              seq.settings.block_size)) for seq in seqs)
+    if need <= pool.num_pages:
+        return
+    shape = model.shard_config or config
+    max_sequences = max(1, (pool.num_slots - 1) // 3)
+    memory = (1 + 3 * max_sequences) * StatePool.bytes_per_slot(shape, model.dtype) \
+        + (need + 1) * StatePool.bytes_per_page(shape, model.dtype, pool.page_size)
+    model.__dict__.pop("_state_pool", None)           # (its memory goes before the larger pool's comes)
+    try:
+        model.configure_state_pool(memory, max_sequences)
+    except torch.OutOfMemoryError:
+        model.__dict__["_state_pool"] = pool
+        raise RuntimeError(f"a request of {need * pool.page_size} tokens needs a state pool of "
+                           f"{memory / 2**30:.1f} GiB, more than the device has free") from None
