@@ -67,8 +67,8 @@ def _page_blocks(idx, pages: int, rows: int, block_len: int):
     last = (idx.key_ends - 1) // P
     full_n = torch.zeros(rows, 1, 1, dtype=torch.int32, device=device)
     full_n[:B, 0, 0] = first.to(torch.int32)
-    full = torch.zeros(rows, 1, 1, pages, dtype=torch.int32, device=device)
-    full[:B, 0, 0, :N] = idx.table.to(torch.int32)
+    full = torch.zeros(rows, 1, 1, pages, dtype=torch.int32, device=device)     # (both lists as wide: the
+    full[:B, 0, 0, :N] = idx.table.to(torch.int32)                              # kernels index them alike)
     span = torch.arange(3, device=device)                                  # ≤ 64 tokens touch ≤ 3 pages
     tail = idx.table.gather(1, torch.minimum(first[:, None] + span, last[:, None]))
     part_n = torch.zeros(rows, 1, 1, dtype=torch.int32, device=device)
@@ -77,8 +77,9 @@ def _page_blocks(idx, pages: int, rows: int, block_len: int):
     part[:B, 0, 0, :3] = tail.to(torch.int32)
     # page → its index in the row's table (−1: not the row's); padding entries past `last` go to a spare column
     used = torch.arange(N, device=device)[None, :] <= last[:, None]
-    where = torch.full((rows, pages + 1), -1, dtype=torch.long, device=device)
-    where[:B].scatter_(1, torch.where(used, idx.table, pages), torch.arange(N, device=device).expand(B, N))
+    where = torch.full((rows, pages + 1), -1, dtype=torch.int32, device=device)
+    where[:B].scatter_(1, torch.where(used, idx.table, pages),
+                       torch.arange(N, dtype=torch.int32, device=device).expand(B, N))
     bounds = torch.zeros(rows, 3, dtype=torch.long, device=device)          # start, end, first block query
     bounds[:B, 0], bounds[:B, 1] = idx.starts, idx.key_ends
     bounds[:, 2] = T - block_len if block_len else MAX_TOKENS + 1
