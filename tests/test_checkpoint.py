@@ -576,3 +576,21 @@ def test_transformers_generated_configs_parse():
     for field in ("hidden_size", "layer_types", "linear_num_key_heads", "linear_num_value_heads", "num_experts",
                   "rope_theta", "partial_rotary_factor", "head_dim", "moe_intermediate_size"):
         assert getattr(full, field) == getattr(ours, field), field
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_reading_equals_direct_reading(model, tmp_path, monkeypatch, layout, dtype):
+    """What a GPU load does — every chunk through alternating staging buffers (`transfer.StagedCopy`,
+    page-locked on CUDA) — gives the tensors a direct read gives: chunks of 1000 bytes, so tensors span
+    many chunks and buffers; float32 files read as float32 and converted to bf16."""
+    from clover import checkpoint
+
+    save_checkpoint(model, model.config, tmp_path, layout=layout, max_shard_bytes=40_000)
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1000)
+    plan = checkpoint.plan_checkpoint(tmp_path, model.config)
+    direct = dict(checkpoint.read_tensors(plan, dtype))
+    staged = dict(checkpoint.read_tensors(plan, dtype, staged=True))
+    assert direct.keys() == staged.keys() and len(direct) > 10
+    for name, tensor in direct.items():
+        assert torch.equal(tensor, staged[name]), name

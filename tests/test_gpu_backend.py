@@ -173,3 +173,17 @@ def test_the_engine_serves_greedy_and_sampled_requests_on_cuda():
         assert len(runs[0][tuple(p)]) == s["max_new_tokens"]
     for p, s in reqs[2:]:
         assert runs[0][tuple(p)] == runs[1][tuple(p)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_loading_to_cuda_through_pinned_buffers_equals_loading_on_cpu(tmp_path):
+    from clover.checkpoint import load_model, save_checkpoint
+
+    model = make_model("base", dtype=torch.float32)
+    save_checkpoint(model, model.config, tmp_path, layout="per_expert")
+    on_cpu = load_model(tmp_path, dtype=torch.bfloat16).state_dict()
+    on_gpu = load_model(tmp_path, dtype=torch.bfloat16, device="cuda").state_dict()
+    assert on_cpu.keys() == on_gpu.keys()
+    for name, tensor in on_cpu.items():
+        assert on_gpu[name].is_cuda and torch.equal(tensor, on_gpu[name].cpu()), name

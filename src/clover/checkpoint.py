@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import CloverConfig
+from .transfer import StagedCopy
 
 IGNORED = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."), re.compile(r"^visual\."))
 PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -146,8 +147,9 @@ class _MappedFile(MappedBytes):
             self.close()
             raise CheckpointError(f"{path}: truncated safetensors file (changed while loading)")
 
-    def copy_into(self, dest: torch.Tensor, key: str) -> None:
-        """Fill the contiguous tensor `dest` with stored tensor `key`, converting dtype on the way."""
+    def copy_into(self, dest: torch.Tensor, key: str, stager: StagedCopy | None = None) -> None:
+        """Fill the contiguous tensor `dest` with stored tensor `key`, converting dtype on the way
+        (through `stager`'s pinned buffers when given: a GPU destination)."""
         meta = self.header[key]
         src_dtype = READ_DTYPES[meta["dtype"]]
         item = src_dtype.itemsize
@@ -159,9 +161,12 @@ class _MappedFile(MappedBytes):
             j = min(n, i + step)
             lo, hi = start + i * item, start + j * item
             chunk = self.bytes[lo:hi]
-            if lo % item:
-                chunk = chunk.clone()     # unaligned in the file: realign this chunk only
-            flat[i:j].copy_(chunk.view(src_dtype))
+            if stager is not None:
+                stager.copy(flat[i:j], chunk, src_dtype)
+            else:
+                if lo % item:
+                    chunk = chunk.clone()     # unaligned in the file: realign this chunk only
+                flat[i:j].copy_(chunk.view(src_dtype))
             self.release(lo, hi)
 
 
@@ -307,10 +312,14 @@ def planned_nbytes(plan: CheckpointPlan, dtype: torch.dtype) -> int:
     return total
 
 
-def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu"):
+def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu", staged: bool | None = None):
     """Yield (name, tensor) for every tensor of a planned checkpoint, one at a time, floating-point ones in
-    `dtype` and quantized codes and scales as stored. Memory-mapped, converted chunk by chunk."""
+    `dtype` and quantized codes and scales as stored. Memory-mapped, converted chunk by chunk; to a GPU
+    through pinned staging buffers (`transfer.StagedCopy`; `staged` forces it either way)."""
     readers = {}
+    if staged is None:
+        staged = torch.device(device).type == "cuda"
+    stager = StagedCopy(device, CHUNK_BYTES) if staged else None
     try:
         for f in plan.files:
             readers[f] = _MappedFile(f, plan.headers[f])
@@ -322,12 +331,14 @@ def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu"):
                 target = plan.quant_buffers[name].dtype if quant else dtype
                 tensor = torch.empty(plan.expected[name], dtype=target, device=device)
                 if source[0] == "per_expert":
-                    _merge_experts(tensor, source[1], plan.stored, readers)
+                    _merge_experts(tensor, source[1], plan.stored, readers, stager)
                 else:
                     _, f, key, _, _ = source
-                    readers[f].copy_into(tensor, key)
+                    readers[f].copy_into(tensor, key, stager)
             yield name, tensor
     finally:
+        if stager is not None:
+            stager.finish()                       # (before the file pages and the buffers go)
         for r in readers.values():
             r.close()
 
@@ -426,7 +437,7 @@ def _per_expert_keys_for(key: str, config):
     return _per_expert_keys(f"model.layers.{layer}.mlp.experts.{fused}", config)
 
 
-def _merge_experts(out: torch.Tensor, keys, stored, readers) -> None:
+def _merge_experts(out: torch.Tensor, keys, stored, readers, stager=None) -> None:
     """Assemble a fused expert tensor from per-expert weights, one expert slice at a time."""
     E = out.shape[0]
     parts = len(keys) // E                     # 2 (gate, up) for gate_up_proj, 1 for down_proj
@@ -434,7 +445,7 @@ def _merge_experts(out: torch.Tensor, keys, stored, readers) -> None:
     for i, (key, _) in enumerate(keys):
         e, j = divmod(i, parts)
         f, stored_key, _, _ = stored[key]
-        readers[f].copy_into(out[e, j * rows:(j + 1) * rows], stored_key)
+        readers[f].copy_into(out[e, j * rows:(j + 1) * rows], stored_key, stager)
 
 
 def _clover_default(name: str, shape, dtype) -> torch.Tensor:
