@@ -122,6 +122,38 @@ def test_sampling_with_given_uniforms_equals_sampling_with_the_generator_they_co
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), kw
 
 
+def test_sampling_through_the_top_ranks_equals_sorting_whole_rows(monkeypatch):
+    """On the host a filtered row is sorted only through its top HEAD_RANKS + 1 entries when what the
+    filters keep ends inside them: the same tokens as sorting every row whole, for peaked rows (the
+    top ranks decide), a flat row, a row whose 40 tied maxima pass the head, and a nearly flat one
+    (sorted whole under top-p); each row as it is alone; a masked-id candidate replaced from the same distribution."""
+    from clover.decoding.unmasking import _filtered_draw
+
+    g = torch.Generator().manual_seed(4)
+    V = 300
+    x = torch.randn(12, V, generator=g) * 4
+    x[3] = 0.0
+    x[5] = torch.randn(V, generator=g) * 0.5
+    x[5, 100:140] = 20.0
+    x[7] = torch.randn(V, generator=g) * 0.1
+    u = torch.rand(12, generator=g, dtype=torch.float64)
+    for kw in (dict(top_p=0.9), dict(top_k=5), dict(top_k=20, top_p=0.8), dict(top_p=0.5, temperature=0.7)):
+        monkeypatch.setattr(unmasking, "HEAD_RANKS", 16)
+        probs = torch.softmax(x / kw.get("temperature", 1.0), -1)
+        _, _, pieces = _filtered_draw(probs, u, kw.get("top_k"), kw.get("top_p"))
+        head_rows, whole_rows = pieces[0][0].tolist(), pieces[-1][0].tolist()
+        flat = {3, 5} if "top_k" in kw else {3, 5, 7}     # (under top-k, row 7 is decided in its top ranks)
+        assert flat <= set(whole_rows) and len(head_rows) >= 6, kw
+        fast = candidates(x, do_sample=True, uniforms=u, exclude=int(x[0].argmax()), **kw)
+        rows = [candidates(x[r:r + 1], do_sample=True, uniforms=u[r:r + 1], exclude=int(x[0].argmax()), **kw)
+                for r in range(12)]
+        monkeypatch.setattr(unmasking, "HEAD_RANKS", 10 ** 6)
+        whole = candidates(x, do_sample=True, uniforms=u, exclude=int(x[0].argmax()), **kw)
+        assert torch.equal(fast[0], whole[0]), kw
+        assert torch.allclose(fast[1], whole[1], rtol=1e-6, atol=0), kw
+        assert torch.equal(torch.cat([t for t, _ in rows]), fast[0]) and torch.equal(torch.cat([c for _, c in rows]), fast[1])
+
+
 def test_top_k_never_samples_outside():
     logits = log([[0.1, 0.25, 0.05, 0.3, 0.3]]).repeat(3000, 1)
     tok, conf = candidates(logits, do_sample=True, top_k=2, generator=torch.Generator().manual_seed(0))

@@ -18,6 +18,9 @@ ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax on the CPU: its in
 # On a GPU each step is a few kernel launches, and a batch of rows' blocks ([512, 248k]) would take
 # hundreds in 8 MB steps: there the steps are 16× larger (a 128 MB temporary), a handful per batch.
 DEVICE_ARGMAX_CHUNK = 1 << 24
+# Top-k / top-p sampling on the host sorts a row's top HEAD_RANKS + 1 entries first (the whole row only
+# when what the filters keep does not end inside them): a 32k-entry row's full sort took ~1.3 ms.
+HEAD_RANKS = 512
 
 
 def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -113,25 +116,78 @@ def candidates(
         tokens = draw(probs, uniforms)
         return _avoid(tokens, probs, probs, exclude)
 
-    # Work in sorted order (descending prob, stable ⇒ lower id first among ties).
-    sp, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    tokens, confidence, pieces = _filtered_draw(probs, uniforms, top_k if use_k else None,
+                                                top_p if use_p else None)
+    if _may_hold(tokens, exclude):
+        dist = torch.zeros_like(probs)
+        for rows, order, sp in pieces:
+            dist[rows] = torch.zeros_like(probs[rows]).scatter_(-1, order, sp)
+        return _avoid(tokens, probs, dist, exclude)
+    return tokens, confidence
+
+
+def _kept(sp: Tensor, top_k: Optional[int], top_p: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """Probabilities sorted descending per row (ties: lower id first) → (the ranks top-k then top-p
+    keep, bool; the kept probabilities renormalised, 0 elsewhere)."""
     keep = torch.ones_like(sp, dtype=torch.bool)
-    if use_k:
+    if top_k is not None:
         keep[:, top_k:] = False
         sp = sp * keep
         sp = sp / sp.sum(-1, keepdim=True)
-    if use_p:
+    if top_p is not None:
         # Keep rank r while the mass of the ranks before it is still < p (rank 0 always kept).
         before = torch.cumsum(sp, dim=-1) - sp
         before[:, 0] = 0.0
         keep &= before < float(top_p)
         sp = sp * keep
         sp = sp / sp.sum(-1, keepdim=True)
-    choice = draw(sp, uniforms)[:, None]  # index into sorted order
-    tokens = order.gather(-1, choice).squeeze(-1)
-    if _may_hold(tokens, exclude):
-        return _avoid(tokens, probs, torch.zeros_like(probs).scatter_(-1, order, sp), exclude)
-    return tokens, sp.gather(-1, choice).squeeze(-1)
+    return keep, sp
+
+
+def _filtered_draw(probs: Tensor, uniforms: Tensor, top_k: Optional[int], top_p: Optional[float]):
+    """Top-k / top-p filtering in sorted order and one draw per row → (tokens [M], confidences [M],
+    [(rows, order, kept probabilities)] from which each row's filtered distribution is rebuilt).
+
+    Sorting a whole 248k-entry row is most of a sampled decision's time on the CPU, and a nucleus is
+    usually a few dozen tokens: on the host each row first tries only its top HEAD_RANKS + 1 entries
+    (`torch.topk`, put in the full sort's order: value descending, lower id first), and keeps that
+    when what the filters keep ends inside them at a value above the first entry left out — then no
+    entry outside could belong, nor tie with one that does. Other rows (and on a device, where the
+    check would be a host sync, every row) sort whole. Each row's path depends on that row alone."""
+    M, V = probs.shape
+    head = HEAD_RANKS if top_k is None else max(HEAD_RANKS, top_k)
+    tokens = torch.empty(M, dtype=torch.long, device=probs.device)
+    confidence = torch.empty(M, dtype=probs.dtype, device=probs.device)
+    pieces = []
+    whole = None                                      # rows to sort whole (None: all)
+    if probs.device.type == "cpu" and head + 1 < V:
+        values, ids = torch.topk(probs, head + 1, dim=-1)
+        ids, by_id = ids.sort(dim=-1)                                   # ties: lower id first …
+        values, rank = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)
+        order = ids.gather(-1, rank)                                    # … in value order
+        keep, sp = _kept(values, top_k, top_p)
+        last = keep.sum(-1, keepdim=True) - 1
+        decided = ~keep[:, head] & (values.gather(-1, last).squeeze(-1) > values[:, head])
+        rows = decided.nonzero().squeeze(-1)
+        if len(rows):
+            choice = draw(sp[rows], uniforms[rows])[:, None]
+            tokens[rows] = order[rows].gather(-1, choice).squeeze(-1)
+            confidence[rows] = sp[rows].gather(-1, choice).squeeze(-1)
+            pieces.append((rows, order[rows], sp[rows]))
+        whole = (~decided).nonzero().squeeze(-1)
+        if not len(whole):
+            return tokens, confidence, pieces
+    part = probs if whole is None else probs[whole]
+    u = uniforms if whole is None else uniforms[whole]
+    sp, order = torch.sort(part, dim=-1, descending=True, stable=True)
+    _, sp = _kept(sp, top_k, top_p)
+    choice = draw(sp, u)[:, None]  # index into sorted order
+    picked, conf = order.gather(-1, choice).squeeze(-1), sp.gather(-1, choice).squeeze(-1)
+    if whole is None:
+        return picked, conf, [(slice(None), order, sp)]
+    tokens[whole], confidence[whole] = picked, conf
+    pieces.append((whole, order, sp))
+    return tokens, confidence, pieces
 
 
 def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -140,11 +196,11 @@ def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
     row's sum — index i with probability probs[i] / sum. Never an index of probability 0: such an
     index adds nothing to the sum, and a product rounded up to the whole sum takes the last positive
     index."""
-    cumulative = probs.to(torch.float64).cumsum(-1)
-    target = uniforms.to(torch.float64)[:, None] * cumulative[:, -1:]
-    index = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
-    last_positive = first_argmax((probs > 0).cumsum(-1).to(torch.float32), dim=-1)
-    return torch.minimum(index, last_positive)
+    cumulative = torch.cumsum(probs, -1, dtype=torch.float64)
+    total = cumulative[:, -1:].contiguous()
+    index = torch.searchsorted(cumulative, uniforms.to(torch.float64)[:, None] * total, right=True)
+    last_positive = torch.searchsorted(cumulative, total)          # where the sum reaches its total
+    return torch.minimum(index, last_positive).squeeze(-1)
 
 
 def _may_hold(tokens: Tensor, exclude: Optional[int]) -> bool:
