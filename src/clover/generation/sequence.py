@@ -314,13 +314,9 @@ class Sequence:
 
     def _candidates(self, logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
         """`candidates()` on logits made safe first (`safe_logits`, `sampling_logits`), so no NaN or
-        overflow can reach a draw inside the shared decoder step and fail every co-batched request."""
-        s = self.settings
-        x, _ = safe_logits(logits)
-        if s.do_sample and s.temperature > 0:
-            return candidates(sampling_logits(x, s.temperature), do_sample=True, temperature=1.0, top_k=s.top_k,
-                              top_p=s.top_p, generator=self._generator_for(x.device), exclude=exclude)
-        return candidates(x, do_sample=False, exclude=exclude, with_confidence=with_confidence)
+        overflow can reach a draw inside the shared decoder step and fail every co-batched request:
+        this row alone through what a batch of rows goes through."""
+        return batched_candidates([self], logits, [logits.shape[0]], exclude, with_confidence)
 
 
 def sampling_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -407,7 +403,7 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
         queries.append([seq.position + i for i in masked])
         histories.append([history] * len(masked))
     x = _batched_controls(seqs, torch.cat(xs), queries, histories, [seq.block for seq in seqs])
-    tokens, confidence = _batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)
+    tokens, confidence = batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)
     conf, real = _rows_padded(confidence, counts, float("-inf"))
     toks, _ = _rows_padded(tokens, counts, -1)
     # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
@@ -428,14 +424,14 @@ def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extr
         queries.append([seq.position + first + k for k in range(n)])
         histories.append([seq._history(extra[: first + k]) for k in range(n)] if seq._controls_on else [])
     x = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
-    tokens, _ = _batched_candidates(seqs, x, counts, with_confidence=False)
+    tokens, _ = batched_candidates(seqs, x, counts, with_confidence=False)
     return list(torch.split(tokens, counts))
 
 
-def _batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | None = None,
-                        with_confidence: bool = True):
-    """`Sequence._candidates` over the concatenated rows of `seqs` (one `batch_key`, `counts[b]` rows
-    each): sampled rows draw their uniforms from their own sequence's generator, as many as each
+def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | None = None,
+                       with_confidence: bool = True):
+    """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
+    rows each): sampled rows draw their uniforms from their own sequence's generator, as many as each
     would draw alone and in the same order, so every row gets exactly its own result."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0

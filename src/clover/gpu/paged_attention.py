@@ -6,7 +6,7 @@ traffic (8 rows × 32K keys × 2 K/V heads × 256 × bf16 × K and V is 512 MB p
 one FlexAttention call attends over the whole pool, `[1, Hkv, pages · page_size, D]`, a view of the
 pool's `[pages, page_size, Hkv, D]` tensor, and a block mask with one block per page says which pages
 each row reads: its page table. Pages wholly before a row's first new token are "full" blocks (no
-mask evaluated); the ≤ 3 pages holding its new tokens are masked per position — key j is visible to
+mask evaluated); the ≤ 3 pages holding its new tokens (32-token pages) are masked per position — key j is visible to
 query i when j < end and (j ≤ start + i, or i is a block query) — through a per-forward map from a
 page to its position in the row's table. The same semantics as `_visible` in gpu/attention.py.
 
@@ -69,12 +69,13 @@ def _page_blocks(idx, pages: int, rows: int, block_len: int):
     full_n[:B, 0, 0] = first.to(torch.int32)
     full = torch.zeros(rows, 1, 1, pages, dtype=torch.int32, device=device)     # (both lists as wide: the
     full[:B, 0, 0, :N] = idx.table.to(torch.int32)                              # kernels index them alike)
-    span = torch.arange(3, device=device)                                  # ≤ 64 tokens touch ≤ 3 pages
+    touched = (P + MAX_TOKENS - 2) // P + 1                               # pages ≤ MAX_TOKENS tokens touch: 3
+    span = torch.arange(touched, device=device)
     tail = idx.table.gather(1, torch.minimum(first[:, None] + span, last[:, None]))
     part_n = torch.zeros(rows, 1, 1, dtype=torch.int32, device=device)
     part_n[:B, 0, 0] = (last - first + 1).to(torch.int32)
     part = torch.zeros(rows, 1, 1, pages, dtype=torch.int32, device=device)
-    part[:B, 0, 0, :3] = tail.to(torch.int32)
+    part[:B, 0, 0, :touched] = tail.to(torch.int32)
     # page → its index in the row's table (−1: not the row's); padding entries past `last` go to a spare column
     used = torch.arange(N, device=device)[None, :] <= last[:, None]
     where = torch.full((rows, pages + 1), -1, dtype=torch.int32, device=device)
