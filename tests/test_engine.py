@@ -260,6 +260,8 @@ def test_on_a_gpu_the_pool_takes_most_of_the_free_memory(caplog):
         device_cache_bytes(3 * GiB, 4 * GiB, "cuda:0")
     model = make_model("base")
     assert default_cache_bytes(model, 4) is None
+    from types import SimpleNamespace                  # tensor-parallel ranks: sized alike, never by free memory
+    assert default_cache_bytes(SimpleNamespace(parallel=object()), 4) is None
     engine = Engine(model, EngineOptions(max_batch=4), start=False)
     try:
         assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(4))

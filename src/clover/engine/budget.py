@@ -54,7 +54,11 @@ def device_cache_bytes(free_bytes: int, needed_bytes: int, device) -> int:
 def default_cache_bytes(model, max_sequences: int) -> int | None:
     """The engine's state-pool size when none is given: on one CUDA device, most of its free memory
     (`device_cache_bytes`); elsewhere None (the model's own default: on the CPU, untouched pool memory
-    stays virtual, so the pool is a ceiling rather than memory spent)."""
+    stays virtual, so the pool is a ceiling rather than memory spent). Under tensor parallelism also
+    None: the other ranks replay the leader's admissions, so every rank's pool must be the same size
+    (`--max-cache-gb` sets it)."""
+    if getattr(model, "parallel", None) is not None:
+        return None
     devices = {layer.input_layernorm.weight.device for layer in model.model.layers}
     if len(devices) != 1:
         return None
