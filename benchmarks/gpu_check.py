@@ -499,6 +499,8 @@ def main(argv=None) -> int:
         section(report, "nccl", check_nccl, config, device, report)
     if device.type == "cuda":
         report["memory_peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    from clover.gpu import paged_attention
+    report["paged_attention_after_all"] = paged_attention.status()   # did the model's steps keep it?
     report["total_s"] = round(time.perf_counter() - t0, 1)
 
     print(f"\nGPU check on {report['device']} (torch {report['torch']}, fla {report['fla']}, "
@@ -539,7 +541,7 @@ def main(argv=None) -> int:
                 print(f"    {name:<20} " + ("did not run" if r.get("paged") is None and "rel" not in r else
                                          f"{r['gathered_ms']:.3f} → {r['paged_ms']:.3f} ms, rel |Δ| {r['rel']:.2e} "
                                          f"{'ok' if r['rel'] < args.tolerance else 'FAIL'}"))
-    for key in ("memory_after_build_gb", "memory_peak_gb", "total_s"):
+    for key in ("memory_after_build_gb", "memory_peak_gb", "paged_attention_after_all", "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")
     if "nccl" in report:
