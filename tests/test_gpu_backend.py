@@ -187,3 +187,37 @@ def test_loading_to_cuda_through_pinned_buffers_equals_loading_on_cpu(tmp_path):
     assert on_cpu.keys() == on_gpu.keys()
     for name, tensor in on_cpu.items():
         assert on_gpu[name].is_cuda and torch.equal(tensor, on_gpu[name].cpu()), name
+
+
+def test_a_ragged_prefill_hands_fla_one_set_of_lengths_per_forward(monkeypatch):
+    """fla derives its chunk indices from `cu_seqlens` and caches them by the tensor's identity; its
+    chunked kernel reads them back from the device unless it gets the host copy. So every GDN layer of
+    a right-padded prefill must pass the same `cu_seqlens` object and the host lengths: one derivation
+    per forward, no host synchronisation per layer. (The kernels are stood in for: this checks what
+    Clover hands them; tests/test_fla_interpreter.py checks fla's results.)"""
+    from types import SimpleNamespace
+
+    from clover.gpu import gdn
+
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens=None, cu_seqlens_cpu=None):
+        calls.append((cu_seqlens, cu_seqlens_cpu))
+        return v.new_zeros(v.shape), initial_state.clone()
+
+    gdn._takes_host_seqlens.cache_clear()
+    monkeypatch.setattr(gdn, "fla_ops", lambda: SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule))
+    monkeypatch.setattr(gdn, "fla_runs_on", lambda device, chunked=False: True)
+    monkeypatch.setattr(gdn, "fla_conv_runs_on", lambda device: False)
+    model = make_model("base")
+    model.backend = Backend("cuda")
+    gdn_layers = sum(kind == "linear_attention" for kind in model.config.layer_types)
+    with torch.inference_mode():
+        caches = [model.make_cache() for _ in range(2)]
+        model.prefill_batch([[3 + i % 80 for i in range(70)], [5 + i % 80 for i in range(100)]], caches)
+    gdn._takes_host_seqlens.cache_clear()
+    assert len(calls) == gdn_layers >= 2
+    assert len({id(c) for c, _ in calls}) == 1 and len({id(h) for _, h in calls}) == 1
+    cu, host = calls[0]
+    assert host.device.type == "cpu" and host.tolist() == cu.tolist() == [0, 70, 170]

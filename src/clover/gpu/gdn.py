@@ -17,6 +17,9 @@ Without fla (or on a device it cannot run on) Clover's PyTorch delta rule runs o
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -51,25 +54,50 @@ def delta_rule(q, k, v, g, beta, state, scale: float):
     return o.transpose(1, 2), final
 
 
-def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int]):
+def ragged_index(lens: list[int], device, cache: dict | None = None):
+    """(rows, cols, cu_seqlens on `device`, cu_seqlens on the host) of right-padded rows' real tokens,
+    made once per forward (`cache`: the forward's `BatchIndex.derived`). fla caches what it derives
+    from `cu_seqlens` by the tensor's identity, so every GDN layer of a forward must pass the same
+    objects; and its chunked kernel reads the host copy instead of reading the device tensor back
+    (without it: one host synchronisation per layer)."""
+    key = ("ragged", tuple(lens))
+    if cache is not None and key in cache:
+        return cache[key]
+    lengths = torch.tensor(lens, dtype=torch.long)
+    cu_host = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    index = (to_device(torch.repeat_interleave(torch.arange(len(lens)), lengths), device),
+             to_device(torch.cat([torch.arange(n) for n in lens]), device), to_device(cu_host, device), cu_host)
+    if cache is not None:
+        cache[key] = index
+    return index
+
+
+def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int], cache: dict | None = None):
     """`delta_rule` over right-padded rows (row b's first lens[b] of T tokens are real) with fla's
     variable-length form: the real tokens packed into one sequence of Σ lens with `cu_seqlens`, so no
     work goes to padding. Returns (o [B, T, Hv, dv] with zeros past each row's length, each row's
     final state) — what `delta_rule` gives on the padded rows with g = 0, β = 0 past their ends."""
     B, T = q.shape[:2]
-    device = q.device
-    lengths = torch.tensor(lens, dtype=torch.long)
-    rows = to_device(torch.repeat_interleave(torch.arange(B), lengths), device)
-    cols = to_device(torch.cat([torch.arange(n) for n in lens]), device)
-    cu_seqlens = to_device(torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), device)
+    rows, cols, cu_seqlens, cu_host = ragged_index(lens, q.device, cache)
     ops = fla_ops()
-    run = ops.chunk_gated_delta_rule if max(lens) > CHUNKED_MIN_TOKENS else ops.fused_recurrent_gated_delta_rule
+    chunked = max(lens) > CHUNKED_MIN_TOKENS
+    run = ops.chunk_gated_delta_rule if chunked else ops.fused_recurrent_gated_delta_rule
+    host = {"cu_seqlens_cpu": cu_host} if chunked and _takes_host_seqlens(run) else {}
     packed = [t[rows, cols][None] for t in (q, k, v, g, beta)]                # [1, Σ lens, …]
     o, final = run(*packed[:3], g=packed[3], beta=packed[4], scale=scale, initial_state=state,
-                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **host)
     out = o.new_zeros(B, T, *o.shape[2:])
     out[rows, cols] = o[0]
     return out.to(state.dtype), final
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_host_seqlens(run) -> bool:
+    """Whether fla's kernel takes `cu_seqlens_cpu`, host-side lengths (fla-core 0.6.0's chunked kernel does)."""
+    try:
+        return "cu_seqlens_cpu" in inspect.signature(run).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def causal_conv(u, tail, full, weight):
@@ -125,7 +153,7 @@ def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     state = state0
     if P:
         if ragged:
-            o_causal, state = delta_rule_ragged(q, k, v, g, beta, state, scale, batch.commits)
+            o_causal, state = delta_rule_ragged(q, k, v, g, beta, state, scale, batch.commits, idx.derived)
         else:
             o_causal, state = delta_rule(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state, scale)
         parts.append(o_causal)
