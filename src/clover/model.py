@@ -131,12 +131,13 @@ class CloverForCausalLM(nn.Module):
         self.__dict__["_state_pool"] = pool
         return pool
 
-    def pool_floor_bytes(self, max_sequences: int, prefix_slots: int | None = None) -> int:
-        """The smallest default pool: the GDN slots of `max_sequences` (and their cached prefixes) plus
-        64K tokens of K/V (the real model's slots alone take ~3 GB for 16 sequences)."""
+    def pool_floor_bytes(self, max_sequences: int, prefix_slots: int | None = None, pages: int = 2048) -> int:
+        """Bytes of a pool with the GDN slots of `max_sequences` (and their cached prefixes) and `pages`
+        pages of K/V — by default the smallest default pool: 64K tokens (the real model's slots alone
+        take ~3 GB for 16 sequences)."""
         config = self.shard_config or self.config
         slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
-        return slots * StatePool.bytes_per_slot(config, self.dtype) + 2048 * StatePool.bytes_per_page(config, self.dtype)
+        return slots * StatePool.bytes_per_slot(config, self.dtype) + pages * StatePool.bytes_per_page(config, self.dtype)
 
     def make_cache(self, capacity: int = 0) -> SequenceState:
         """A new empty sequence in the model's state pool (`capacity`: tokens to reserve, 0 = none)."""

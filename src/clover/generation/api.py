@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import StatePool
 from .decoder import Decoder, reserved_tokens, step_digest
 from .sequence import GenerationStats, Sequence
 from .settings import GenerationSettings, GenerationSettingsError
@@ -130,10 +129,8 @@ def fit_pool(model, seqs: list[Sequence]) -> None:
                                               seq.settings.block_size)) for seq in seqs)
     if need <= pool.num_pages:
         return
-    shape = model.shard_config or config
     max_sequences = max(1, (pool.num_slots - 1) // 3)
-    memory = (1 + 3 * max_sequences) * StatePool.bytes_per_slot(shape, model.dtype) \
-        + (need + 1) * StatePool.bytes_per_page(shape, model.dtype, pool.page_size)
+    memory = model.pool_floor_bytes(max_sequences, pages=need + 1)
     model.__dict__.pop("_state_pool", None)           # (its memory goes before the larger pool's comes)
     try:
         model.configure_state_pool(memory, max_sequences)
