@@ -9,14 +9,21 @@ import pytest
 import torch
 
 from clover.backend import Backend
+from clover.gpu import experts as gpu_experts
 from clover.gpu.experts import grouped_experts, grouped_mm_available
+from clover.layers.moe import Experts
+from clover.quantization import QuantSpec, quantize_model
+from clover.quantization import modules as quantized_modules
+from clover.quantization.modules import QuantizedWeight
 from tiny_models import make_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _pair(variant="base", dtype=torch.float32, seed=0):
+def _pair(variant="base", dtype=torch.float32, seed=0, quantized=False):
     ref = make_model(variant, seed=seed, dtype=dtype)
+    if quantized:
+        quantize_model(ref, QuantSpec(4, 16))           # every matrix: int4 experts, int4 linears
     fast = copy.deepcopy(ref)
     fast.backend = Backend("cuda")
     return ref, fast
@@ -37,11 +44,13 @@ def test_uncached_forward_matches_reference(variant):
         _close(ref(ids, block_len=8), fast(ids, block_len=8), torch.float32)
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cached_steps_match_reference(dtype, attention_path):
+def test_cached_steps_match_reference(dtype, quantized, attention_path):
     """Prefill (padded, ragged), decode, block steps with selection, fused commit: every forward kind
-    of the decoder, rows at different lengths (masks, gathers of pages that are not consecutive)."""
-    ref, fast = _pair("base", dtype)
+    of the decoder, rows at different lengths (masks, gathers of pages that are not consecutive); on
+    float and on int4-quantized weights (decode's 6 slots run the per-slot experts, the rest all experts)."""
+    ref, fast = _pair("base", dtype, quantized=quantized)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (37, 70, 5)]
     outs = {}
@@ -63,8 +72,9 @@ def test_cached_steps_match_reference(dtype, attention_path):
         _close(a, b, dtype)
 
 
-def test_generation_matches_reference(attention_path):
-    ref, fast = _pair("base")
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+def test_generation_matches_reference(quantized, attention_path):
+    ref, fast = _pair("base", quantized=quantized)
     prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(5))
     for kw in (dict(block_size=8, threshold=0.5), dict(block_size=1), dict(block_size=8, threshold=0.3,
                                                                           block_expert_top_p=0.7),
@@ -85,6 +95,87 @@ def test_grouped_mm_experts_match_per_expert():
     indices[:, 1] = (indices[:, 0] + 1) % 8
     weights = torch.rand(13, 2, generator=g)
     _close(grouped_experts(experts, x, indices, weights), experts._forward_grouped(x, indices, weights), dtype)
+
+
+# Stored forms of quantized experts: Clover's int8 / int4 (symmetric, or with mins as GGUF's Q4_0-like
+# files convert to), and the two-level K-quant forms a GGUF file loads into (Q4_K, Q6_K).
+QUANT_FORMS = {
+    "int8": (QuantSpec(8, 16), False),
+    "int4": (QuantSpec(4, 16), False),
+    "int4_mins": (QuantSpec(4, 16), True),
+    "q4_k": (QuantSpec(4, 16, super_group=32), True),
+    "q6_k": (QuantSpec(6, 16, super_group=32), False),
+}
+
+
+def _random_codes(weight: QuantizedWeight, g: torch.Generator) -> QuantizedWeight:
+    """Fill a quantized stack's buffers with random stored values: every code and scale pattern."""
+    def fill(t, low, high):
+        if t is not None:
+            t.copy_(torch.randint(low, high, t.shape, generator=g).to(t.dtype))
+
+    if weight.bits == 8:
+        fill(weight.qweight, -127, 128)
+    else:
+        fill(weight.qweight, 0, 256)
+    if weight.super_group:                                      # int8 codes under fp16 super-scales
+        fill(weight.scales, 1, 64)
+        fill(weight.mins, 0, 64)
+        weight.super_scales.copy_((torch.rand(weight.super_scales.shape, generator=g) * 2e-3).half())
+        if weight.super_mins is not None:
+            weight.super_mins.copy_((-torch.rand(weight.super_mins.shape, generator=g) * 4e-3).half())
+    else:
+        weight.scales.copy_((torch.rand(weight.scales.shape, generator=g) * 0.02).half())
+        if weight.mins is not None:
+            weight.mins.copy_((-torch.rand(weight.mins.shape, generator=g) * 0.1).half())
+    return weight
+
+
+def _quantized_experts(form: str, dtype, E=8, H=32, I=32, seed=0) -> Experts:
+    spec, mins = QUANT_FORMS[form]
+    g = torch.Generator().manual_seed(seed)
+    experts = Experts(E, H, I)
+    for part, shape in (("gate_up_proj", (E, 2 * I, H)), ("down_proj", (E, H, I))):
+        delattr(experts, part)
+        setattr(experts, part, _random_codes(QuantizedWeight(shape, spec, mins=mins, dtype=dtype), g))
+    return experts
+
+
+@pytest.mark.parametrize("form", sorted(QUANT_FORMS))
+@pytest.mark.parametrize("tokens", [3, 13], ids=["per_slot", "all_experts"])     # 6 or 26 slots, 8 experts
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_experts_match_the_reference(form, tokens, dtype, monkeypatch):
+    """The cuda backend's quantized experts (each slot's expert below E slots, all experts dequantized
+    at or above) against the reference, which dequantizes expert by expert (`w[e]`) and loops;
+    passes cut small (two slots, one expert's matrix per dequantization pass) to cover the chunking."""
+    experts = _quantized_experts(form, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, 32, generator=g).to(dtype)
+    indices = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    want = experts._forward_grouped(x, indices, weights)
+    _close(grouped_experts(experts, x, indices, weights), want, dtype)
+    monkeypatch.setattr(gpu_experts, "SLOT_PASS_WEIGHTS", 2 * 3 * 32 * 32)
+    monkeypatch.setattr(quantized_modules, "DEQUANTIZE_CHUNK", 2 * 32 * 32)
+    _close(grouped_experts(experts, x, indices, weights), want, dtype)
+
+
+def test_dequantizing_in_passes_equals_one_pass(monkeypatch):
+    """`QuantizedWeight.dequantize` in passes (whole stack, or entries by index, repeated ones included)
+    is bit-identical to the one-pass definition (format.dequantize): the same arithmetic per weight."""
+    from clover.quantization.format import dequantize
+
+    for form in QUANT_FORMS:
+        stack = _quantized_experts(form, torch.bfloat16).gate_up_proj
+        index = torch.tensor([5, 0, 5, 7, 2])
+        whole = dequantize(**stack.stored(), dtype=torch.bfloat16)
+        monkeypatch.setattr(quantized_modules, "DEQUANTIZE_CHUNK", 3 * 64 * 32)        # 3 experts a pass
+        assert torch.equal(stack.dequantize(), whole), form
+        assert torch.equal(stack.dequantize(torch.float32, index=index),
+                           dequantize(**stack.stored(index), dtype=torch.float32)), form
+        monkeypatch.setattr(quantized_modules, "DEQUANTIZE_CHUNK", 40 * 32)          # part of one expert
+        assert torch.equal(stack.dequantize(), whole), form
+        assert torch.equal(stack[3], whole[3]), form
 
 
 def test_load_picks_the_cuda_backend_when_asked(tmp_path):

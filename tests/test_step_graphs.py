@@ -14,13 +14,16 @@ from torch.overrides import TorchFunctionMode
 
 from clover.backend import Backend
 from clover.gpu import graphs
+from clover.quantization import QuantSpec, quantize_model
 from tiny_models import make_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _pair(dtype=torch.float32, replay="eager", device="cpu"):
+def _pair(dtype=torch.float32, replay="eager", device="cpu", quantized=False):
     eager = make_model("base", seed=0, dtype=dtype).to(device)
+    if quantized:
+        quantize_model(eager, QuantSpec(4, 16))
     eager.backend = Backend("cuda")
     graphed = copy.deepcopy(eager)
     graphs.enable(graphed, replay)
@@ -298,18 +301,22 @@ def test_the_host_read_guard_sees_what_it_looks_for():
                           "__setitem__ with a bool mask", "tensor", "as_tensor"]
 
 
-@pytest.mark.parametrize("kind", ["decode", "block", "commit"])
-def test_the_graphed_forward_never_reads_the_device_on_the_host(kind, attention_path):
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+@pytest.mark.parametrize("kind", ["decode", "decode_one_row", "block", "commit"])
+def test_the_graphed_forward_never_reads_the_device_on_the_host(kind, quantized, attention_path):
     """What a CUDA graph captures — the index computed from the static buffers, then the forward —
     makes no host read, no data-sized output and no host-to-device copy (each would end a capture),
-    checked op by op on CPU; and it traces whole with torch.compile(fullgraph=True), equal to eager."""
-    _, model = _pair(torch.bfloat16)
+    checked op by op on CPU; and it traces whole with torch.compile(fullgraph=True), equal to eager.
+    Quantized weights too: a 4-row bucket routes 8 slots to 8 experts, so it dequantizes all experts;
+    a 1-row decode (2 slots) runs the per-slot path."""
+    _, model = _pair(torch.bfloat16, quantized=quantized)
     mask = model.config.mask_token_id
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]][:1 if kind == "decode_one_row" else 3]
     with torch.inference_mode():
-        caches = [model.make_cache() for _ in range(3)]
-        model.prefill_batch([[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]], caches)
-        if kind == "decode":
-            model.step(torch.tensor([[3], [4], [5]]), caches)
+        caches = [model.make_cache() for _ in prompts]
+        model.prefill_batch(prompts, caches)
+        if kind.startswith("decode"):
+            model.step(torch.tensor([[3], [4], [5]][:len(prompts)]), caches)
         elif kind == "block":
             model.step(torch.full((3, 8), mask), caches, block=True, block_top_p=[0.7, 0.9, 1.0], stats=[])
         else:

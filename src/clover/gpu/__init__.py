@@ -7,7 +7,8 @@ kernels from maintained libraries, for a GPU.
   - `attention.py`: every row of a cached forward in one SDPA call over keys gathered from the pool's
     pages (no mask where every query sees every key, a "prefix plus whole block" boolean mask else);
   - `experts.py`: routed experts through `torch.nn.functional.grouped_mm` over all experts at once
-    (token counts as offsets, no host sync, no Python loop over experts), else per expert;
+    (token counts as offsets, no host sync, no Python loop over experts), else per expert; quantized
+    experts dequantized on the device (each slot's expert below E slots, all experts above);
   - `ops.py`: registers them as the "cuda" backend's implementations, each with its `qualifies` test.
 
 Every piece is device-agnostic PyTorch around the library calls, so the same code runs on CPU (tests:

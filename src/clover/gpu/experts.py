@@ -6,6 +6,16 @@ grouped GEMM where each expert's rows end, so nothing is read back to the host a
 runs over experts; each token's k products are then summed in a fixed order (deterministic on a GPU).
 Where the installed torch has no `grouped_mm`, or for other dtypes than bf16, the experts run one by
 one (`Experts._forward_grouped`, one host sync for the counts).
+
+Quantized experts (a `clover quantize`d checkpoint or a GGUF file: quantization/modules.py) are
+dequantized on the device at each call, with no host read either way; which way is cheaper follows
+from the slot count S = N·k:
+  - S < E (decode, small batches): each slot's own expert is dequantized (gathered by index, so an
+    expert two tokens share is dequantized twice) and the slots run as batched matrix-vector products;
+  - S ≥ E (block steps, prefill): every expert is dequantized once and the grouped GEMMs run as for
+    float experts (per expert where grouped_mm is unavailable).
+Both cost a dequantization per step where a fused dequantize-GEMM kernel would read the codes once: the
+form that fits the model on a smaller card, not yet the fast one.
 """
 
 from __future__ import annotations
@@ -14,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)    # public from torch 2.12
+
+# Expert weights the per-slot path dequantizes per pass (2^27 bf16 weights: 256 MiB; 42 slots of the
+# real model's 3·512·2048-weight experts): bounds its transient memory at any batch size.
+SLOT_PASS_WEIGHTS = 1 << 27
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -25,21 +39,61 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H] (what `Experts.forward` computes)."""
+    if experts.quantized:
+        return quantized_experts(experts, x, indices, weights)
     if not grouped_mm_available(x):
         return experts._forward_grouped(x, indices, weights)
+    return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj, experts.down_proj)
+
+
+def quantized_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`grouped_experts` for quantized expert stacks: per slot below E slots, all experts at or above."""
+    N, k = indices.shape
+    if N * k < experts.num_experts:
+        return _per_slot(x, indices, weights, experts.gate_up_proj, experts.down_proj)
+    if not grouped_mm_available(x):
+        return experts._forward_grouped(x, indices, weights)
+    return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj.dequantize(x.dtype),
+                         experts.down_proj.dequantize(x.dtype))
+
+
+def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:
+    """Each token-slot through its own dequantized expert as a batched matrix-vector product; a token's
+    k results summed in expert order (the order the reference adds them in)."""
+    N, k = indices.shape
+    H = x.shape[-1]
+    expert_of_slot, perm = indices.sort(dim=1, stable=True)
+    slot_weights = weights.gather(1, perm).reshape(-1, 1).to(x.dtype)
+    expert_of_slot = expert_of_slot.reshape(-1)                                # [N·k], token-major
+    xs = x.repeat_interleave(k, dim=0)                                         # [N·k, H]
+    ys = torch.empty_like(xs)
+    per_expert = gate_up.shape[-2] * gate_up.shape[-1] + down.shape[-2] * down.shape[-1]
+    step = max(1, SLOT_PASS_WEIGHTS // per_expert)
+    for start in range(0, N * k, step):
+        rows = slice(start, start + step)
+        ids = expert_of_slot[rows]
+        hidden = torch.bmm(gate_up.dequantize(x.dtype, index=ids), xs[rows, :, None]).squeeze(-1)   # [s, 2I]
+        gate, up = hidden.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        ys[rows] = torch.bmm(down.dequantize(x.dtype, index=ids), hidden[:, :, None]).squeeze(-1)  # [s, H]
+    return (ys * slot_weights).view(N, k, H).sum(1)
+
+
+def _grouped_gemm(x, indices, weights, num_experts: int, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The grouped-GEMM body over float expert stacks gate_up [E, 2I, H], down [E, H, I]."""
     N, k = indices.shape
     flat_expert = indices.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)
     token_of_slot = order // k
     # (a scatter, not bincount: bincount's output size depends on the data, which CUDA graphs cannot capture)
-    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
         0, flat_expert, torch.ones_like(flat_expert))
     offs = counts.cumsum(0).to(torch.int32)                                 # [E]: each expert's end
     xs = x[token_of_slot]                                                   # [N·k, H] grouped by expert
-    gate_up = GROUPED_MM(xs, experts.gate_up_proj.transpose(-2, -1), offs=offs)     # [N·k, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = GROUPED_MM(xs, gate_up.transpose(-2, -1), offs=offs)           # [N·k, 2I]
+    gate, up = hidden.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
-    ys = GROUPED_MM(hidden, experts.down_proj.transpose(-2, -1), offs=offs)          # [N·k, H]
+    ys = GROUPED_MM(hidden, down.transpose(-2, -1), offs=offs)              # [N·k, H]
     ys = ys * weights.reshape(-1)[order, None].to(x.dtype)
     # Back to token order without atomics (CUDA's index_add_ adds in a varying order, so repeated runs
     # could round differently): each token's k products, in expert order, summed in one reduction

@@ -2,7 +2,7 @@
   - gdn_core: any forward but one with an open speculation (its replay records are the reference's
     per-token tensors); fla's kernels where they run (gpu/__init__.py), else the PyTorch delta rule;
   - attention: any forward (batched over rows; see gpu/attention.py);
-  - moe: experts stored as plain tensors (not packed for the CPU kernels, not quantized);
+  - moe: experts as plain or quantized stacks (not packed for the CPU kernels);
   - add_rmsnorm: the reference (one fused `F.rms_norm`).
 The implementations are device-agnostic, so `Backend("cuda")` also runs on CPU (tests compare it there).
 """
@@ -31,10 +31,11 @@ implementation("attention", "cuda", _attention_qualifies)(attention_fast)
 
 def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
     ex = moe.experts
-    return x.dim() == 3 and ex.panels is None and ex.packed is None and not ex.quantized
+    return x.dim() == 3 and ex.panels is None and ex.packed is None
 
 
 @implementation("moe", "cuda", _moe_qualifies)
 def moe_cuda(moe, x, block_len, block_top_p):
-    """The MoE block with its routed experts as grouped GEMMs (gpu/experts.py)."""
+    """The MoE block with its routed experts as grouped GEMMs, dequantized on the device when stored
+    quantized (gpu/experts.py)."""
     return moe(x, block_len, block_top_p, experts=lambda *args: grouped_experts(moe.experts, *args))

@@ -11,11 +11,19 @@ weights (tests, `clover quantize` of an in-memory model).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .format import QuantSpec, dequantize, quantize
+
+
+# Weights dequantized per pass: `dequantize` computes in fp32 (~16 bytes of temporaries per weight), so
+# a whole matrix at once would need ~8 GB transient for a 248k × 2048 head, ~13 GB for a layer's
+# stacked experts; in passes of 2^24 weights the temporaries stay near 256 MiB.
+DEQUANTIZE_CHUNK = 1 << 24
 
 
 class QuantizedWeight(nn.Module):
@@ -47,8 +55,21 @@ class QuantizedWeight(nn.Module):
         return {"qweight": pick(self.qweight), "scales": pick(self.scales), "mins": pick(self.mins),
                 "bits": self.bits, "super_scales": pick(self.super_scales), "super_mins": pick(self.super_mins)}
 
-    def dequantize(self, dtype=None) -> torch.Tensor:
-        return dequantize(**self.stored(), dtype=dtype or self.compute_dtype)
+    def dequantize(self, dtype=None, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The float matrix (or stack) in `dtype` (default: the model's); with `index` (a 1-D tensor of
+        stack entries, e.g. experts) only those entries, [len(index), N, K]. Computed in passes along
+        dim 0 of at most DEQUANTIZE_CHUNK weights into one output: the same values as one pass, with
+        bounded temporaries, and no host read (the passes are sized by shapes, never by data)."""
+        dtype = dtype or self.compute_dtype
+        lead = self.shape[0] if index is None else index.shape[0]
+        step = max(1, DEQUANTIZE_CHUNK // math.prod(self.shape[1:]))
+        if lead <= step:
+            return dequantize(**self.stored(index), dtype=dtype)
+        out = torch.empty((lead, *self.shape[1:]), dtype=dtype, device=self.qweight.device)
+        for start in range(0, lead, step):
+            rows = slice(start, start + step) if index is None else index[start:start + step]
+            out[start:start + step] = dequantize(**self.stored(rows), dtype=dtype)
+        return out
 
     def __getitem__(self, index) -> torch.Tensor:
         """Entry `index` of a stacked matrix (an expert), dequantized."""
