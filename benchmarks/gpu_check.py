@@ -18,6 +18,9 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
     and LowConfidence, greedy and sampled: the sampled rows decide in one batch too) with graphs on and off;
   - attention over the pool's pages in place (FlexAttention, clover/gpu/paged_attention.py) against
     gathered keys, one layer, 8 rows of 32K cached tokens: relative |Δ| and ms;
+  - the same weights quantized to int4 (group 32, as `clover quantize --bits 4`): the fast backend's
+    quantized experts against the reference on every step kind, the distance from bf16, decode / block
+    step times with graphs against the bf16 model's, and both models' sizes;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -295,6 +298,69 @@ def check_step_graphs(fast, config, args, device, report):
     report["step_graphs"] = res
 
 
+def model_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def check_quantized(ref, config, args, device, report):
+    """The same random weights quantized as `clover quantize --bits 4` writes them (int4, group 32, every
+    matrix but the router and embeddings): the fast backend (quantized experts dequantized on the device,
+    gpu/experts.py) against the reference backend on the quantized weights, every step kind (decode
+    at 1 row runs the per-slot experts, block steps and commits all experts); its distance from the bf16
+    logits; step times with graphs on against the bf16 model's; the two models' bytes."""
+    from clover.gpu import graphs
+    from clover.quantization import QuantSpec, quantize_model
+
+    q_ref = random_model(config, device, torch.bfloat16)                   # the same seed: the same weights
+    quantize_model(q_ref, QuantSpec(4, 32))
+    q_ref.backend = reference_backend()
+    q_fast = CloverForCausalLM.__new__(CloverForCausalLM)
+    q_fast.__dict__.update({k: v for k, v in q_ref.__dict__.items() if k != "_state_pool"})
+    q_fast.backend = Backend("cuda")
+    bf16 = CloverForCausalLM.__new__(CloverForCausalLM)
+    bf16.__dict__.update({k: v for k, v in ref.__dict__.items() if k != "_state_pool"})
+    bf16.backend = Backend("cuda")
+    pool_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
+    for model in (q_ref, q_fast, bf16):
+        model.configure_state_pool(pool_bytes, max_sequences=4)
+    res = {"bytes_bf16": model_bytes(ref), "bytes_int4": model_bytes(q_ref)}
+    mask, L = config.mask_token_id, args.block
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(5, config.vocab_size - 8, (args.prompt // 4,), generator=g).tolist()
+    committed = torch.randint(5, 100, (1, L), generator=g).to(device)
+    outs = {}
+    with torch.inference_mode():
+        for name, model in (("fast", q_fast), ("ref", q_ref), ("bf16", bf16)):
+            caches = prefilled(model, prompt, 2)
+            block = torch.full((2, L), mask, device=device)
+            out = {"decode_1_row": model.step(torch.tensor([[7]], device=device), caches[:1], logits_at="last"),
+                   "decode_2_rows": model.step(torch.tensor([[8], [9]], device=device), caches, logits_at="last"),
+                   "block_0.7": model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
+                   "commit": model.step(torch.cat([committed.expand(2, L), block], 1), caches, block_len=L,
+                                        block_top_p=0.9, logits_at="block")}
+            outs[name] = out
+            for c in caches:
+                c.release()
+        res["ops"] = {k: relative_error(outs["fast"][k], outs["ref"][k]) for k in outs["ref"]}
+        res["ops_ok"] = all(v < args.tolerance for v in res["ops"].values())
+        res["vs_bf16"] = {k: relative_error(outs["fast"][k], outs["bf16"][k]) for k in outs["ref"]}
+        for name, model in (("bf16", bf16), ("int4", q_fast)):
+            graphs.enable(model, "cuda" if device.type == "cuda" and args.graphs else "eager")
+            caches = prefilled(model, prompt, 1)
+            tok = torch.full((1, 1), 7, device=device)
+            res[f"decode_1_{name}_ms"] = timed(lambda: model.step(tok, caches, logits_at="last"), device, 2, args.iters)
+            block = torch.full((1, L), mask, device=device)
+            res[f"block_0.7_1_{name}_ms"] = timed(
+                lambda: model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
+                device, 2, args.iters)
+            for c in caches:
+                c.release()
+            runner = model.state_pool().__dict__.get("_step_graphs")
+            res[f"graphs_failed_{name}"] = [str(k) for k in runner.failed] if runner else []
+            graphs.enable(model, None)
+    report["quantized"] = res
+
+
 def check_paged_attention(config, args, device, report):
     """Attention over the pool's pages in place (clover/gpu/paged_attention.py) against the same keys
     gathered out of the pages (gpu/attention.py), one layer at the real head shapes: `rows` rows of
@@ -490,6 +556,7 @@ def main(argv=None) -> int:
     section(report, "clover_fast", time_steps, fast, config, args, device, report, "clover_fast")
     if args.graphs:
         section(report, "step_graphs", check_step_graphs, fast, config, args, device, report)
+    section(report, "quantized", check_quantized, ref, config, args, device, report)
     if not args.cpu_dry_run:
         section(report, "clover_reference", time_steps, ref, config,
                 argparse.Namespace(**{**vars(args), "graphs": False}), device, report, "clover_reference")
@@ -533,6 +600,15 @@ def main(argv=None) -> int:
         for mode in ("ar", "lowconf", "lowconf_sampled"):
             print(f"    4 requests, {mode}: {sg[f'generate_{mode}_eager_tok_s']:.1f} → "
                   f"{sg[f'generate_{mode}_graphs_tok_s']:.1f} tok/s")
+    if "quantized" in report:
+        q = report["quantized"]
+        print(f"  int4 (group 32), {q['bytes_int4'] / 1e9:.2f} GB against {q['bytes_bf16'] / 1e9:.2f} GB of bf16:")
+        for op, err in q["ops"].items():
+            print(f"    correctness {op:<14} rel |Δ| {err:.2e}  {'ok' if err < args.tolerance else 'FAIL'}"
+                  f"   (vs bf16 logits {q['vs_bf16'][op]:.2e})")
+        print(f"    1 row, bf16 → int4: decode {q['decode_1_bf16_ms']:.2f} → {q['decode_1_int4_ms']:.2f} ms, "
+              f"block 0.7 {q['block_0.7_1_bf16_ms']:.2f} → {q['block_0.7_1_int4_ms']:.2f} ms; graphs failed: "
+              f"{len(q['graphs_failed_bf16'])} bf16, {len(q['graphs_failed_int4'])} int4")
     if "paged_attention" in report:
         pa = report["paged_attention"]
         print(f"  paged attention ({pa['status']}), one layer, gathered → paged:")
@@ -550,7 +626,9 @@ def main(argv=None) -> int:
     for name, err in report.get("errors", {}).items():
         print(f"  ERROR in {name}: {err}")
     print(json.dumps(report))
-    return 1 if report.get("errors") or not report.get("ops_ok", False) or not report.get("paged_ok", True) else 0
+    quantized_ok = report.get("quantized", {}).get("ops_ok", True)
+    return 1 if report.get("errors") or not report.get("ops_ok", False) or not report.get("paged_ok", True) \
+        or not quantized_ok else 0
 
 
 if __name__ == "__main__":

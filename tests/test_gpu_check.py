@@ -25,6 +25,12 @@ def test_gpu_check_dry_run_on_cpu():
                                   "commit"}
     assert report["generation"]["agree"] == 1.0
     assert {"decode_ms", "block_0.7_ms", "commit_ms"} <= set(report["clover_fast"])
+    # int4 weights: the fast backend's quantized experts (per slot at 1 decode row, all experts in block
+    # steps) as the reference on the same quantized weights, at a quarter of the bf16 model's bytes
+    q = report["quantized"]
+    assert q["ops_ok"] and set(q["ops"]) == {"decode_1_row", "decode_2_rows", "block_0.7", "commit"}
+    assert q["bytes_int4"] < 0.4 * q["bytes_bf16"] and not q["graphs_failed_int4"]
+    assert all(0 < v < 0.5 for v in q["vs_bf16"].values())          # it did quantize, and stayed near
     # the tensor-parallel section (NCCL on a GPU) runs over gloo here: one rank equals the plain model
     assert report["nccl"]["backend"] == "gloo" and report["nccl"]["collectives_ok"]
     assert report["nccl"]["logits_rel"] < 1e-6
