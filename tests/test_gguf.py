@@ -530,6 +530,15 @@ def test_k_quant_model(tmp_path):
     assert max_diff(loaded(ids), want) <= 1e-5 * scale          # two-level scales: the file's values exactly
     lib = clover.load(path, backend="reference")
     assert max_diff(lib(ids), want) <= bf16_bound(ref, ids)
+    # the GPU backend (here on CPU) over the same stored forms: experts dequantized on the device per
+    # step (gpu/experts.py), against the reference backend's expert-by-expert dequantization, in fp32
+    on_gpu_path, by_expert = (clover.load(path, dtype=torch.float32, backend=b) for b in ("cuda", "reference"))
+    assert on_gpu_path.backend.name == "cuda" and on_gpu_path.model.layers[0].mlp.experts.quantized
+    assert max_diff(on_gpu_path(ids), by_expert(ids)) <= 1e-5 * scale
+    prompt = ids[:1, :9]
+    for kw in (dict(block_size=8, threshold=0.5), dict(block_size=1)):
+        assert torch.equal(on_gpu_path.generate(prompt, max_new_tokens=16, eos_token_id=[], **kw),
+                           by_expert.generate(prompt, max_new_tokens=16, eos_token_id=[], **kw)), kw
     from clover.kernels import available
 
     if available():            # the default backend: every form of the mix on the quantized kernels
