@@ -3,6 +3,8 @@ problem is a clear error, config validation names the field, and loading stays w
 
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 import subprocess
@@ -578,19 +580,26 @@ def test_transformers_generated_configs_parse():
         assert getattr(full, field) == getattr(ours, field), field
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_staged_reading_equals_direct_reading(model, tmp_path, monkeypatch, layout, dtype):
+def test_staged_reading_equals_direct_reading(model, tmp_path, monkeypatch, layout, dtype, quantized):
     """What a GPU load does — every chunk through alternating staging buffers (`transfer.StagedCopy`,
     page-locked on CUDA) — gives the tensors a direct read gives: chunks of 1000 bytes, so tensors span
-    many chunks and buffers; float32 files read as float32 and converted to bf16."""
+    many chunks and buffers; float32 files read as float32 and converted to bf16; a quantized
+    checkpoint's codes and scales read as stored."""
     from clover import checkpoint
+    from clover.quantization import QuantSpec, quantize_model
 
+    if quantized:
+        model = copy.deepcopy(model)
+        quantize_model(model, QuantSpec(4, 16))
     save_checkpoint(model, model.config, tmp_path, layout=layout, max_shard_bytes=40_000)
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1000)
     plan = checkpoint.plan_checkpoint(tmp_path, model.config)
     direct = dict(checkpoint.read_tensors(plan, dtype))
     staged = dict(checkpoint.read_tensors(plan, dtype, staged=True))
     assert direct.keys() == staged.keys() and len(direct) > 10
+    assert any(name.endswith(".qweight") for name in direct) == quantized
     for name, tensor in direct.items():
         assert torch.equal(tensor, staged[name]), name

@@ -189,8 +189,11 @@ def test_load_picks_the_cuda_backend_when_asked(tmp_path):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_generation_matches_cpu_reference():
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+def test_cuda_generation_matches_cpu_reference(quantized):
     ref = make_model("base", dtype=torch.float32)
+    if quantized:
+        quantize_model(ref, QuantSpec(4, 16))
     fast = copy.deepcopy(ref).to("cuda")
     fast.backend = Backend("cuda")
     prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(5))
@@ -268,10 +271,14 @@ def test_the_engine_serves_greedy_and_sampled_requests_on_cuda():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_loading_to_cuda_through_pinned_buffers_equals_loading_on_cpu(tmp_path):
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+def test_loading_to_cuda_through_pinned_buffers_equals_loading_on_cpu(tmp_path, quantized):
+    """Codes and scales of a quantized checkpoint too: they reach the device as stored."""
     from clover.checkpoint import load_model, save_checkpoint
 
     model = make_model("base", dtype=torch.float32)
+    if quantized:
+        quantize_model(model, QuantSpec(4, 16))
     save_checkpoint(model, model.config, tmp_path, layout="per_expert")
     on_cpu = load_model(tmp_path, dtype=torch.bfloat16).state_dict()
     on_gpu = load_model(tmp_path, dtype=torch.bfloat16, device="cuda").state_dict()

@@ -206,8 +206,10 @@ def test_a_full_pool_turns_the_graphs_off_for_it(caplog):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graphs_replay_what_the_eager_forwards_compute():
-    eager, graphed = _pair(torch.bfloat16, replay="cuda", device="cuda")
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+def test_cuda_graphs_replay_what_the_eager_forwards_compute(quantized):
+    """Quantized weights too: their experts dequantize inside the captured graphs."""
+    eager, graphed = _pair(torch.bfloat16, replay="cuda", device="cuda", quantized=quantized)
     a, _ = _forwards(eager, PROMPTS, device="cuda")
     b, _ = _forwards(graphed, PROMPTS, device="cuda")
     for x, y in zip(a, b):
