@@ -459,7 +459,8 @@ def time_transformers(ref, config, args, device, report):
 def check_nccl(config, device, report):
     """Tensor parallel over NCCL (issue #23's CUDA path, never run before a GPU was lent): one rank
     on this GPU joins an NCCL group, loads a saved copy of a small model sharded (`tensor_parallel`),
-    and must give the unsharded model's logits; plus an all-reduce and all-gather on device tensors."""
+    on the reference and the "cuda" backend, and must give the unsharded model's logits (and the two
+    backends the same greedy tokens); plus an all-reduce and all-gather on device tensors."""
     import os
     import tempfile
 
@@ -490,12 +491,19 @@ def check_nccl(config, device, report):
         save_checkpoint(model, {**small.to_dict(), "dtype": "float32"}, d, dtype=torch.float32)
         sharded = clover.load(d, device=str(group.device), dtype=torch.float32, backend="reference",
                               tensor_parallel=group)
+        fast = clover.load(d, device=str(group.device), dtype=torch.float32, backend="cuda", tensor_parallel=group)
         ids = torch.randint(0, small.vocab_size, (1, 24))
         want = model(ids)
         got = sharded(ids.to(group.device)).float().cpu()
+        got_fast = fast(ids.to(group.device)).float().cpu()
+        kw = dict(max_new_tokens=16, block_size=8, threshold=0.9, eos_token_id=[])
+        tokens_agree = bool(torch.equal(fast.generate(ids.to(group.device), **kw).cpu(),
+                                        sharded.generate(ids.to(group.device), **kw).cpu()))
     report["nccl"] = {"backend": torch.distributed.get_backend(), "world_size": group.world_size,
                       "collectives_ok": collectives_ok,
-                      "logits_rel": relative_error(got, want)}
+                      "logits_rel": relative_error(got, want),
+                      "cuda_backend_logits_rel": relative_error(got_fast, want),
+                      "cuda_backend_tokens_agree": tokens_agree}
     torch.distributed.destroy_process_group()
 
 
@@ -622,7 +630,9 @@ def main(argv=None) -> int:
             print(f"  {key}: {report[key]}")
     if "nccl" in report:
         print(f"  tensor parallel over {report['nccl']['backend']} ({report['nccl']['world_size']} rank): collectives "
-              f"{'ok' if report['nccl']['collectives_ok'] else 'FAIL'}, logits rel |Δ| {report['nccl']['logits_rel']:.2e}")
+              f"{'ok' if report['nccl']['collectives_ok'] else 'FAIL'}, logits rel |Δ| {report['nccl']['logits_rel']:.2e} "
+              f"(cuda backend {report['nccl']['cuda_backend_logits_rel']:.2e}, tokens as the reference backend's: "
+              f"{report['nccl']['cuda_backend_tokens_agree']})")
     for name, err in report.get("errors", {}).items():
         print(f"  ERROR in {name}: {err}")
     print(json.dumps(report))

@@ -45,8 +45,8 @@ def _save(tmp_path, variant="base", layout="fused", prefix="model.", **overrides
     return tmp_path / "model"
 
 
-def _expected(path: Path, new_tokens: int) -> dict:
-    model = clover.load(path, dtype=torch.float32, backend="reference")
+def _expected(path: Path, new_tokens: int, backend: str = "reference") -> dict:
+    model = clover.load(path, dtype=torch.float32, backend=backend)
     with torch.inference_mode():
         return model_outputs(model, new_tokens)
 
@@ -198,6 +198,18 @@ def test_two_ranks_quantized_int4_match_one_process(tmp_path):
     _assert_same(got, _expected(path, 10))
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_two_ranks_on_the_cuda_backend_match_one_process(tmp_path, bits):
+    """The GPU backend (here on CPU over gloo) under tensor parallel: each rank's experts of the global
+    routing on the device-side path (other ranks' slots weighted 0, no host read), its GDN / attention
+    heads, the all-reduces between the ops — against one process on the same backend; bf16-free
+    (fp32) so the partial sums agree to fp32 rounding. int4: quantized expert shards dequantized per step."""
+    path = _save(tmp_path, **UNEVEN) if bits is None else _save_quantized(tmp_path, bits)
+    got = spawn_run(2, path, tmp_path / "out.pt", new_tokens=10, backend="cuda")
+    assert got.pop("backend_name") == "cuda"
+    _assert_same(got, _expected(path, 10, backend="cuda"))
+
+
 def test_four_ranks_quantized_int8_match_one_process(tmp_path):
     """int8 over 4 ranks: one 16-column group of o_proj / out_proj / shared down_proj per rank, K/V
     and GDN key heads replicated in pairs, experts 2/2/2/1."""
@@ -212,8 +224,6 @@ def test_load_tensor_parallel_without_launcher_says_how(tmp_path, monkeypatch):
     path = _save(tmp_path)
     with pytest.raises(RuntimeError, match="torchrun"):
         clover.load(path, tensor_parallel=True)
-    with pytest.raises(ValueError, match="not sharded yet"):
-        clover.load(path, tensor_parallel=True, backend="cuda")
     with pytest.raises(ValueError, match="bf16 weights"):
         clover.load(path, tensor_parallel=True, backend="cpu", dtype=torch.float32)
 

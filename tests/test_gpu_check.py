@@ -33,4 +33,5 @@ def test_gpu_check_dry_run_on_cpu():
     assert all(0 < v < 0.5 for v in q["vs_bf16"].values())          # it did quantize, and stayed near
     # the tensor-parallel section (NCCL on a GPU) runs over gloo here: one rank equals the plain model
     assert report["nccl"]["backend"] == "gloo" and report["nccl"]["collectives_ok"]
-    assert report["nccl"]["logits_rel"] < 1e-6
+    assert report["nccl"]["logits_rel"] < 1e-6 and report["nccl"]["cuda_backend_logits_rel"] < 1e-5
+    assert report["nccl"]["cuda_backend_tokens_agree"]

@@ -93,6 +93,7 @@ def main(model_dir: str, out_path: str, new_tokens: int = 20, backend: str = "re
     model = clover.load(model_dir, dtype=dtype, backend=backend, tensor_parallel=True)
     with torch.inference_mode():
         out = (kernel_outputs if backend == "cpu" else model_outputs)(model, new_tokens)
+    out["backend_name"] = model.backend.name
     sizes = {"bytes_read": model.shard_bytes_read,
              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
              "plan": repr(model.shard_plan)}

@@ -44,8 +44,9 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     `tensor_parallel`: True (join the process group torchrun's environment describes: gloo on CPU,
     NCCL on CUDA) or a `clover.distributed.ParallelGroup` (then its device is used) — this process
     loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
-    safetensors checkpoint and runs on the reference backend in the stored dtype (or `dtype`): "auto"
-    means "reference" there; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
+    safetensors checkpoint, in the stored dtype (or `dtype`): "auto" means the "cuda" backend on a
+    CUDA device (without step graphs so far: they would have to capture NCCL's collectives) and
+    "reference" on CPU; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
     collective).
     `cuda_graphs`: on a CUDA device with the "cuda" backend, replay decode steps, block steps and fused
     commits as CUDA graphs (clover/gpu/graphs.py); False, or the environment's `CLOVER_CUDA_GRAPHS=0`,
@@ -130,8 +131,6 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
     from .distributed import ParallelGroup, init_from_env
     from .distributed.loading import load_tensor_parallel
 
-    if backend == "cuda":
-        raise ValueError("backend='cuda' is not sharded yet: under tensor_parallel use backend='reference'")
     if backend == "cpu":
         from .kernels import available
 
@@ -145,7 +144,12 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
                          "checkpoint directory (bf16, or quantized by `clover quantize --bits 8|4`)")
     parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
     if backend != "cpu":
-        return load_tensor_parallel(path, parallel, dtype=dtype)
+        model = load_tensor_parallel(path, parallel, dtype=dtype)
+        if backend == "cuda" or (backend == "auto" and parallel.device.type == "cuda"):
+            from .backend import Backend
+
+            model.backend = Backend("cuda")     # eager: step graphs do not capture the collectives yet
+        return model
     from .layers.packed import pack_for_cpu
     from .runtime import release_free_memory
 

@@ -54,7 +54,8 @@ def _load(args, pack: bool = True):
 
     if launched_tensor_parallel():          # torchrun started several ranks: each loads its shard
         try:
-            model = clover.load(path, dtype=dtype, device=device, backend="reference", tensor_parallel=True)
+            model = clover.load(path, dtype=dtype, device=device, backend="auto" if pack else "reference",
+                                tensor_parallel=True)          # auto: the "cuda" backend on a GPU, else reference
         except RuntimeError as exc:        # no process group (launched without torchrun), a rank lost
             raise UserError(str(exc)) from None
     else:

@@ -108,8 +108,8 @@ class ShardedMoE(SparseMoE):
                                    local_config.moe_intermediate_size)
         self.parallel = parallel
 
-    def forward(self, x, block_len: int = 0, block_top_p=None):
-        out, distinct = super().forward(x, block_len, block_top_p)
+    def forward(self, x, block_len: int = 0, block_top_p=None, experts=None):
+        out, distinct = super().forward(x, block_len, block_top_p, experts=experts)
         return self.parallel.all_reduce(out), distinct
 
 

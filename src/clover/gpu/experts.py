@@ -39,11 +39,24 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H] (what `Experts.forward` computes)."""
+    first = getattr(experts, "first", None)
+    if first is not None:
+        indices, weights = _local_routing(indices, weights, first, experts.num_experts)
     if experts.quantized:
         return quantized_experts(experts, x, indices, weights)
     if not grouped_mm_available(x):
         return experts._forward_grouped(x, indices, weights)
     return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj, experts.down_proj)
+
+
+def _local_routing(indices, weights, first: int, count: int):
+    """The global routing seen by a rank holding experts first … first+count−1 (`ExpertShard`, expert
+    parallel): other ranks' slots go to local expert 0 with weight 0 — their products are exact zeros
+    (finite inputs), so the sum is the rank's partial one, with no host read to find its own slots (the
+    reference's `nonzero`). The price: those slots' rows pass through expert 0 too."""
+    local = indices - first
+    mine = (local >= 0) & (local < count)
+    return torch.where(mine, local, 0), torch.where(mine, weights, 0)
 
 
 def quantized_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
