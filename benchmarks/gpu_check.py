@@ -20,7 +20,8 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
     gathered keys, one layer, 8 rows of 32K cached tokens: relative |Δ| and ms;
   - the same weights quantized to int4 (group 32, as `clover quantize --bits 4`): the fast backend's
     quantized experts against the reference on every step kind, the distance from bf16, decode / block
-    step times with graphs against the bf16 model's, and both models' sizes;
+    step times with graphs against the bf16 model's, both models' sizes, and one layer's expert
+    dequantization eager against `torch.compile`d (what a fused dequantization would buy);
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -358,7 +359,30 @@ def check_quantized(ref, config, args, device, report):
             runner = model.state_pool().__dict__.get("_step_graphs")
             res[f"graphs_failed_{name}"] = [str(k) for k in runner.failed] if runner else []
             graphs.enable(model, None)
+    res.update(time_dequantize(q_fast.model.layers[0].mlp.experts.gate_up_proj, device, args))
     report["quantized"] = res
+
+
+def time_dequantize(weight, device, args) -> dict:
+    """What a fused dequantization would buy (the next step for quantized weights on a GPU, unmeasured):
+    one layer's int4 gate/up experts dequantized to bf16 as the backend does it (eager PyTorch, in
+    bounded passes) against `torch.compile` of the same definition (one fused kernel on a GPU; the
+    dry run traces with aot_eager, no C++ compile), for decode's slots and for all experts."""
+    from clover.quantization.format import dequantize
+
+    compiled = torch.compile(dequantize, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager")
+    res = {}
+    slots = torch.arange(min(8, weight.shape[0]), device=device)
+    for name, index in (("slots", slots), ("all", None)):
+        eager_fn = lambda: weight.dequantize(torch.bfloat16, index=index)              # noqa: E731
+        fused_fn = lambda: compiled(**weight.stored(index), dtype=torch.bfloat16)      # noqa: E731
+        with torch.inference_mode():
+            want, got = eager_fn(), fused_fn()
+            res[f"dequant_{name}_compiled_rel"] = relative_error(got, want)
+            del want, got
+            res[f"dequant_{name}_eager_ms"] = timed(eager_fn, device, 1, args.iters)
+            res[f"dequant_{name}_compiled_ms"] = timed(fused_fn, device, 1, args.iters)
+    return res
 
 
 def check_paged_attention(config, args, device, report):
@@ -617,6 +641,10 @@ def main(argv=None) -> int:
         print(f"    1 row, bf16 → int4: decode {q['decode_1_bf16_ms']:.2f} → {q['decode_1_int4_ms']:.2f} ms, "
               f"block 0.7 {q['block_0.7_1_bf16_ms']:.2f} → {q['block_0.7_1_int4_ms']:.2f} ms; graphs failed: "
               f"{len(q['graphs_failed_bf16'])} bf16, {len(q['graphs_failed_int4'])} int4")
+        print(f"    dequantizing one layer's gate/up experts, eager → torch.compile: 8 slots "
+              f"{q['dequant_slots_eager_ms']:.3f} → {q['dequant_slots_compiled_ms']:.3f} ms, all "
+              f"{q['dequant_all_eager_ms']:.2f} → {q['dequant_all_compiled_ms']:.2f} ms "
+              f"(rel |Δ| {max(q['dequant_slots_compiled_rel'], q['dequant_all_compiled_rel']):.1e})")
     if "paged_attention" in report:
         pa = report["paged_attention"]
         print(f"  paged attention ({pa['status']}), one layer, gathered → paged:")

@@ -31,6 +31,7 @@ def test_gpu_check_dry_run_on_cpu():
     assert q["ops_ok"] and set(q["ops"]) == {"decode_1_row", "decode_2_rows", "block_0.7", "commit"}
     assert q["bytes_int4"] < 0.4 * q["bytes_bf16"] and not q["graphs_failed_int4"]
     assert all(0 < v < 0.5 for v in q["vs_bf16"].values())          # it did quantize, and stayed near
+    assert q["dequant_slots_compiled_rel"] < 1e-2 and q["dequant_all_compiled_rel"] < 1e-2
     # the tensor-parallel section (NCCL on a GPU) runs over gloo here: one rank equals the plain model
     assert report["nccl"]["backend"] == "gloo" and report["nccl"]["collectives_ok"]
     assert report["nccl"]["logits_rel"] < 1e-6 and report["nccl"]["cuda_backend_logits_rel"] < 1e-5
