@@ -16,6 +16,9 @@ from the slot count S = N·k:
     float experts (per expert where grouped_mm is unavailable).
 Both cost a dequantization per step where a fused dequantize-GEMM kernel would read the codes once: the
 form that fits the model on a smaller card, not yet the fast one.
+
+A tensor-parallel rank's experts (`ExpertShard`) take the global routing remapped to their own
+(`_local_routing`), then run as above.
 """
 
 from __future__ import annotations
