@@ -81,7 +81,7 @@ def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:
     expert_of_slot, perm = indices.sort(dim=1, stable=True)
     slot_weights = weights.gather(1, perm).reshape(-1, 1).to(x.dtype)
     expert_of_slot = expert_of_slot.reshape(-1)                                # [N·k], token-major
-    xs = x.repeat_interleave(k, dim=0)                                         # [N·k, H]
+    xs = x[:, None].expand(N, k, H).reshape(N * k, H)                          # [N·k, H], token-major
     ys = torch.empty_like(xs)
     per_expert = gate_up.shape[-2] * gate_up.shape[-1] + down.shape[-2] * down.shape[-1]
     step = max(1, SLOT_PASS_WEIGHTS // per_expert)
