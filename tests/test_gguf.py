@@ -553,6 +553,29 @@ def test_k_quant_model(tmp_path):
         assert ((got - ref_logits).norm() / ref_logits.norm()).item() < 0.05   # the inputs' int8 rounding
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_k_quant_model_on_cuda_equals_the_cpu_reference(tmp_path):
+    """A Q4_K_M-like file loaded straight to a GPU: the stored forms on the device, the "cuda" backend
+    with step graphs, logits and greedy tokens as the CPU reference backend's (fp32)."""
+    model = tiny(seed=2, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                 linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "k.gguf"
+    write_gguf(path, model, T.Q4_K, tokenizer=TOKENIZER, fallback=T.Q8_0,
+               types={"ffn_down_exps.weight": T.Q6_K, "output.weight": T.Q6_K, "attn_v.weight": T.Q5_K})
+    on_gpu = clover.load(path, dtype=torch.float32, device="cuda")
+    on_cpu = clover.load(path, dtype=torch.float32, backend="reference")
+    assert on_gpu.backend.name == "cuda" and on_gpu.graph_replay == "cuda"
+    assert on_gpu.model.layers[0].mlp.experts.gate_up_proj.qweight.is_cuda
+    ids = inputs(model)
+    want = on_cpu(ids)
+    assert max_diff(on_gpu(ids.cuda()).cpu(), want) <= 1e-4 * want.abs().max().item()
+    prompt = ids[:1, :9]
+    for kw in (dict(block_size=8, threshold=0.5), dict(block_size=1)):
+        got = on_gpu.generate(prompt.cuda(), max_new_tokens=16, eos_token_id=[], **kw).cpu()
+        assert torch.equal(got, on_cpu.generate(prompt, max_new_tokens=16, eos_token_id=[], **kw)), kw
+
+
 # ---- a token table left in the file ---------------------------------------------------------------
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K])
