@@ -21,7 +21,7 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
   - the same weights quantized to int4 (group 32, as `clover quantize --bits 4`): the fast backend's
     quantized experts against the reference on every step kind, the distance from bf16, decode / block
     step times with graphs against the bf16 model's, both models' sizes, and one layer's expert
-    dequantization eager against `torch.compile`d (what a fused dequantization would buy);
+    dequantization op by op against the compiled kernel the product runs on a GPU;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -364,18 +364,15 @@ def check_quantized(ref, config, args, device, report):
 
 
 def time_dequantize(weight, device, args) -> dict:
-    """What a fused dequantization would buy (the next step for quantized weights on a GPU, unmeasured):
-    one layer's int4 gate/up experts dequantized to bf16 as the backend does it (eager PyTorch, in
-    bounded passes) against `torch.compile` of the same definition (one fused kernel on a GPU; the
-    dry run traces with aot_eager, no C++ compile), for decode's slots and for all experts."""
-    from clover.quantization.format import dequantize
-
-    compiled = torch.compile(dequantize, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager")
+    """What the fused dequantization buys: one layer's int4 gate/up experts dequantized to bf16 op by
+    op (`dequantize_eager`, in bounded passes) against one compiled kernel (`dequantize` on a GPU:
+    quantization/compiled.py; the dry run compiles nothing and measures eager twice), for decode's
+    slots and for all experts."""
     res = {}
     slots = torch.arange(min(8, weight.shape[0]), device=device)
     for name, index in (("slots", slots), ("all", None)):
-        eager_fn = lambda: weight.dequantize(torch.bfloat16, index=index)              # noqa: E731
-        fused_fn = lambda: compiled(**weight.stored(index), dtype=torch.bfloat16)      # noqa: E731
+        eager_fn = lambda: weight.dequantize_eager(torch.bfloat16, index)              # noqa: E731
+        fused_fn = lambda: weight.dequantize(torch.bfloat16, index=index)              # noqa: E731
         with torch.inference_mode():
             want, got = eager_fn(), fused_fn()
             res[f"dequant_{name}_compiled_rel"] = relative_error(got, want)
@@ -600,6 +597,8 @@ def main(argv=None) -> int:
         report["memory_peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     from clover.gpu import paged_attention
     report["paged_attention_after_all"] = paged_attention.status()   # did the model's steps keep it?
+    from clover.quantization import compiled
+    report["fused_dequant_after_all"] = compiled.status()
     report["total_s"] = round(time.perf_counter() - t0, 1)
 
     print(f"\nGPU check on {report['device']} (torch {report['torch']}, fla {report['fla']}, "
@@ -641,7 +640,7 @@ def main(argv=None) -> int:
         print(f"    1 row, bf16 → int4: decode {q['decode_1_bf16_ms']:.2f} → {q['decode_1_int4_ms']:.2f} ms, "
               f"block 0.7 {q['block_0.7_1_bf16_ms']:.2f} → {q['block_0.7_1_int4_ms']:.2f} ms; graphs failed: "
               f"{len(q['graphs_failed_bf16'])} bf16, {len(q['graphs_failed_int4'])} int4")
-        print(f"    dequantizing one layer's gate/up experts, eager → torch.compile: 8 slots "
+        print(f"    dequantizing one layer's gate/up experts, eager → compiled: 8 slots "
               f"{q['dequant_slots_eager_ms']:.3f} → {q['dequant_slots_compiled_ms']:.3f} ms, all "
               f"{q['dequant_all_eager_ms']:.2f} → {q['dequant_all_compiled_ms']:.2f} ms "
               f"(rel |Δ| {max(q['dequant_slots_compiled_rel'], q['dequant_all_compiled_rel']):.1e})")
@@ -653,7 +652,8 @@ def main(argv=None) -> int:
                 print(f"    {name:<20} " + ("did not run" if r.get("paged") is None and "rel" not in r else
                                          f"{r['gathered_ms']:.3f} → {r['paged_ms']:.3f} ms, rel |Δ| {r['rel']:.2e} "
                                          f"{'ok' if r['rel'] < args.tolerance else 'FAIL'}"))
-    for key in ("memory_after_build_gb", "memory_peak_gb", "paged_attention_after_all", "total_s"):
+    for key in ("memory_after_build_gb", "memory_peak_gb", "paged_attention_after_all", "fused_dequant_after_all",
+                "total_s"):
         if key in report:
             print(f"  {key}: {report[key]}")
     if "nccl" in report:

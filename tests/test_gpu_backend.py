@@ -4,6 +4,7 @@ op by op and through generation; GPU-only checks marked `gpu` and skipped withou
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -176,6 +177,69 @@ def test_dequantizing_in_passes_equals_one_pass(monkeypatch):
         monkeypatch.setattr(quantized_modules, "DEQUANTIZE_CHUNK", 40 * 32)          # part of one expert
         assert torch.equal(stack.dequantize(), whole), form
         assert torch.equal(stack[3], whole[3]), form
+
+
+@pytest.fixture
+def compiled_everywhere(monkeypatch):
+    """quantization/compiled.py's fused dequantization on CPU too (inductor's C++ kernels), fresh state."""
+    from clover.quantization import compiled
+
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("inductor's CPU kernels need a C++ compiler")
+    monkeypatch.setattr(compiled, "MODE", "1")
+    monkeypatch.setattr(compiled, "_state", {"compiled": {}, "broken": None})
+    return compiled
+
+
+def test_fused_dequantization_matches_the_eager_passes(compiled_everywhere):
+    """The compiled kernel a GPU dequantizes with, for every stored form (whole stacks and gathered
+    entries, one compile per layout and bits), against the op-by-op passes: the same arithmetic, so
+    equal up to a contracted multiply-add's last bit before the rounding to bf16."""
+    index = torch.tensor([5, 0, 5, 7, 2])
+    for form in sorted(QUANT_FORMS):
+        experts = _quantized_experts(form, torch.bfloat16)
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            for idx in (None, index):
+                got, want = weight.dequantize(index=idx), weight.dequantize_eager(torch.bfloat16, idx)
+                assert got.shape == want.shape and got.dtype == torch.bfloat16
+                torch.testing.assert_close(got, want, rtol=2 ** -8, atol=1e-6, msg=lambda m: f"{form}: {m}")
+    assert compiled_everywhere.status() == {"mode": "1", "compiled_layouts": 4, "broken": None}
+
+
+def test_a_failed_fused_dequantization_falls_back_to_the_passes(compiled_everywhere, monkeypatch, caplog):
+    weight = _quantized_experts("int4", torch.bfloat16).gate_up_proj
+
+    def refuse(stored):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled_everywhere, "_compiled", refuse)
+    with caplog.at_level("WARNING", logger="clover.quantization.compiled"):
+        assert torch.equal(weight.dequantize(), weight.dequantize_eager(torch.bfloat16))
+        assert torch.equal(weight.dequantize(), weight.dequantize_eager(torch.bfloat16))
+    assert compiled_everywhere.status()["broken"] == "RuntimeError: no compiler here"
+    assert sum("dequantize eagerly" in r.message for r in caplog.records) == 1        # logged once
+
+
+def test_a_quantized_model_with_fused_dequantization_steps_as_without(compiled_everywhere, monkeypatch):
+    """Decode (per-slot experts), block step (all experts) and the dense int4 linears, all through the
+    compiled kernel, against the same model dequantizing op by op."""
+    ref, fast = _pair("base", torch.bfloat16, quantized=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (9, 4)]
+    outs = {}
+    for name, mode in (("eager", "0"), ("compiled", "1")):
+        monkeypatch.setattr(compiled_everywhere, "MODE", mode)
+        with torch.inference_mode():
+            caches = [fast.make_cache() for _ in prompts]
+            got = [fast.prefill_batch(prompts, caches)]
+            got.append(fast.step(torch.tensor([[5]]), caches[:1]))
+            got.append(fast.step(torch.full((2, 8), fast.config.mask_token_id), caches, block=True, block_top_p=0.7))
+            for c in caches:
+                c.release()
+        outs[name] = got
+    assert compiled_everywhere.status()["compiled_layouts"] == 1 and not compiled_everywhere.status()["broken"]
+    for a, b in zip(outs["eager"], outs["compiled"]):
+        _close(a, b, torch.bfloat16)
 
 
 def test_load_picks_the_cuda_backend_when_asked(tmp_path):

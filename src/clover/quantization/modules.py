@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiled import dequantize_weight, runs_compiled
 from .format import QuantSpec, dequantize, quantize
 
 
@@ -57,10 +58,17 @@ class QuantizedWeight(nn.Module):
 
     def dequantize(self, dtype=None, index: torch.Tensor | None = None) -> torch.Tensor:
         """The float matrix (or stack) in `dtype` (default: the model's); with `index` (a 1-D tensor of
-        stack entries, e.g. experts) only those entries, [len(index), N, K]. Computed in passes along
-        dim 0 of at most DEQUANTIZE_CHUNK weights into one output: the same values as one pass, with
-        bounded temporaries, and no host read (the passes are sized by shapes, never by data)."""
+        stack entries, e.g. experts) only those entries, [len(index), N, K]. On a GPU one compiled
+        kernel (compiled.py), elsewhere `dequantize_eager`; no host read either way."""
         dtype = dtype or self.compute_dtype
+        if runs_compiled(self.qweight.device):
+            return dequantize_weight(self, dtype, index)
+        return self.dequantize_eager(dtype, index)
+
+    def dequantize_eager(self, dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        """`dequantize` op by op, in passes along dim 0 of at most DEQUANTIZE_CHUNK weights into one
+        output: the same values as one pass, with bounded temporaries (the passes are sized by shapes,
+        never by data)."""
         lead = self.shape[0] if index is None else index.shape[0]
         step = max(1, DEQUANTIZE_CHUNK // math.prod(self.shape[1:]))
         if lead <= step:
