@@ -177,6 +177,9 @@ def test_dequantizing_in_passes_equals_one_pass(monkeypatch):
         monkeypatch.setattr(quantized_modules, "DEQUANTIZE_CHUNK", 40 * 32)          # part of one expert
         assert torch.equal(stack.dequantize(), whole), form
         assert torch.equal(stack[3], whole[3]), form
+    linear = quantized_modules.QuantizedLinear(32, 100, QuantSpec(4, 16), dtype=torch.float32)   # rows in passes
+    linear.fill(torch.randn(100, 32, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(linear.dequantize(), dequantize(**linear.stored(), dtype=torch.float32))
 
 
 @pytest.fixture
