@@ -179,7 +179,28 @@ def test_dequantizing_in_passes_equals_one_pass(monkeypatch):
         assert torch.equal(stack[3], whole[3]), form
     linear = quantized_modules.QuantizedLinear(32, 100, QuantSpec(4, 16), dtype=torch.float32)   # rows in passes
     linear.fill(torch.randn(100, 32, generator=torch.Generator().manual_seed(2)))
-    assert torch.equal(linear.dequantize(), dequantize(**linear.stored(), dtype=torch.float32))
+    whole = dequantize(**linear.stored(), dtype=torch.float32)
+    assert torch.equal(linear.dequantize(), whole)
+    assert torch.equal(linear.dequantize(index=slice(37, 99)), whole[37:99])      # a row range, in passes
+    assert torch.equal(linear.dequantize(index=slice(5, 9)), whole[5:9])          # in one
+    with pytest.raises(ValueError, match="step 1"):
+        linear.dequantize(index=slice(0, 10, 2))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
+def test_a_large_quantized_linear_runs_in_row_chunks(fused, monkeypatch, request):
+    """`QuantizedWeight.linear` past LINEAR_CHUNK weights (the vocabulary projection): products over
+    row ranges dequantized one at a time, bias per range, equal to one product with the whole matrix."""
+    if fused:
+        request.getfixturevalue("compiled_everywhere")
+    g = torch.Generator().manual_seed(4)
+    linear = quantized_modules.QuantizedLinear(32, 100, QuantSpec(4, 16), bias=True, dtype=torch.float32)
+    linear.fill(torch.randn(100, 32, generator=g))
+    linear.bias.copy_(torch.randn(100, generator=g))
+    x = torch.randn(2, 3, 32, generator=g)
+    want = torch.nn.functional.linear(x, linear.dequantize_eager(torch.float32), linear.bias)
+    monkeypatch.setattr(quantized_modules, "LINEAR_CHUNK", 30 * 32)                 # 4 ranges of ≤ 30 rows
+    torch.testing.assert_close(linear(x), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointError
@@ -42,7 +41,7 @@ class QuantizedRowParallelLinear(QuantizedLinear):
         self.parallel = parallel
 
     def forward(self, x):
-        y = self.parallel.all_reduce(F.linear(x, self.dequantize(x.dtype)))
+        y = self.parallel.all_reduce(self.linear(x))
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
@@ -56,7 +55,7 @@ class QuantizedVocabParallelHead(QuantizedWeight):
         self.vocab_size, self.parallel = vocab_size, parallel
 
     def forward(self, x):
-        logits = F.linear(x, self.dequantize(x.dtype))
+        logits = self.linear(x)
         return self.parallel.all_gather_last(logits)[..., : self.vocab_size]
 
 

@@ -25,6 +25,9 @@ from .format import QuantSpec, dequantize, quantize
 # a whole matrix at once would need ~8 GB transient for a 248k × 2048 head, ~13 GB for a layer's
 # stacked experts; in passes of 2^24 weights the temporaries stay near 256 MiB.
 DEQUANTIZE_CHUNK = 1 << 24
+# Weights of a quantized linear map's rows dequantized per product (`QuantizedWeight.linear`): 128 MiB
+# of bf16, so only the vocabulary projection (~500M weights) runs in pieces.
+LINEAR_CHUNK = 1 << 26
 
 
 class QuantizedWeight(nn.Module):
@@ -56,27 +59,48 @@ class QuantizedWeight(nn.Module):
         return {"qweight": pick(self.qweight), "scales": pick(self.scales), "mins": pick(self.mins),
                 "bits": self.bits, "super_scales": pick(self.super_scales), "super_mins": pick(self.super_mins)}
 
-    def dequantize(self, dtype=None, index: torch.Tensor | None = None) -> torch.Tensor:
-        """The float matrix (or stack) in `dtype` (default: the model's); with `index` (a 1-D tensor of
-        stack entries, e.g. experts) only those entries, [len(index), N, K]. On a GPU one compiled
-        kernel (compiled.py), elsewhere `dequantize_eager`; no host read either way."""
+    def dequantize(self, dtype=None, index: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """The float matrix (or stack) in `dtype` (default: the model's); with `index` only those entries
+        along dim 0 — a 1-D tensor (experts of a stack, gathered) or a slice of step 1 (rows, as views).
+        On a GPU one compiled kernel (compiled.py), elsewhere `dequantize_eager`; no host read either way."""
         dtype = dtype or self.compute_dtype
         if runs_compiled(self.qweight.device):
             return dequantize_weight(self, dtype, index)
         return self.dequantize_eager(dtype, index)
 
-    def dequantize_eager(self, dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize_eager(self, dtype, index: torch.Tensor | slice | None = None) -> torch.Tensor:
         """`dequantize` op by op, in passes along dim 0 of at most DEQUANTIZE_CHUNK weights into one
         output: the same values as one pass, with bounded temporaries (the passes are sized by shapes,
         never by data)."""
-        lead = self.shape[0] if index is None else index.shape[0]
+        if isinstance(index, torch.Tensor):
+            lead, first = index.shape[0], 0
+        else:
+            first, stop, stride = (index or slice(None)).indices(self.shape[0])
+            if stride != 1:
+                raise ValueError(f"dequantize takes row slices of step 1, got {index}")
+            lead, index = stop - first, None
         step = max(1, DEQUANTIZE_CHUNK // math.prod(self.shape[1:]))
         if lead <= step:
-            return dequantize(**self.stored(index), dtype=dtype)
+            return dequantize(**self.stored(index if index is not None else slice(first, first + lead)), dtype=dtype)
         out = torch.empty((lead, *self.shape[1:]), dtype=dtype, device=self.qweight.device)
         for start in range(0, lead, step):
-            rows = slice(start, start + step) if index is None else index[start:start + step]
-            out[start:start + step] = dequantize(**self.stored(rows), dtype=dtype)
+            end = min(start + step, lead)
+            rows = slice(first + start, first + end) if index is None else index[start:end]
+            out[start:end] = dequantize(**self.stored(rows), dtype=dtype)
+        return out
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ Wᵀ (+ bias) for a [N, K] matrix, dequantized LINEAR_CHUNK weights of rows at a time: a
+        248k-row vocabulary projection then never holds its whole float matrix (1 GB in bf16)."""
+        N, K = self.shape
+        rows = max(1, LINEAR_CHUNK // K)
+        if N <= rows:
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        out = x.new_empty(*x.shape[:-1], N)
+        for start in range(0, N, rows):
+            end = min(start + rows, N)
+            out[..., start:end] = F.linear(x, self.dequantize(x.dtype, index=slice(start, end)),
+                                           None if bias is None else bias[start:end])
         return out
 
     def __getitem__(self, index) -> torch.Tensor:
@@ -109,7 +133,7 @@ class QuantizedLinear(QuantizedWeight):
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
 
     def forward(self, x):
-        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self.linear(x, None if self.bias is None else self.bias.to(x.dtype))
 
 
 class QuantizedEmbedding(QuantizedWeight):
