@@ -70,7 +70,7 @@ def _compiled(stored: dict):
     return lambda dtype: fn(**args, dtype=dtype)
 
 
-def dequantize_weight(weight, dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_weight(weight, dtype: torch.dtype, index: torch.Tensor | slice | None = None) -> torch.Tensor:
     """`weight.dequantize_eager(dtype, index)` (a `QuantizedWeight`) as one compiled kernel."""
     stored = weight.stored(index)
     shape = stored["qweight"].shape[:-1]
