@@ -18,10 +18,11 @@ GDN 16 key / 32 value heads of 128; attention 16 query / 2 K/V heads of 256; the
     and LowConfidence, greedy and sampled: the sampled rows decide in one batch too) with graphs on and off;
   - attention over the pool's pages in place (FlexAttention, clover/gpu/paged_attention.py) against
     gathered keys, one layer, 8 rows of 32K cached tokens: relative |Δ| and ms;
-  - the same weights quantized to int4 (group 32, as `clover quantize --bits 4`): the fast backend's
-    quantized experts against the reference on every step kind, the distance from bf16, decode / block
-    step times with graphs against the bf16 model's, both models' sizes, and one layer's expert
-    dequantization op by op against the compiled kernel the product runs on a GPU;
+  - quantized weights, int4 (the same weights as `clover quantize --bits 4` writes them) and the forms
+    a Q4_K_M GGUF file loads into (random codes): the fast backend's quantized path against the
+    reference on every step kind, the distance from bf16 (int4), decode / block step times with graphs
+    against the bf16 model's, sizes, and one layer's expert dequantization op by op against the
+    compiled kernel the product runs on a GPU;
   - transformers' `Qwen3_5MoeForCausalLM` on the same weights (if installed): prefill and decode step;
   - GPU memory (allocated after building, peak).
 Ends with one JSON line (everything above). Each section's failure is recorded in it, not raised.
@@ -303,63 +304,127 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def check_quantized(ref, config, args, device, report):
-    """The same random weights quantized as `clover quantize --bits 4` writes them (int4, group 32, every
-    matrix but the router and embeddings): the fast backend (quantized experts dequantized on the device,
-    gpu/experts.py) against the reference backend on the quantized weights, every step kind (decode
-    at 1 row runs the per-slot experts, block steps and commits all experts); its distance from the bf16
-    logits; step times with graphs on against the bf16 model's; the two models' bytes."""
+def sibling(model, backend: str) -> CloverForCausalLM:
+    """The same weights (shared modules) on another backend, with a state pool of its own."""
+    other = CloverForCausalLM.__new__(CloverForCausalLM)
+    other.__dict__.update({k: v for k, v in model.__dict__.items() if k not in ("_state_pool", "_step_graphs")})
+    other.backend = Backend(backend) if backend != "reference" else reference_backend()
+    return other
+
+
+def step_outputs(model, prompt, committed, device, block_len: int) -> dict:
+    """Logits of every step kind on 2 cached rows: decode at 1 row (a quantized model's per-slot experts)
+    and 2 rows, a block step with selection, a fused commit (all experts)."""
+    mask, L = model.config.mask_token_id, block_len
+    caches = prefilled(model, prompt, 2)
+    block = torch.full((2, L), mask, device=device)
+    out = {"decode_1_row": model.step(torch.tensor([[7]], device=device), caches[:1], logits_at="last"),
+           "decode_2_rows": model.step(torch.tensor([[8], [9]], device=device), caches, logits_at="last"),
+           "block_0.7": model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
+           "commit": model.step(torch.cat([committed.expand(2, L), block], 1), caches, block_len=L,
+                                block_top_p=0.9, logits_at="block")}
+    for c in caches:
+        c.release()
+    return out
+
+
+def graphed_step_times(model, prompt, device, args) -> dict:
+    """Decode and block step (0.7) times at 1 row with step graphs on (eager replay on CPU), and the
+    graph keys whose capture failed."""
     from clover.gpu import graphs
+
+    graphs.enable(model, "cuda" if device.type == "cuda" and args.graphs else "eager")
+    caches = prefilled(model, prompt, 1)
+    tok = torch.full((1, 1), 7, device=device)
+    block = torch.full((1, args.block), model.config.mask_token_id, device=device)
+    res = {"decode_ms": timed(lambda: model.step(tok, caches, logits_at="last"), device, 2, args.iters),
+           "block_0.7_ms": timed(lambda: model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
+                                 device, 2, args.iters)}
+    for c in caches:
+        c.release()
+    runner = model.state_pool().__dict__.get("_step_graphs")
+    res["graphs_failed"] = [str(k) for k in runner.failed] if runner else []
+    graphs.enable(model, None)
+    return res
+
+
+def k_quant_model(config, device, seed: int = 4) -> CloverForCausalLM:
+    """A model in the forms a Q4_K_M GGUF file loads into (gguf/blocks.py): two-level int4 with mins
+    (Q4_K) for the linear maps and experts' gate/up, two-level int6 (Q6_K) for the experts' down and
+    the vocabulary projection; random codes and sub-scales under super-scales that give weights of the
+    init's scale (0.6/√K). Super-blocks of 256 inputs (32 on the dry run's tiny shapes)."""
+    from clover.quantization import QuantizedWeight, QuantSpec, quantizable, quantize_model
+
+    model = random_model(config, device, torch.bfloat16, seed=seed)
+    super_group = 256 if config.hidden_size % 256 == 0 and config.moe_intermediate_size % 256 == 0 else 32
+    q4_k, q6_k = QuantSpec(4, min(32, super_group), super_group), QuantSpec(6, 16, super_group)
+    names = quantizable(model, q4_k)
+    experts = [n for n in names if n.endswith(".experts")]
+    specs = {f"{n}.down_proj": q6_k for n in experts}
+    if "lm_head" in names:
+        specs["lm_head"] = q6_k
+    asymmetric = {f"{n}.gate_up_proj" for n in experts} | {n for n in names if n not in experts and n != "lm_head"}
+    quantize_model(model, q4_k, names=names, fill=False, asymmetric=asymmetric, specs=specs)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def codes(t, low, high):
+        t.copy_(torch.randint(low, high, t.shape, generator=g, device=device).to(t.dtype))
+
+    for module in model.modules():
+        if not isinstance(module, QuantizedWeight):
+            continue
+        levels = 1 << module.bits
+        spread = ((levels ** 2 - 1) / 12) ** 0.5                   # std of uniform codes 0 … levels−1
+        step = 0.6 / module.shape[-1] ** 0.5 / spread / 32         # super-scale: weights' std at codes of 32
+        codes(module.qweight, 0, 256)
+        codes(module.scales, 16, 49)                               # sub-scale codes averaging 32
+        module.super_scales.fill_(step)
+        if module.mins is not None:                                 # centre the codes: m ≈ −s · mean code
+            codes(module.mins, 16, 49)
+            module.super_mins.fill_(-step * (levels - 1) / 2)
+    return model
+
+
+def check_quantized(ref, config, args, device, report):
+    """Quantized weights on the fast backend (experts dequantized on the device, gpu/experts.py; one
+    compiled dequantization kernel on a GPU, quantization/compiled.py), in two forms:
+      - "int4": the bf16 model's random weights quantized as `clover quantize --bits 4` writes them
+        (group 32, every matrix but the router and embeddings), also compared with the bf16 logits;
+      - "q4_k_m": random codes in the forms a Q4_K_M GGUF file loads into (`k_quant_model`).
+    For each: the fast backend against the reference backend on every step kind, decode / block step
+    times with step graphs (against the bf16 model's), the bytes, and one layer's gate/up dequantization
+    op by op against the compiled kernel."""
     from clover.quantization import QuantSpec, quantize_model
 
-    q_ref = random_model(config, device, torch.bfloat16)                   # the same seed: the same weights
-    quantize_model(q_ref, QuantSpec(4, 32))
-    q_ref.backend = reference_backend()
-    q_fast = CloverForCausalLM.__new__(CloverForCausalLM)
-    q_fast.__dict__.update({k: v for k, v in q_ref.__dict__.items() if k != "_state_pool"})
-    q_fast.backend = Backend("cuda")
-    bf16 = CloverForCausalLM.__new__(CloverForCausalLM)
-    bf16.__dict__.update({k: v for k, v in ref.__dict__.items() if k != "_state_pool"})
-    bf16.backend = Backend("cuda")
-    pool_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
-    for model in (q_ref, q_fast, bf16):
-        model.configure_state_pool(pool_bytes, max_sequences=4)
-    res = {"bytes_bf16": model_bytes(ref), "bytes_int4": model_bytes(q_ref)}
-    mask, L = config.mask_token_id, args.block
+    int4 = random_model(config, device, torch.bfloat16)                    # the same seed: the same weights
+    quantize_model(int4, QuantSpec(4, 32))
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(5, config.vocab_size - 8, (args.prompt // 4,), generator=g).tolist()
-    committed = torch.randint(5, 100, (1, L), generator=g).to(device)
-    outs = {}
+    committed = torch.randint(5, 100, (1, args.block), generator=g).to(device)
+    pool_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
+    bf16 = sibling(ref, "cuda")
+    bf16.configure_state_pool(pool_bytes, max_sequences=4)
+    res = {"bytes_bf16": model_bytes(ref), "bf16": graphed_step_times(bf16, prompt, device, args)}
     with torch.inference_mode():
-        for name, model in (("fast", q_fast), ("ref", q_ref), ("bf16", bf16)):
-            caches = prefilled(model, prompt, 2)
-            block = torch.full((2, L), mask, device=device)
-            out = {"decode_1_row": model.step(torch.tensor([[7]], device=device), caches[:1], logits_at="last"),
-                   "decode_2_rows": model.step(torch.tensor([[8], [9]], device=device), caches, logits_at="last"),
-                   "block_0.7": model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
-                   "commit": model.step(torch.cat([committed.expand(2, L), block], 1), caches, block_len=L,
-                                        block_top_p=0.9, logits_at="block")}
-            outs[name] = out
-            for c in caches:
-                c.release()
-        res["ops"] = {k: relative_error(outs["fast"][k], outs["ref"][k]) for k in outs["ref"]}
-        res["ops_ok"] = all(v < args.tolerance for v in res["ops"].values())
-        res["vs_bf16"] = {k: relative_error(outs["fast"][k], outs["bf16"][k]) for k in outs["ref"]}
-        for name, model in (("bf16", bf16), ("int4", q_fast)):
-            graphs.enable(model, "cuda" if device.type == "cuda" and args.graphs else "eager")
-            caches = prefilled(model, prompt, 1)
-            tok = torch.full((1, 1), 7, device=device)
-            res[f"decode_1_{name}_ms"] = timed(lambda: model.step(tok, caches, logits_at="last"), device, 2, args.iters)
-            block = torch.full((1, L), mask, device=device)
-            res[f"block_0.7_1_{name}_ms"] = timed(
-                lambda: model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
-                device, 2, args.iters)
-            for c in caches:
-                c.release()
-            runner = model.state_pool().__dict__.get("_step_graphs")
-            res[f"graphs_failed_{name}"] = [str(k) for k in runner.failed] if runner else []
-            graphs.enable(model, None)
-    res.update(time_dequantize(q_fast.model.layers[0].mlp.experts.gate_up_proj, device, args))
+        bf16_out = step_outputs(bf16, prompt, committed, device, args.block)
+    for form, build in (("int4", lambda: int4), ("q4_k_m", lambda: k_quant_model(config, device))):
+        model = build()
+        fast, slow = sibling(model, "cuda"), sibling(model, "reference")
+        for m in (fast, slow):
+            m.configure_state_pool(pool_bytes, max_sequences=4)
+        with torch.inference_mode():
+            got = step_outputs(fast, prompt, committed, device, args.block)
+            want = step_outputs(slow, prompt, committed, device, args.block)
+        r = {"bytes": model_bytes(model),
+             "ops": {k: relative_error(got[k], want[k]) for k in want}}
+        r["ops_ok"] = all(v < args.tolerance for v in r["ops"].values())
+        if form == "int4":
+            r["vs_bf16"] = {k: relative_error(got[k], bf16_out[k]) for k in want}
+        r.update(graphed_step_times(fast, prompt, device, args))
+        r.update(time_dequantize(model.model.layers[0].mlp.experts.gate_up_proj, device, args))
+        res[form] = r
+        del model, fast, slow, got, want
+    res["ops_ok"] = res["int4"]["ops_ok"] and res["q4_k_m"]["ops_ok"]
     report["quantized"] = res
 
 
@@ -633,17 +698,18 @@ def main(argv=None) -> int:
                   f"{sg[f'generate_{mode}_graphs_tok_s']:.1f} tok/s")
     if "quantized" in report:
         q = report["quantized"]
-        print(f"  int4 (group 32), {q['bytes_int4'] / 1e9:.2f} GB against {q['bytes_bf16'] / 1e9:.2f} GB of bf16:")
-        for op, err in q["ops"].items():
-            print(f"    correctness {op:<14} rel |Δ| {err:.2e}  {'ok' if err < args.tolerance else 'FAIL'}"
-                  f"   (vs bf16 logits {q['vs_bf16'][op]:.2e})")
-        print(f"    1 row, bf16 → int4: decode {q['decode_1_bf16_ms']:.2f} → {q['decode_1_int4_ms']:.2f} ms, "
-              f"block 0.7 {q['block_0.7_1_bf16_ms']:.2f} → {q['block_0.7_1_int4_ms']:.2f} ms; graphs failed: "
-              f"{len(q['graphs_failed_bf16'])} bf16, {len(q['graphs_failed_int4'])} int4")
-        print(f"    dequantizing one layer's gate/up experts, eager → compiled: 8 slots "
-              f"{q['dequant_slots_eager_ms']:.3f} → {q['dequant_slots_compiled_ms']:.3f} ms, all "
-              f"{q['dequant_all_eager_ms']:.2f} → {q['dequant_all_compiled_ms']:.2f} ms "
-              f"(rel |Δ| {max(q['dequant_slots_compiled_rel'], q['dequant_all_compiled_rel']):.1e})")
+        print(f"  quantized weights (bf16 model {q['bytes_bf16'] / 1e9:.2f} GB: decode {q['bf16']['decode_ms']:.2f} ms, "
+              f"block 0.7 {q['bf16']['block_0.7_ms']:.2f} ms with graphs):")
+        for form in ("int4", "q4_k_m"):
+            r = q[form]
+            worst = max(r["ops"].values())
+            print(f"    {form:<7} {r['bytes'] / 1e9:.2f} GB; vs reference ≤ {worst:.2e} "
+                  f"{'ok' if r['ops_ok'] else 'FAIL'}" + (f"; vs bf16 logits ≤ {max(r['vs_bf16'].values()):.2e}"
+                                                        if "vs_bf16" in r else ""))
+            print(f"            decode {r['decode_ms']:.2f} ms, block 0.7 {r['block_0.7_ms']:.2f} ms with graphs "
+                  f"({len(r['graphs_failed'])} failed); one layer's gate/up dequantized, eager → compiled: "
+                  f"8 slots {r['dequant_slots_eager_ms']:.3f} → {r['dequant_slots_compiled_ms']:.3f} ms, all "
+                  f"{r['dequant_all_eager_ms']:.2f} → {r['dequant_all_compiled_ms']:.2f} ms")
     if "paged_attention" in report:
         pa = report["paged_attention"]
         print(f"  paged attention ({pa['status']}), one layer, gathered → paged:")

@@ -25,13 +25,17 @@ def test_gpu_check_dry_run_on_cpu():
                                   "commit"}
     assert report["generation"]["agree"] == 1.0
     assert {"decode_ms", "block_0.7_ms", "commit_ms"} <= set(report["clover_fast"])
-    # int4 weights: the fast backend's quantized experts (per slot at 1 decode row, all experts in block
-    # steps) as the reference on the same quantized weights, at a quarter of the bf16 model's bytes
+    # quantized weights: the fast backend's quantized path (per slot at 1 decode row, all experts in
+    # block steps; dequantized op by op on CPU) as the reference on the same weights, in Clover's int4
+    # (a quarter of the bf16 model's bytes, near its logits) and in the forms a Q4_K_M GGUF loads into
     q = report["quantized"]
-    assert q["ops_ok"] and set(q["ops"]) == {"decode_1_row", "decode_2_rows", "block_0.7", "commit"}
-    assert q["bytes_int4"] < 0.4 * q["bytes_bf16"] and not q["graphs_failed_int4"]
-    assert all(0 < v < 0.5 for v in q["vs_bf16"].values())          # it did quantize, and stayed near
-    assert q["dequant_slots_compiled_rel"] < 1e-2 and q["dequant_all_compiled_rel"] < 1e-2
+    assert q["ops_ok"]
+    for form in ("int4", "q4_k_m"):
+        assert set(q[form]["ops"]) == {"decode_1_row", "decode_2_rows", "block_0.7", "commit"}
+        assert all(v < 1e-2 for v in q[form]["ops"].values()) and not q[form]["graphs_failed"]
+        assert q[form]["bytes"] < {"int4": 0.4, "q4_k_m": 0.5}[form] * q["bytes_bf16"]   # (Q6_K's head: more)
+        assert q[form]["dequant_slots_compiled_rel"] == 0 and q[form]["dequant_all_compiled_rel"] == 0
+    assert all(0 < v < 0.5 for v in q["int4"]["vs_bf16"].values())     # it did quantize, and stayed near
     # the tensor-parallel section (NCCL on a GPU) runs over gloo here: one rank equals the plain model
     assert report["nccl"]["backend"] == "gloo" and report["nccl"]["collectives_ok"]
     assert report["nccl"]["logits_rel"] < 1e-6 and report["nccl"]["cuda_backend_logits_rel"] < 1e-5
