@@ -210,6 +210,16 @@ def test_two_ranks_on_the_cuda_backend_match_one_process(tmp_path, bits):
     _assert_same(got, _expected(path, 10, backend="cuda"))
 
 
+def test_two_ranks_with_step_graphs_match_one_process(tmp_path, monkeypatch):
+    """The step graphs' static-buffer forwards (replayed eagerly: what a CUDA graph would capture, the
+    all-reduces inside) on 2 ranks of the cuda backend, against one process without graphs."""
+    monkeypatch.setenv("CLOVER_TEST_STEP_GRAPHS", "eager")
+    path = _save(tmp_path, **UNEVEN)
+    got = spawn_run(2, path, tmp_path / "out.pt", new_tokens=10, backend="cuda")
+    assert got.pop("backend_name") == "cuda" and got.pop("graphs") > 0
+    _assert_same(got, _expected(path, 10, backend="cuda"))
+
+
 def test_four_ranks_quantized_int8_match_one_process(tmp_path):
     """int8 over 4 ranks: one 16-column group of o_proj / out_proj / shared down_proj per rank, K/V
     and GDN key heads replicated in pairs, experts 2/2/2/1."""

@@ -91,9 +91,15 @@ def main(model_dir: str, out_path: str, new_tokens: int = 20, backend: str = "re
 
     dtype = torch.bfloat16 if backend == "cpu" else torch.float32
     model = clover.load(model_dir, dtype=dtype, backend=backend, tensor_parallel=True)
+    if os.environ.get("CLOVER_TEST_STEP_GRAPHS") == "eager":      # the graphs' static buffers, replayed eagerly
+        from clover.gpu import graphs
+
+        graphs.enable(model, "eager")
     with torch.inference_mode():
         out = (kernel_outputs if backend == "cpu" else model_outputs)(model, new_tokens)
     out["backend_name"] = model.backend.name
+    runner = model.state_pool().__dict__.get("_step_graphs")
+    out["graphs"] = len(runner.graphs) if runner else 0
     sizes = {"bytes_read": model.shard_bytes_read,
              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
              "plan": repr(model.shard_plan)}

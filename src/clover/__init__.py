@@ -45,8 +45,8 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     NCCL on CUDA) or a `clover.distributed.ParallelGroup` (then its device is used) — this process
     loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
     safetensors checkpoint, in the stored dtype (or `dtype`): "auto" means the "cuda" backend on a
-    CUDA device (without step graphs so far: they would have to capture NCCL's collectives) and
-    "reference" on CPU; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
+    CUDA device (step graphs only with `CLOVER_TP_CUDA_GRAPHS=1`: they capture NCCL's collectives,
+    which no GPU has run yet) and "reference" on CPU; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
     collective).
     `cuda_graphs`: on a CUDA device with the "cuda" backend, replay decode steps, block steps and fused
     commits as CUDA graphs (clover/gpu/graphs.py); False, or the environment's `CLOVER_CUDA_GRAPHS=0`,
@@ -67,7 +67,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         raise FileNotFoundError(f"model directory {path} does not exist")
     gguf = gguf_file(path)
     if tensor_parallel:
-        model = _load_tensor_parallel(path, gguf, dtype, device, backend, tensor_parallel)
+        model = _load_tensor_parallel(path, gguf, dtype, device, backend, tensor_parallel, cuda_graphs)
         _read_generation_defaults(model, path)
         return model
     on_cpu = torch.device(device).type == "cpu"
@@ -127,7 +127,7 @@ def _read_generation_defaults(model, path: Path) -> None:
             raise ValueError(f"{gen}: invalid JSON ({exc})") from None
 
 
-def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, tensor_parallel):
+def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, tensor_parallel, cuda_graphs: bool):
     from .distributed import ParallelGroup, init_from_env
     from .distributed.loading import load_tensor_parallel
 
@@ -148,7 +148,14 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
         if backend == "cuda" or (backend == "auto" and parallel.device.type == "cuda"):
             from .backend import Backend
 
-            model.backend = Backend("cuda")     # eager: step graphs do not capture the collectives yet
+            model.backend = Backend("cuda")
+            # Step graphs would capture NCCL's collectives: not yet run anywhere (one GPU cannot hold two
+            # NCCL ranks), so only on request; the same forwards replayed eagerly are tested on CPU.
+            if (cuda_graphs and parallel.device.type == "cuda" and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0"
+                    and os.environ.get("CLOVER_TP_CUDA_GRAPHS", "0") == "1"):
+                from .gpu.graphs import enable
+
+                enable(model, "cuda")
         return model
     from .layers.packed import pack_for_cpu
     from .runtime import release_free_memory
