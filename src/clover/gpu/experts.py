@@ -69,8 +69,9 @@ def quantized_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: 
         return _per_slot(x, indices, weights, experts.gate_up_proj, experts.down_proj)
     if not grouped_mm_available(x):
         return experts._forward_grouped(x, indices, weights)
+    # down's float stack made only once gate/up's is freed: the transient peak is the larger of the two
     return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj.dequantize(x.dtype),
-                         experts.down_proj.dequantize(x.dtype))
+                         lambda: experts.down_proj.dequantize(x.dtype))
 
 
 def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:
@@ -95,8 +96,9 @@ def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:
     return (ys * slot_weights).view(N, k, H).sum(1)
 
 
-def _grouped_gemm(x, indices, weights, num_experts: int, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The grouped-GEMM body over float expert stacks gate_up [E, 2I, H], down [E, H, I]."""
+def _grouped_gemm(x, indices, weights, num_experts: int, gate_up: torch.Tensor, down) -> torch.Tensor:
+    """The grouped-GEMM body over float expert stacks gate_up [E, 2I, H], down [E, H, I] (or a function
+    that makes down, called once gate_up is no longer needed)."""
     N, k = indices.shape
     flat_expert = indices.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)
@@ -107,8 +109,10 @@ def _grouped_gemm(x, indices, weights, num_experts: int, gate_up: torch.Tensor, 
     offs = counts.cumsum(0).to(torch.int32)                                 # [E]: each expert's end
     xs = x[token_of_slot]                                                   # [N·k, H] grouped by expert
     hidden = GROUPED_MM(xs, gate_up.transpose(-2, -1), offs=offs)           # [N·k, 2I]
+    del gate_up
     gate, up = hidden.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
+    down = down() if callable(down) else down
     ys = GROUPED_MM(hidden, down.transpose(-2, -1), offs=offs)              # [N·k, H]
     ys = ys * weights.reshape(-1)[order, None].to(x.dtype)
     # Back to token order without atomics (CUDA's index_add_ adds in a varying order, so repeated runs
