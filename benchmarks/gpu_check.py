@@ -334,14 +334,15 @@ def graphed_step_times(model, prompt, device, args) -> dict:
     from clover.gpu import graphs
 
     graphs.enable(model, "cuda" if device.type == "cuda" and args.graphs else "eager")
-    caches = prefilled(model, prompt, 1)
-    tok = torch.full((1, 1), 7, device=device)
-    block = torch.full((1, args.block), model.config.mask_token_id, device=device)
-    res = {"decode_ms": timed(lambda: model.step(tok, caches, logits_at="last"), device, 2, args.iters),
-           "block_0.7_ms": timed(lambda: model.step(block, caches, block=True, block_top_p=0.7, logits_at="block"),
-                                 device, 2, args.iters)}
-    for c in caches:
-        c.release()
+    with torch.inference_mode():
+        caches = prefilled(model, prompt, 1)
+        tok = torch.full((1, 1), 7, device=device)
+        block = torch.full((1, args.block), model.config.mask_token_id, device=device)
+        res = {"decode_ms": timed(lambda: model.step(tok, caches, logits_at="last"), device, 2, args.iters),
+               "block_0.7_ms": timed(lambda: model.step(block, caches, block=True, block_top_p=0.7,
+                                                        logits_at="block"), device, 2, args.iters)}
+        for c in caches:
+            c.release()
     runner = model.state_pool().__dict__.get("_step_graphs")
     res["graphs_failed"] = [str(k) for k in runner.failed] if runner else []
     graphs.enable(model, None)
