@@ -616,6 +616,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false")
     ap.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the tensor-parallel NCCL check")
+    ap.add_argument("--no-quantized", dest="quantized", action="store_false",
+                    help="skip the quantized-weights section (two more models; compiles the dequantization)")
     args = ap.parse_args(argv)
     if args.cpu_dry_run:
         device = torch.device("cpu")
@@ -651,7 +653,8 @@ def main(argv=None) -> int:
     section(report, "clover_fast", time_steps, fast, config, args, device, report, "clover_fast")
     if args.graphs:
         section(report, "step_graphs", check_step_graphs, fast, config, args, device, report)
-    section(report, "quantized", check_quantized, ref, config, args, device, report)
+    if args.quantized:
+        section(report, "quantized", check_quantized, ref, config, args, device, report)
     if not args.cpu_dry_run:
         section(report, "clover_reference", time_steps, ref, config,
                 argparse.Namespace(**{**vars(args), "graphs": False}), device, report, "clover_reference")
