@@ -46,8 +46,8 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     loads only its shard (heads, experts and vocabulary rows; see clover/distributed/plan.py) of a
     safetensors checkpoint, in the stored dtype (or `dtype`): "auto" means the "cuda" backend on a
     CUDA device (step graphs only with `CLOVER_TP_CUDA_GRAPHS=1`: they capture NCCL's collectives,
-    which no GPU has run yet) and "reference" on CPU; "cpu" packs the shard in bf16 for the native kernels. Every rank must then make the same calls (forwards are
-    collective).
+    which no GPU has run yet) and "reference" on CPU; "cpu" packs the shard in bf16 for the native
+    kernels. Every rank must then make the same calls (forwards are collective).
     `cuda_graphs`: on a CUDA device with the "cuda" backend, replay decode steps, block steps and fused
     commits as CUDA graphs (clover/gpu/graphs.py); False, or the environment's `CLOVER_CUDA_GRAPHS=0`,
     runs every forward eagerly."""
