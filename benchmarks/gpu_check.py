@@ -702,8 +702,8 @@ def main(argv=None) -> int:
                   f"{sg[f'generate_{mode}_graphs_tok_s']:.1f} tok/s")
     if "quantized" in report:
         q = report["quantized"]
-        print(f"  quantized weights (bf16 model {q['bytes_bf16'] / 1e9:.2f} GB: decode {q['bf16']['decode_ms']:.2f} ms, "
-              f"block 0.7 {q['bf16']['block_0.7_ms']:.2f} ms with graphs):")
+        print(f"  quantized weights (bf16 model {q['bytes_bf16'] / 1e9:.2f} GB: decode "
+              f"{q['bf16']['decode_ms']:.2f} ms, block 0.7 {q['bf16']['block_0.7_ms']:.2f} ms with graphs):")
         for form in ("int4", "q4_k_m"):
             r = q[form]
             worst = max(r["ops"].values())
@@ -728,7 +728,8 @@ def main(argv=None) -> int:
             print(f"  {key}: {report[key]}")
     if "nccl" in report:
         print(f"  tensor parallel over {report['nccl']['backend']} ({report['nccl']['world_size']} rank): collectives "
-              f"{'ok' if report['nccl']['collectives_ok'] else 'FAIL'}, logits rel |Δ| {report['nccl']['logits_rel']:.2e} "
+              f"{'ok' if report['nccl']['collectives_ok'] else 'FAIL'}, logits rel |Δ| "
+              f"{report['nccl']['logits_rel']:.2e} "
               f"(cuda backend {report['nccl']['cuda_backend_logits_rel']:.2e}, tokens as the reference backend's: "
               f"{report['nccl']['cuda_backend_tokens_agree']})")
     for name, err in report.get("errors", {}).items():
