@@ -1,5 +1,5 @@
 """`clover.load` refuses, before reading any weights, a model that cannot fit in the available memory
-(clover.runtime.check_memory): its estimate equals the bytes the loaded model really holds (safetensors,
+(clover.runtime.check_memory; on a GPU, the device's free memory): its estimate equals the bytes the loaded model really holds (safetensors,
 a quantized checkpoint, a GGUF file), the error names both sizes and the way out, CLOVER_MEMORY_CHECK=0
 skips it, and the CLI reports it as an error line, not a traceback."""
 
@@ -89,3 +89,27 @@ def test_cli_reports_it_as_an_error(little_memory, capsys):
     assert main(["generate", "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "GB of memory as loaded" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+def test_a_model_too_large_for_the_gpu_is_refused_before_loading(form, tmp_path, monkeypatch):
+    """On a CUDA device the check compares with the device's free memory (`torch.cuda.mem_get_info`,
+    here 1.2 GB free of 24 GB, all of it kept for a step's activations: the tiny models cannot fit),
+    before anything is allocated there — this machine has no GPU, so touching one would fail otherwise."""
+    monkeypatch.delenv("CLOVER_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(1.2e9), int(24e9)))
+    monkeypatch.setattr(runtime, "GPU_HEADROOM", int(1.2e9))
+    path = clover.DEMO_MODEL_DIR
+    if form == "gguf":
+        pytest.importorskip("gguf")
+        from gguf import GGMLQuantizationType as T
+        from gguf_files import write_gguf
+        from test_gguf import Q32, TOKENIZER, tiny
+
+        path = tmp_path / "q.gguf"
+        write_gguf(path, tiny(**Q32), T.Q8_0, tokenizer=TOKENIZER)
+    with pytest.raises(runtime.InsufficientMemoryError) as err:
+        clover.load(path, device="cuda", backend="reference")
+    message = str(err.value)
+    assert str(path) in message and "on cuda" in message and "1.20 GB free of 24.00 GB" in message
+    assert "clover quantize" in message and "CLOVER_MEMORY_CHECK=0" in message

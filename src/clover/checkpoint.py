@@ -357,10 +357,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     dtype = dtype or _stored_dtype(plan.stored)
     if table_in_file and torch.device(device).type == "cpu" and not config.tie_word_embeddings:
         _leave_table_in_file(plan, dtype)
-    if torch.device(device).type == "cpu":
-        from .runtime import check_memory
+    from .runtime import check_memory
 
-        check_memory(planned_nbytes(plan, dtype), str(path))
+    check_memory(planned_nbytes(plan, dtype), str(path), device)
     for name, tensor in read_tensors(plan, dtype, device):
         _assign(model, name, tensor)
     if config.tie_word_embeddings:

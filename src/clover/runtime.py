@@ -83,13 +83,33 @@ def available_memory() -> int | None:
     return None
 
 
-def check_memory(needed: int, what: str) -> None:
+# On a GPU: the CUDA context's later growth, cuBLAS workspaces and a first step's activations beside
+# the weights (the engine then sizes its state pool from what is left: engine/budget.py).
+GPU_HEADROOM = 1 << 30
+
+
+def check_memory(needed: int, what: str, device="cpu") -> None:
     """Refuse, before anything is allocated, a load that would need more than the available memory:
-    otherwise the kernel's OOM killer ends the process minutes into reading the files, with no message.
-    `CLOVER_MEMORY_CHECK=0` skips the check (e.g. where swap or a cgroup limit changes the picture)."""
+    otherwise the kernel's OOM killer ends the process minutes into reading the files, with no message
+    (on a GPU, CUDA's out-of-memory error comes as late, partway through the files). `device`: "cpu"
+    (MemAvailable) or a CUDA device (its free memory). `CLOVER_MEMORY_CHECK=0` skips the check (e.g.
+    where swap or a cgroup limit changes the picture)."""
     import os
 
     if os.environ.get("CLOVER_MEMORY_CHECK", "1") == "0":
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if needed + GPU_HEADROOM <= free:
+            return
+        raise InsufficientMemoryError(
+            f"{what} needs {needed / 1e9:.2f} GB on {device} as loaded, and it has {free / 1e9:.2f} GB free of "
+            f"{total / 1e9:.2f} GB (with {GPU_HEADROOM >> 30} GB kept for a step's activations): the load would run "
+            "out of device memory partway. Load a smaller form (`clover quantize SRC DST --bits 4`, or a GGUF file), "
+            "free the device, or split the model over several GPUs (`torchrun … tensor_parallel`); "
+            "CLOVER_MEMORY_CHECK=0 loads anyway.")
+    if device.type != "cpu":
         return
     available = available_memory()
     if available is None or needed + HEADROOM <= available:

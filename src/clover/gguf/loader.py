@@ -55,13 +55,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
             dtype = _default_dtype(f, entries)
         with torch.device("meta"), _no_weight_init():
             model = CloverForCausalLM(config)
-        quantized = _install_quantized(model, f, entries, dtype, device)   # (buffers not yet touched)
+        quantized = _install_quantized(model, f, entries, dtype, "meta")    # sized first, allocated once checked
         on_cpu = torch.device(device).type == "cpu"
         in_file = _leave_table_in_file(model, f, entries, quantized, dtype) if table_in_file and on_cpu else {}
-        if on_cpu:
-            from ..runtime import check_memory
+        from ..runtime import check_memory
 
-            check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path))
+        check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path), device)
+        for module in quantized.values():
+            module.to_empty(device=device)                                  # (on a GPU: allocated here)
         specs, count = set(), len(quantized)
         for k, entry in enumerate(entries):
             if entry.param in defaults:
