@@ -228,6 +228,19 @@ def test_four_ranks_quantized_int8_match_one_process(tmp_path):
     _assert_same(got, _expected(path, 8))
 
 
+def test_a_shard_too_large_for_its_gpu_is_refused_before_loading(tmp_path, monkeypatch):
+    """Each rank checks its own shard against its device's free memory (here `mem_get_info` reports
+    0.5 GB free, all kept for a step) before anything is allocated there (this machine has no GPU)."""
+    from clover import runtime
+
+    monkeypatch.delenv("CLOVER_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(5e8), int(80e9)))
+    monkeypatch.setattr(runtime, "GPU_HEADROOM", int(5e8))
+    path = _save(tmp_path)
+    with pytest.raises(runtime.InsufficientMemoryError, match=r"rank 1's shard\) needs .* on cuda:1"):
+        load_tensor_parallel(path, ParallelGroup(rank=1, world_size=2, device=torch.device("cuda", 1)))
+
+
 def test_load_tensor_parallel_without_launcher_says_how(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

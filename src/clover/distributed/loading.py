@@ -48,6 +48,13 @@ def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch
         model = CloverForCausalLM(config)
         shard_model(model, shards, parallel)
         quantize_shard(model, quantized, parallel)
+    if device.type == "cuda":              # each rank its own device: its shard against its free memory
+        from ..runtime import check_memory
+
+        size = torch.empty((), dtype=dtype).element_size()
+        held = sum(p.numel() * size for p in model.parameters()) + sum(
+            b.numel() * b.element_size() for b in model.buffers() if b.is_meta)
+        check_memory(held, f"{path} (rank {parallel.rank}'s shard)", device)
     model.shard_bytes_read = 0
     with ExitStack() as opened:
         handles = {}
