@@ -110,12 +110,17 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         from .backend import Backend
 
         model.backend = Backend("cuda")
-        if cuda_graphs and torch.device(device).type == "cuda" and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0":
+        if _graphs_wanted(cuda_graphs, device):
             from .gpu.graphs import enable
 
             enable(model, "cuda")
     _read_generation_defaults(model, path)
     return model
+
+
+def _graphs_wanted(cuda_graphs: bool, device) -> bool:
+    """Step graphs for a "cuda"-backend model on `device`: asked for, on CUDA, not off by the environment."""
+    return cuda_graphs and torch.device(device).type == "cuda" and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0"
 
 
 def _read_generation_defaults(model, path: Path) -> None:
@@ -151,8 +156,7 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
             model.backend = Backend("cuda")
             # Step graphs would capture NCCL's collectives: not yet run anywhere (one GPU cannot hold two
             # NCCL ranks), so only on request; the same forwards replayed eagerly are tested on CPU.
-            if (cuda_graphs and parallel.device.type == "cuda" and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0"
-                    and os.environ.get("CLOVER_TP_CUDA_GRAPHS", "0") == "1"):
+            if _graphs_wanted(cuda_graphs, parallel.device) and os.environ.get("CLOVER_TP_CUDA_GRAPHS", "0") == "1":
                 from .gpu.graphs import enable
 
                 enable(model, "cuda")

@@ -73,20 +73,19 @@ class QuantizedWeight(nn.Module):
         output: the same values as one pass, with bounded temporaries (the passes are sized by shapes,
         never by data)."""
         if isinstance(index, torch.Tensor):
-            lead, first = index.shape[0], 0
+            lead, entries = index.shape[0], (lambda a, b: index[a:b])
         else:
             first, stop, stride = (index or slice(None)).indices(self.shape[0])
             if stride != 1:
                 raise ValueError(f"dequantize takes row slices of step 1, got {index}")
-            lead, index = stop - first, None
+            lead, entries = stop - first, (lambda a, b: slice(first + a, first + b))
         step = max(1, DEQUANTIZE_CHUNK // math.prod(self.shape[1:]))
         if lead <= step:
-            return dequantize(**self.stored(index if index is not None else slice(first, first + lead)), dtype=dtype)
+            return dequantize(**self.stored(entries(0, lead)), dtype=dtype)
         out = torch.empty((lead, *self.shape[1:]), dtype=dtype, device=self.qweight.device)
         for start in range(0, lead, step):
             end = min(start + step, lead)
-            rows = slice(first + start, first + end) if index is None else index[start:end]
-            out[start:end] = dequantize(**self.stored(rows), dtype=dtype)
+            out[start:end] = dequantize(**self.stored(entries(start, end)), dtype=dtype)
         return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
