@@ -31,7 +31,14 @@ OPS = ("add_rmsnorm", "gdn_core", "attention", "moe")
 class Op:
     name: str
     reference: Callable | None = None
-    implementations: dict = field(default_factory=dict)      # backend → (function, qualifies)
+    implementations: dict = field(default_factory=dict)      # backend → (function, qualifies, takes_padded)
+
+
+# The sequence-mixing ops, and where their `batch` (a `ForwardBatch`, or None) is among the arguments.
+# A right-padded batch (prompts of several lengths prefilled in one forward) reaches them one row at a
+# time over its own tokens, so a row computes exactly what it computes alone: the dense products and
+# the experts are row by row already, and these two are the only ops where padding could change a row.
+MIXING_BATCH_ARG = {"gdn_core": 5, "attention": 6}
 
 
 _REGISTRY: dict[str, Op] = {name: Op(name) for name in OPS}
@@ -45,10 +52,12 @@ def reference(name: str):
     return register
 
 
-def implementation(name: str, backend: str, qualifies: Callable):
-    """Register `backend`'s implementation of op `name`, used where `qualifies(*args)` is true (decorator)."""
+def implementation(name: str, backend: str, qualifies: Callable, takes_padded: bool = False):
+    """Register `backend`'s implementation of op `name`, used where `qualifies(*args)` is true (decorator).
+    `takes_padded`: a mixing op that runs right-padded batches itself, each row exactly as alone (else
+    such a batch reaches it row by row)."""
     def register(fn):
-        _REGISTRY[name].implementations[backend] = (fn, qualifies)
+        _REGISTRY[name].implementations[backend] = (fn, qualifies, takes_padded)
         return fn
     return register
 
@@ -105,14 +114,44 @@ def _bind(op: Op, backend: str) -> Callable:
     ref = op.reference
     if ref is None:
         raise RuntimeError(f"op {op.name} has no reference implementation registered")
-    if backend not in op.implementations:
-        return ref
-    fast, qualifies = op.implementations[backend]
+    fast, qualifies, takes_padded = op.implementations.get(backend, (None, lambda *args: False, False))
 
     def call(*args):
         return fast(*args) if qualifies(*args) else ref(*args)
     call.__name__ = f"{op.name}_{backend}"
-    return call
+    at = MIXING_BATCH_ARG.get(op.name)
+    if at is None:
+        return call if fast is not None else ref
+
+    def mixing(*args):
+        batch = args[at]
+        if batch is None or not batch.padded:
+            return call(*args)
+        if takes_padded and qualifies(*args):
+            return fast(*args)
+        return _row_by_row(call, args, at)
+    mixing.__name__ = call.__name__
+    return mixing
+
+
+def _row_by_row(call: Callable, args: tuple, at: int):
+    """A mixing op over a right-padded batch: each row alone over its own tokens (`batch.commits[b]`),
+    the output's padding positions zero. Tensor arguments [B, T, …] are cut to the row."""
+    batch = args[at]
+    B = len(batch.starts)
+    T = next(a.shape[1] for a in args if hasattr(a, "dim") and a.dim() >= 2 and a.shape[0] == B)
+    out = None
+    for b in range(B):
+        n = batch.commits[b]
+        row_args = [batch.row(b) if i == at else
+                    (a[b:b + 1, :n] if hasattr(a, "dim") and a.dim() >= 2 and a.shape[0] == B else a)
+                    for i, a in enumerate(args)]
+        y = call(*row_args)
+        if out is None:
+            out = y.new_zeros(B, T, *y.shape[2:])
+        out[b, :n] = y[0]
+    return out
+
 
 
 REFERENCE = None

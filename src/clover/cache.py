@@ -70,6 +70,14 @@ class ForwardBatch:
     _table: torch.Tensor | None = field(default=None, repr=False)
     _index: dict = field(default_factory=dict, repr=False)
 
+    def row(self, b: int) -> "ForwardBatch":
+        """Row b alone over its own tokens (`commits[b]` of a right-padded batch): what a mixing op runs
+        for each row of such a batch (backend.py)."""
+        write = None if self.write_slots is None else [self.write_slots[b]]
+        records = None if self.records is None else [self.records[b]]
+        return ForwardBatch(self.pool, [self.starts[b]], [self.commits[b]], self.block_len, [self.pages[b]],
+                            [self.read_slots[b]], write, records)
+
     def page_table(self) -> torch.Tensor:
         """The rows' page tables as one int32 [B, max pages] tensor (made once per forward)."""
         if self._table is None:

@@ -270,8 +270,9 @@ class CloverForCausalLM(nn.Module):
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
         """Encode prompts of different lengths in one right-padded causal forward.
 
-        Padding never enters a cache: each row's length stops at its prompt's end (the padding's K/V are
-        scratch rows past it), and padded GDN positions get β = 0 and g = 0 (state unchanged). Returns each row's last-token logits [B, 1, V]."""
+        Padding never enters a cache, and no row's numbers depend on the others: the sequence-mixing ops
+        (attention, the GDN mixer) take each row alone over its own tokens (backend.py), the rest is row
+        by row. Returns each row's last-token logits [B, 1, V]."""
         lens = [len(p) for p in prompts]
         T = max(lens)
         if min(lens) == T:                   # no padding needed (also the long, chunked case)

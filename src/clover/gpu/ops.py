@@ -19,14 +19,14 @@ def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     return batch is None or batch.records is None
 
 
-implementation("gdn_core", "cuda", _gdn_qualifies)(gdn_core_fast)
+implementation("gdn_core", "cuda", _gdn_qualifies, takes_padded=True)(gdn_core_fast)
 
 
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
     return True
 
 
-implementation("attention", "cuda", _attention_qualifies)(attention_fast)
+implementation("attention", "cuda", _attention_qualifies, takes_padded=True)(attention_fast)
 
 
 def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:

@@ -47,7 +47,7 @@ implementation("add_rmsnorm", "cpu", _add_rmsnorm_qualifies)(add_rmsnorm)
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     T = u.shape[1]
-    return ((batch is None or (not batch.padded and batch.records is None))
+    return ((batch is None or batch.records is None)
             and (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a))
 
 
@@ -77,19 +77,23 @@ def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
 
 
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
-    return (qg.shape[1] <= ATTENTION_MAX_TOKENS and batch is not None and not batch.padded
+    return ((qg.shape[1] <= ATTENTION_MAX_TOKENS or not block_len) and batch is not None
             and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
 
 
 @implementation("attention", "cpu", _attention_qualifies)
 def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
+    """Each row over its pages; a causal pass of more than 64 tokens as consecutive 64-token calls, each
+    writing its K/V before it attends: a query's numbers never depend on how a prompt was chunked."""
     B, T = qg.shape[:2]
     out = torch.empty(B, T, attn.num_heads * attn.head_dim, dtype=qg.dtype)
     table = batch.page_table()
     kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
     for r in range(B):
-        attention_cached(attn, qg[r], k[r], v[r], cos[r], sin[r], kp, vp, table[r], batch.starts[r], block_len,
-                         out=out[r])
+        for s in range(0, T, ATTENTION_MAX_TOKENS):
+            e = min(T, s + ATTENTION_MAX_TOKENS)
+            attention_cached(attn, qg[r, s:e], k[r, s:e], v[r, s:e], cos[r, s:e], sin[r, s:e], kp, vp, table[r],
+                             batch.starts[r] + s, block_len, out=out[r, s:e])
     return out
 
 

@@ -142,11 +142,6 @@ def gdn_core_reference(self: GatedDeltaNet, u, z, b, a, batch, block_len: int):
         left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
     x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
     q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
-    if batch is not None and batch.padded:
-        # right padding (batched prefill): β = 0 and g = 0 leave the state exactly as it was
-        lens = torch.tensor(batch.commits, device=u.device)
-        keep = torch.arange(T, device=u.device)[None, :] < lens[:, None]
-        g, beta = g * keep[:, None], beta * keep[:, None]
 
     parts = []
     state = state0
