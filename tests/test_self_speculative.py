@@ -265,3 +265,59 @@ def test_stats_rounds_accepted_lengths_and_tokens_per_forward():
             assert st.mean_accepted_length == pytest.approx(16 / st.rounds)
             assert st.forwards == st.block_forwards + st.causal_forwards
             assert st.tokens_per_forward == pytest.approx(16 / st.forwards)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the default fast path (bf16, the native CPU kernels)
+
+
+def test_equals_autoregressive_on_the_fast_path():
+    """`clover.load()` as users get it: verification runs the same kernels as an autoregressive step
+    (the GDN kernel under an open speculation, rollback replayed through it), so self-speculative
+    greedy output equals autoregressive token for token in bf16 too — over 24 prompts, batched and
+    alone — and drafts were really accepted several tokens at a time."""
+    import clover
+
+    model = clover.load()
+    tok = clover.load_tokenizer(clover.DEMO_MODEL_DIR)
+    questions = [f"What is {a}{op}{b}?" for a, b in [(3, 4), (12, 9), (25, 17), (7, 8), (40, 2), (6, 93),
+                                                      (58, 31), (11, 11), (99, 1), (305, 28), (64, 64), (17, 25)]
+                 for op in "+-"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    kw = dict(max_new_tokens=96)
+    ar = [r.tokens for r in generate_batch(model, prompts, settings(model, block_size=1, **kw))]
+    spec = generate_batch(model, prompts, settings(model, decoding="self_speculative", **kw))
+    assert [r.tokens for r in spec] == ar
+    assert max(a for r in spec for a in r.stats.accepted_lengths) >= 4
+    for i in (0, 7, 19):
+        alone = generate_batch(model, [prompts[i]], settings(model, decoding="self_speculative", draft_steps=2, **kw))
+        assert alone[0].tokens == ar[i]
+
+
+def test_verification_and_rollback_are_bit_identical_to_autoregressive_steps():
+    """The unit under the test above, bit for bit on the fast path: a verification forward of a draft
+    (speculation open) gives the logits that one autoregressive step per token gives, and a rollback
+    to any accepted length leaves the state those steps leave (the next block step reads it)."""
+    import clover
+
+    model = clover.load()
+    if model.backend.name != "cpu":
+        pytest.skip("the native CPU kernels are not available here")
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(10, model.config.vocab_size, (40,), generator=g)
+    draft = torch.randint(10, model.config.vocab_size, (8,), generator=g)
+    mask = torch.full((1, 32), model.config.mask_token_id)
+    with torch.inference_mode():
+        _, steps = model.prefill(prompt)
+        one_by_one = torch.cat([model.step(draft[i:i + 1][None], [steps]) for i in range(8)], dim=1)
+        for keep in (0, 3, 8):
+            _, cache = model.prefill(prompt)
+            cache.begin_speculation()
+            verified = model.step(draft[None], [cache])
+            assert torch.equal(verified, one_by_one)
+            cache.rollback(len(prompt) + keep)
+            _, ar = model.prefill(prompt)
+            for i in range(keep):
+                model.step(draft[i:i + 1][None], [ar])
+            assert torch.equal(model.step(mask, [cache], block=True), model.step(mask, [ar], block=True))

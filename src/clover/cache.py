@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layers.delta_rule import gated_delta_rule
 from .layers.norms import compute_dtype
 from .transfer import to_device
 
@@ -41,10 +40,18 @@ class PoolFull(RuntimeError):
 
 @dataclass
 class GDNRecord:
-    """Per-token GDN inputs recorded during speculation, for replay on rollback."""
+    """A GDN layer's committed inputs during a speculation, for its rollback: the mixer's projections
+    (u, z, b, a) per forward and the `gdn_core` op that took them. A rollback replays the accepted tokens
+    through that same op from the kept state, so the state it leaves is bit for bit the one an
+    autoregressive step per token makes (the kernels' causal passes do not depend on how tokens are
+    grouped into calls)."""
 
-    u: list = field(default_factory=list)       # pre-conv inputs [T, C]
-    qkvgb: list = field(default_factory=list)   # (q [H,T,dk], k [H,T,dk], v [H,T,dv], g [H,T], beta [H,T])
+    inputs: list = field(default_factory=list)  # (u [T, C], z [T, ·], b [T, Hv], a [T, Hv]) per forward
+    replay: tuple | None = None                 # (mixer, gdn_core)
+
+    def add(self, mixer, gdn_core, u, z, b, a) -> None:
+        self.inputs.append((u, z, b, a))
+        self.replay = (mixer, gdn_core)
 
 
 @dataclass
@@ -634,23 +641,15 @@ class SequenceState:
                     target = held.slot
                     if pool.slot_refs(target) > 1 or target in (held.saved_slot, 0):
                         target = pool._seq_take_slot(held)
-                    for i, record in self._records.items():
-                        conv, rec = _replay_gdn(pool.conv[i][held.saved_slot], pool.recurrent[i][held.saved_slot],
-                                                record, keep)
-                        pool.conv[i][target].copy_(conv)
-                        pool.recurrent[i][target].copy_(rec)
+                    replay = ForwardBatch(self.pool, [start], [keep], 0, [list(held.pages)], [held.saved_slot],
+                                          [target], None)
+                    for record in self._records.values():
+                        mixer, gdn_core = record.replay
+                        u, z, b, a = (torch.cat(parts)[None, :keep] for parts in zip(*record.inputs))
+                        gdn_core(mixer, u, z, b, a, replay, 0)        # (the output is not needed)
                     if target != held.slot:
                         pool._seq_drop_slot(held, held.slot)
                         held.slot = target
             self.length = n
             self._close_speculation()
 
-
-def _replay_gdn(conv0: torch.Tensor, rec0: torch.Tensor, record: GDNRecord, keep: int):
-    """The state after the speculation start plus the first `keep` recorded tokens."""
-    u = torch.cat(record.u, dim=0)[:keep]                                   # [keep, C]
-    tail = torch.cat([conv0, u.t().to(conv0.dtype)], dim=1)
-    conv = tail[:, tail.shape[1] - conv0.shape[1]:]
-    q, k, v, g, beta = (torch.cat([r[i] for r in record.qkvgb], dim=1)[:, :keep] for i in range(5))
-    _, final = gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], rec0[None])
-    return conv, final[0]

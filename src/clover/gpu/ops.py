@@ -1,6 +1,5 @@
 """The "cuda" backend's implementations of the backend ops (clover/backend.py), with their limits:
-  - gdn_core: any forward but one with an open speculation (its replay records are the reference's
-    per-token tensors); fla's kernels where they run (gpu/__init__.py), else the PyTorch delta rule;
+  - gdn_core: any forward; fla's kernels where they run (gpu/__init__.py), else the PyTorch delta rule;
   - attention: any forward (batched over rows; see gpu/attention.py);
   - moe: experts as plain or quantized stacks (not packed for the CPU kernels);
   - add_rmsnorm: the reference (one fused `F.rms_norm`).
@@ -15,18 +14,12 @@ from .experts import grouped_experts
 from .gdn import gdn_core_fast
 
 
-def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
-    return batch is None or batch.records is None
-
-
-implementation("gdn_core", "cuda", _gdn_qualifies, takes_padded=True)(gdn_core_fast)
-
-
-def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
+def _any_call(*args) -> bool:
     return True
 
 
-implementation("attention", "cuda", _attention_qualifies, takes_padded=True)(attention_fast)
+implementation("gdn_core", "cuda", _any_call, takes_padded=True)(gdn_core_fast)
+implementation("attention", "cuda", _any_call, takes_padded=True)(attention_fast)
 
 
 def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:

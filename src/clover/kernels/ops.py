@@ -3,11 +3,10 @@ of which calls it can take. A call that does not qualify runs the op's PyTorch r
 
 The limits below are the C code's (the kernels also refuse anything else with an error):
   - all: bf16 inputs, no autograd (the kernels compute no gradients), CPU tensors;
-  - gdn_core: a forward from scratch, or a cached one (the rows' state slots in the pool) without right
-    padding and without an open speculation (speculation records need q, k, v, g, β, which the kernel
-    never forms); up to 64 tokens with a block, or any number of causal tokens (64 per call);
-  - attention: a cached forward without padding, up to 64 tokens (longer inputs go to PyTorch's flash
-    attention, which blocks over queries), head_dim ≤ 512, ≤ 16 query heads per K/V head;
+  - gdn_core: a forward from scratch, or a cached one (the rows' state slots in the pool); up to 64
+    tokens with a block, or any number of causal tokens (64 per call);
+  - attention: a cached forward, up to 64 tokens with a block, or any number of causal tokens (64 per
+    call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
   - moe: a block packed into panels by `pack_for_cpu(kernels=True)`; on a tensor-parallel shard the
     kernel computes the shard's experts (of the global routing) and the all-reduce follows it here.
 """
@@ -47,8 +46,7 @@ implementation("add_rmsnorm", "cpu", _add_rmsnorm_qualifies)(add_rmsnorm)
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     T = u.shape[1]
-    return ((batch is None or batch.records is None)
-            and (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a))
+    return (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a)
 
 
 @implementation("gdn_core", "cpu", _gdn_qualifies)

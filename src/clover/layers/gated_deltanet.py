@@ -113,6 +113,11 @@ class GatedDeltaNet(nn.Module):
         reads the state and writes nothing. `backend`: whose `gdn_core` runs (default: the reference)."""
         u, z, b, a = self._project(x)
         core = (backend or reference_backend()).gdn_core
+        P = x.shape[1] - block_len
+        if batch is not None and batch.records is not None and P:      # an open speculation: its rollback
+            for r, records in enumerate(batch.records):                 # replays these through `core`
+                if records is not None:
+                    records[self.layer_index].add(self, core, *(t[r, :P] for t in (u, z, b, a)))
         return self.out_proj(core(self, u, z, b, a, batch, block_len))
 
 
@@ -155,10 +160,6 @@ def gdn_core_reference(self: GatedDeltaNet, u, z, b, a, batch, block_len: int):
                 w = batch.write_slots[r]
                 if w is None:
                     continue
-                records = batch.records[r] if batch.records is not None else None
-                if records is not None:
-                    records[self.layer_index].u.append(u[r, :, :P].t())
-                    records[self.layer_index].qkvgb.append(tuple(t[r] for t in causal))
                 conv_pool[w] = full[r, :, end:end + K - 1]
                 rec_pool[w] = state[r]
     if block_len:
