@@ -26,13 +26,21 @@ pytestmark = pytest.mark.skipif(
     reason="fla-core and triton are not installed (CLOVER_FLA_SITE unset)")
 
 CHECK = textwrap.dedent("""
-    import copy, torch
+    import contextlib, copy, dataclasses, torch
+    from clover import options
     from clover.backend import Backend
     from clover.gpu import fla_runs_on
     from clover.gpu.gdn import delta_rule
     from tiny_models import make_model
 
     assert fla_runs_on(torch.device("cpu")) and not fla_runs_on(torch.device("cpu"), chunked=True)
+
+    @contextlib.contextmanager
+    def fla_off():
+        before = options.current()
+        options._current = dataclasses.replace(before, fla=False)
+        yield
+        options._current = before
     g = torch.Generator().manual_seed(0)
     for B, T, Hk, Hv, dk, dv in [(1, 1, 1, 1, 8, 8), (2, 3, 2, 4, 8, 12), (3, 8, 1, 3, 16, 16)]:
         q, k = torch.randn(B, T, Hk, dk, generator=g), torch.randn(B, T, Hk, dk, generator=g)
@@ -41,9 +49,8 @@ CHECK = textwrap.dedent("""
         beta = torch.rand(B, T, Hv, generator=g)
         state = torch.randn(B, Hv, dk, dv, generator=g)
         o, final = delta_rule(q, k, v, gate, beta, state, dk ** -0.5)            # fla, interpreted
-        import os; os.environ["CLOVER_FLA"] = "0"
-        o_ref, final_ref = delta_rule(q, k, v, gate, beta, state, dk ** -0.5)    # PyTorch
-        del os.environ["CLOVER_FLA"]
+        with fla_off():
+            o_ref, final_ref = delta_rule(q, k, v, gate, beta, state, dk ** -0.5)    # PyTorch
         assert torch.allclose(o, o_ref, atol=1e-4), (o - o_ref).abs().max()
         assert torch.allclose(final, final_ref, atol=1e-4), (final - final_ref).abs().max()
 
@@ -58,9 +65,8 @@ CHECK = textwrap.dedent("""
     state = torch.randn(B, Hv, dk, dv, generator=g)
     o, final = delta_rule_ragged(q, k, v, gate, beta, state, dk ** -0.5, lens)
     keep = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None])[..., None]
-    os.environ["CLOVER_FLA"] = "0"
-    o_ref, final_ref = delta_rule(q, k, v, gate * keep, beta * keep, state, dk ** -0.5)
-    del os.environ["CLOVER_FLA"]
+    with fla_off():
+        o_ref, final_ref = delta_rule(q, k, v, gate * keep, beta * keep, state, dk ** -0.5)
     assert torch.allclose(final, final_ref, atol=1e-4), (final - final_ref).abs().max()
     assert torch.allclose(o * keep[..., None], o_ref * keep[..., None], atol=1e-4)
     assert not o[~keep[..., 0]].any()                        # nothing computed for padding

@@ -204,13 +204,13 @@ def test_a_large_quantized_linear_runs_in_row_chunks(fused, monkeypatch, request
 
 
 @pytest.fixture
-def compiled_everywhere(monkeypatch):
+def compiled_everywhere(monkeypatch, set_options):
     """quantization/compiled.py's fused dequantization on CPU too (inductor's C++ kernels), fresh state."""
     from clover.quantization import compiled
 
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip("inductor's CPU kernels need a C++ compiler")
-    monkeypatch.setattr(compiled, "MODE", "1")
+    set_options(fused_dequant="1")
     monkeypatch.setattr(compiled, "_state", {"compiled": {}, "broken": None})
     return compiled
 
@@ -244,7 +244,7 @@ def test_a_failed_fused_dequantization_falls_back_to_the_passes(compiled_everywh
     assert sum("dequantize eagerly" in r.message for r in caplog.records) == 1        # logged once
 
 
-def test_a_quantized_model_with_fused_dequantization_steps_as_without(compiled_everywhere, monkeypatch):
+def test_a_quantized_model_with_fused_dequantization_steps_as_without(compiled_everywhere, set_options):
     """Decode (per-slot experts), block step (all experts) and the dense int4 linears, all through the
     compiled kernel, against the same model dequantizing op by op."""
     ref, fast = _pair("base", torch.bfloat16, quantized=True)
@@ -252,7 +252,7 @@ def test_a_quantized_model_with_fused_dequantization_steps_as_without(compiled_e
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (9, 4)]
     outs = {}
     for name, mode in (("eager", "0"), ("compiled", "1")):
-        monkeypatch.setattr(compiled_everywhere, "MODE", mode)
+        set_options(fused_dequant=mode)
         with torch.inference_mode():
             caches = [fast.make_cache() for _ in prompts]
             got = [fast.prefill_batch(prompts, caches)]

@@ -143,7 +143,7 @@ def test_grouped_linear_epilogues_gather_swiglu_and_scale(bf16_kernels):
 
 
 @pytest.mark.skipif(kernels.available() and kernel_build.isa() != "avx512", reason="no pair kernels in the AVX2 build")
-def test_bf16_kernel_choice(monkeypatch):
+def test_bf16_kernel_choice(setenv):
     """The two bf16 kernels compute the same sums in another rounding order: each within the fp64 bound,
     close to each other, and fp32 inputs (always the FMA kernels) the same bits under both. The
     environment picks them per process; a wrong value is named."""
@@ -162,12 +162,12 @@ def test_bf16_kernel_choice(monkeypatch):
     assert (pairs.float() - fma.float()).abs().max() <= 2 ** -7 * ref.abs().max()
     assert torch.equal(fma32, pairs32)
     for value, want in (("fma", "fma"), ("pairs", "pairs"), ("FMA", "fma")):
-        monkeypatch.setenv("CLOVER_BF16_DOT", value)
+        setenv("CLOVER_BF16_DOT", value)
         assert kernels.bf16_kernels() == want
-    monkeypatch.setenv("CLOVER_BF16_DOT", "auto")
+    setenv("CLOVER_BF16_DOT", "auto")
     vendor = kernel_build._cpuinfo_field("vendor_id")
     assert kernels.bf16_kernels() == ("pairs" if vendor == "AuthenticAMD" else "fma")
-    monkeypatch.setenv("CLOVER_BF16_DOT", "amx")
+    setenv("CLOVER_BF16_DOT", "amx")
     with pytest.raises(ValueError, match="CLOVER_BF16_DOT must be auto, fma or pairs, not 'amx'"):
         kernels.bf16_kernels()
     with pytest.raises(ValueError, match="fma or pairs"):
@@ -438,25 +438,25 @@ def test_gdn_kernel_from_scratch_matches_the_pytorch_path(variant):
             assert (got.float() - want.float()).abs().max() <= 8e-3 * want.float().abs().max(), (B, T, block_len)
 
 
-def test_isa_choice(monkeypatch):
+def test_isa_choice(setenv):
     """The build follows the CPU (AVX-512 where it has BF16 and VNNI, else AVX2) unless CLOVER_ISA names
     one; the AVX2 build has no bf16 pair kernels, so auto means FMAs there and asking for pairs is an
     error that says why. A wrong or unsupported CLOVER_ISA is named."""
     flags = kernel_build._cpuinfo_field("flags").split()
     has = {name for name, (_, needs) in kernel_build.ISAS.items() if all(f in flags for f in needs)}
     assert kernel_build.isa() == ("avx512" if "avx512" in has else "avx2")
-    monkeypatch.setenv("CLOVER_ISA", "neon")
+    setenv("CLOVER_ISA", "neon")
     with pytest.raises(ValueError, match="CLOVER_ISA must be one of avx512, avx2, not 'neon'"):
         kernel_build.isa()
     if "avx512" not in has:
-        monkeypatch.setenv("CLOVER_ISA", "avx512")
+        setenv("CLOVER_ISA", "avx512")
         with pytest.raises(ValueError, match="CLOVER_ISA=avx512: this CPU lacks avx512"):
             kernel_build.isa()
-    monkeypatch.setenv("CLOVER_ISA", "avx2")
+    setenv("CLOVER_ISA", "avx2")
     assert kernel_build.isa() == "avx2" and "-mavx2" in kernel_build.flags() and "-mavx512f" not in kernel_build.flags()
-    monkeypatch.setenv("CLOVER_BF16_DOT", "auto")
+    setenv("CLOVER_BF16_DOT", "auto")
     assert kernels.bf16_kernels() == "fma"
-    monkeypatch.setenv("CLOVER_BF16_DOT", "pairs")
+    setenv("CLOVER_BF16_DOT", "pairs")
     with pytest.raises(ValueError, match="CLOVER_BF16_DOT=pairs needs AVX-512 BF16"):
         kernels.bf16_kernels()
 

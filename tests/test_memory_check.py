@@ -62,14 +62,14 @@ def test_gguf_estimate(tmp_path, monkeypatch):
     assert seen[-1] == _held_bytes(left) < seen[0]
 
 
-def test_a_model_too_large_is_refused_before_loading(little_memory, monkeypatch):
+def test_a_model_too_large_is_refused_before_loading(little_memory, setenv):
     with pytest.raises(runtime.InsufficientMemoryError) as err:
         clover.load(backend="reference")
     message = str(err.value)
     assert str(clover.DEMO_MODEL_DIR) in message and "GB of memory as loaded" in message
     assert "0.00 GB available" in message and "CLOVER_MEMORY_CHECK=0" in message
     assert isinstance(err.value, MemoryError) and isinstance(err.value, ValueError)
-    monkeypatch.setenv("CLOVER_MEMORY_CHECK", "0")
+    setenv("CLOVER_MEMORY_CHECK", "0")
     assert clover.load(backend="reference") is not None
 
 

@@ -139,14 +139,14 @@ def test_compiled_flex_attention_over_padded_rows_and_tokens(starts, T, block_le
     assert not changed.any() and torch.equal(k_pool.view(-1, HKV, D)[read], before.view(-1, HKV, D)[read])
 
 
-def test_where_it_applies(monkeypatch):
-    monkeypatch.setattr(paged_attention, "MODE", "auto")
+def test_where_it_applies(set_options):
+    set_options(paged_attention="auto")
     assert not paged_attention.applies(torch.device("cpu"), 1)          # CPU: only when asked
     assert paged_attention.applies(torch.device("cuda"), 64)
     assert not paged_attention.applies(torch.device("cuda"), 65)        # prefill chunks gather
-    monkeypatch.setattr(paged_attention, "MODE", "1")
+    set_options(paged_attention="1")
     assert paged_attention.applies(torch.device("cpu"), 1)
-    monkeypatch.setattr(paged_attention, "MODE", "0")
+    set_options(paged_attention="0")
     assert not paged_attention.applies(torch.device("cuda"), 1)
 
 

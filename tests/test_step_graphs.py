@@ -249,12 +249,12 @@ def test_load_turns_graphs_on_only_on_a_cuda_device():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_load_on_cuda_turns_graphs_on_unless_asked_not_to(monkeypatch):
+def test_load_on_cuda_turns_graphs_on_unless_asked_not_to(monkeypatch, setenv):
     import clover
 
     assert clover.load(device="cuda").graph_replay == "cuda"
     assert clover.load(device="cuda", cuda_graphs=False).graph_replay is None
-    monkeypatch.setenv("CLOVER_CUDA_GRAPHS", "0")
+    setenv("CLOVER_CUDA_GRAPHS", "0")
     assert clover.load(device="cuda").graph_replay is None
 
 

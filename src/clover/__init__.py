@@ -9,10 +9,11 @@ The core import is light (torch, safetensors). Public API:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from .options import current as runtime_options
 
 __version__ = "0.1.0"
 
@@ -120,7 +121,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
 def _graphs_wanted(cuda_graphs: bool, device) -> bool:
     """Step graphs for a "cuda"-backend model on `device`: asked for, on CUDA, not off by the environment."""
-    return cuda_graphs and torch.device(device).type == "cuda" and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0"
+    return cuda_graphs and torch.device(device).type == "cuda" and runtime_options().cuda_graphs
 
 
 def _read_generation_defaults(model, path: Path) -> None:
@@ -156,7 +157,7 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
             model.backend = Backend("cuda")
             # Step graphs would capture NCCL's collectives: not yet run anywhere (one GPU cannot hold two
             # NCCL ranks), so only on request; the same forwards replayed eagerly are tested on CPU.
-            if _graphs_wanted(cuda_graphs, parallel.device) and os.environ.get("CLOVER_TP_CUDA_GRAPHS", "0") == "1":
+            if _graphs_wanted(cuda_graphs, parallel.device) and runtime_options().tp_cuda_graphs:
                 from .gpu.graphs import enable
 
                 enable(model, "cuda")

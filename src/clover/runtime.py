@@ -94,9 +94,9 @@ def check_memory(needed: int, what: str, device="cpu") -> None:
     (on a GPU, CUDA's out-of-memory error comes as late, partway through the files). `device`: "cpu"
     (MemAvailable) or a CUDA device (its free memory). `CLOVER_MEMORY_CHECK=0` skips the check (e.g.
     where swap or a cgroup limit changes the picture)."""
-    import os
+    from .options import current as runtime_options
 
-    if os.environ.get("CLOVER_MEMORY_CHECK", "1") == "0":
+    if not runtime_options().memory_check:
         return
     device = torch.device(device)
     if device.type == "cuda":

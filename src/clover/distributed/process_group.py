@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..options import current as runtime_options
+
 # How long a collective may wait for the other ranks before it fails (seconds). A forward of a large
 # model on a slow CPU can take minutes, so the default is generous; CLOVER_DIST_TIMEOUT overrides it.
 DEFAULT_TIMEOUT_S = 600.0
@@ -150,7 +152,7 @@ def init_from_env(device=None, backend: str | None = None, timeout_s: float | No
     if not dist.is_available():
         raise RuntimeError("tensor parallelism needs torch.distributed, which this PyTorch build lacks")
     if timeout_s is None:
-        timeout_s = float(os.environ.get("CLOVER_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+        timeout_s = runtime_options().dist_timeout_s
     if not dist.is_initialized():
         missing = [v for v in ENV_VARS if v not in os.environ]
         if missing:

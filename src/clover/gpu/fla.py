@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from ..options import current as runtime_options
+
 _FLA = None
 _CONV = None
 
@@ -39,7 +41,7 @@ def fla_runs_on(device: torch.device, chunked: bool = False) -> bool:
     """Whether fla's kernels can run on tensors of `device`: CUDA, or the CPU under Triton's
     interpreter (`TRITON_INTERPRET=1`; the fused-recurrent kernel only — the chunked one needs a GPU).
     `CLOVER_FLA=0` turns fla off (the PyTorch delta rule runs instead)."""
-    if os.environ.get("CLOVER_FLA", "1") == "0":
+    if not runtime_options().fla:
         return False
     if device.type == "cuda":
         return fla_ops() is not None
@@ -50,6 +52,6 @@ def fla_runs_on(device: torch.device, chunked: bool = False) -> bool:
 def fla_conv_runs_on(device: torch.device) -> bool:
     """Whether fla's causal conv can run on tensors of `device` (CUDA, or the CPU under Triton's
     interpreter); `CLOVER_FLA=0` turns it off with the rest of fla."""
-    if os.environ.get("CLOVER_FLA", "1") == "0" or fla_conv() is None:
+    if not runtime_options().fla or fla_conv() is None:
         return False
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")

@@ -21,17 +21,16 @@ Prefill chunks keep the gathered path and the flash kernels. `CLOVER_PAGED_ATTEN
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from ..options import current as runtime_options
 from .graphs import batch_bucket
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 64               # a forward's tokens per row for the paged path (block steps, commits, decode)
 MAX_COMPILED_SHAPES = 128     # distinct (rows, tokens, dtype) buckets compiled before the gathered path takes over
-MODE = os.environ.get("CLOVER_PAGED_ATTENTION", "auto").strip().lower()   # "auto", "1" or "0"
 
 _state = {"compiled": None, "shapes": set(), "broken": None}
 
@@ -46,9 +45,10 @@ def _flex_attention():
 
 def applies(device: torch.device, tokens: int) -> bool:
     """Whether a forward of `tokens` tokens a row on `device` attends through the pages in place."""
-    if MODE in ("0", "off", "false") or tokens > MAX_TOKENS or _state["broken"] or _flex_attention() is None:
+    mode = runtime_options().paged_attention          # "auto", "1" or "0"
+    if mode == "0" or tokens > MAX_TOKENS or _state["broken"] or _flex_attention() is None:
         return False
-    return device.type == "cuda" or MODE in ("1", "on", "true")
+    return device.type == "cuda" or mode == "1"
 
 
 def _buckets(rows: int, tokens: int) -> tuple[int, int]:
@@ -175,4 +175,5 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, id
 
 def status() -> dict:
     """What the paged path did in this process (for the GPU check's report)."""
-    return {"mode": MODE, "compiled_shapes": len(_state["shapes"]), "broken": _state["broken"]}
+    return {"mode": runtime_options().paged_attention, "compiled_shapes": len(_state["shapes"]),
+            "broken": _state["broken"]}

@@ -14,7 +14,6 @@ The network is the clover package's own `CloverForCausalLM`; this class only ada
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..options import current as runtime_options
 from ..backend import Backend
 from ..gpu.graphs import enable as enable_step_graphs
 from ..runtime import flush_denormals
@@ -147,7 +147,7 @@ class CloverForCausalLM(CloverPreTrainedModel):
         want = "cuda" if on_cuda else "reference"
         if rt.backend.name != want:
             rt.backend = Backend(want)
-        replay = "cuda" if on_cuda and len(devices) == 1 and os.environ.get("CLOVER_CUDA_GRAPHS", "1") != "0" else None
+        replay = "cuda" if on_cuda and len(devices) == 1 and runtime_options().cuda_graphs else None
         if rt.graph_replay != replay:
             enable_step_graphs(rt, replay)
 

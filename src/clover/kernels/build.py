@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..options import current as runtime_options
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
@@ -49,10 +51,10 @@ ISAS = {
 
 
 def cache_dir() -> Path:
-    if os.environ.get("CLOVER_KERNEL_DIR"):
-        return Path(os.environ["CLOVER_KERNEL_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "clover" / "kernels"
+    opts = runtime_options()
+    if opts.kernel_dir:
+        return Path(opts.kernel_dir)
+    return Path(opts.cache_home or Path.home() / ".cache") / "clover" / "kernels"
 
 
 def _cpuinfo_field(name: str) -> str:
@@ -70,7 +72,7 @@ def isa() -> str | None:
     `CLOVER_ISA` names (which it must have); None where it has none."""
     flags = _cpuinfo_field("flags").split()
     usable = [name for name, (_, needs) in ISAS.items() if all(f in flags for f in needs)]
-    wanted = os.environ.get("CLOVER_ISA", "").strip().lower()
+    wanted = runtime_options().isa
     if not wanted:
         return usable[0] if usable else None
     if wanted not in ISAS:
@@ -94,7 +96,7 @@ def cpu_supported() -> bool:
 
 def switched_off() -> bool:
     """Whether the user turned the kernels off (`CLOVER_KERNELS=0`)."""
-    return os.environ.get("CLOVER_KERNELS", "1") == "0"
+    return not runtime_options().kernels
 
 
 BF16_KERNELS = ("fma", "pairs")
@@ -106,7 +108,7 @@ def bf16_kernels() -> str:
     (default) | fma | pairs; auto takes pairs on AMD CPUs (Zen 4 measured ~1.9× on whole products) and
     FMA elsewhere (Intel CPUs without AMX issue `vdpbf16ps` at half the FMA rate). Both sum fp32
     products of the same bf16 values; they differ in rounding order only."""
-    choice = os.environ.get("CLOVER_BF16_DOT", "auto").strip().lower()
+    choice = runtime_options().bf16_dot
     if choice not in ("auto", *BF16_KERNELS):
         raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")
     if isa() != "avx512":              # no vdpbf16ps in the AVX2 build

@@ -18,24 +18,24 @@ inside a CUDA graph capture is left to the graph runner, which runs that forward
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from ..options import current as runtime_options
 from .format import dequantize
 
 log = logging.getLogger(__name__)
 
-MODE = os.environ.get("CLOVER_FUSED_DEQUANT", "auto").strip().lower()     # "auto", "1" or "0"
 
 _state = {"compiled": {}, "broken": None}
 
 
 def runs_compiled(device: torch.device) -> bool:
     """Whether weights on `device` dequantize through the compiled kernel."""
-    if MODE in ("0", "off", "false") or _state["broken"]:
+    mode = runtime_options().fused_dequant            # "auto", "1" or "0"
+    if mode == "0" or _state["broken"]:
         return False
-    return device.type == "cuda" or MODE in ("1", "on", "true")
+    return device.type == "cuda" or mode == "1"
 
 
 # One function (one code object, so its own compile cache) per layout of the stored tensors; each then
@@ -88,4 +88,5 @@ def dequantize_weight(weight, dtype: torch.dtype, index: torch.Tensor | slice | 
 
 
 def status() -> dict:
-    return {"mode": MODE, "compiled_layouts": len(_state["compiled"]), "broken": _state["broken"]}
+    return {"mode": runtime_options().fused_dequant, "compiled_layouts": len(_state["compiled"]),
+            "broken": _state["broken"]}
