@@ -1,10 +1,11 @@
-"""Backend ops: each fused operation of a forward, registered once with its implementations.
+"""Backend ops: each fused operation of a forward, with its implementations in one table per backend.
 
 An op has a reference implementation in PyTorch (the definition, next to its module in `layers/`) and
 optionally faster ones per backend, each with a `qualifies(*args)` test that lives next to its kernel
-(shape limits, dtypes, what the kernel cannot do). A model gets one `Backend` when it loads
-(`model.backend`); a call whose arguments do not qualify runs the reference. Layers call
-`backend.<op>(...)` — no dispatch flags on modules.
+(shape limits, dtypes, what the kernel cannot do), listed in the table its package exports. A model
+gets one `Backend` when it loads (`model.backend`); a call whose arguments do not qualify runs the
+reference. Layers call `backend.<op>(...)` — no dispatch flags on modules — and never import this
+module: imports run backend → layers, and a backend's own package is imported when one is built.
 
 A fused op returns its own output and never adds the residual: the residual add happens outside it
 (in the next `add_rmsnorm`), so a tensor-parallel all-reduce or a dequantisation can go between an op
@@ -21,18 +22,20 @@ Backends: "reference" (PyTorch only), "cpu" (Clover's native CPU kernels, clover
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
-OPS = ("add_rmsnorm", "gdn_core", "attention", "moe")
+from .layers.attention import attention_reference
+from .layers.gated_deltanet import gdn_core_reference
+from .layers.moe import moe_reference
+from .layers.norms import add_rmsnorm_reference
 
-
-@dataclass
-class Op:
-    name: str
-    reference: Callable | None = None
-    implementations: dict = field(default_factory=dict)      # backend → (function, qualifies, takes_padded)
-
+# op → its PyTorch definition (next to its module in layers/, which never imports this module)
+REFERENCES: dict[str, Callable] = {
+    "add_rmsnorm": add_rmsnorm_reference,
+    "gdn_core": gdn_core_reference,
+    "attention": attention_reference,
+    "moe": moe_reference,
+}
 
 # The sequence-mixing ops, and where their `batch` (a `ForwardBatch`, or None) is among the arguments.
 # A right-padded batch (prompts of several lengths prefilled in one forward) reaches them one row at a
@@ -41,41 +44,23 @@ class Op:
 MIXING_BATCH_ARG = {"gdn_core": 5, "attention": 6}
 
 
-_REGISTRY: dict[str, Op] = {name: Op(name) for name in OPS}
+def implementations(name: str) -> dict:
+    """Backend `name`'s own implementations, op → (function, qualifies, takes_padded), from the table
+    its package exports (clover/kernels/ops.py, clover/gpu/ops.py): imported when such a backend is
+    built, so the core never loads the kernels or the GPU code it does not use. `takes_padded`: a
+    mixing op that runs right-padded batches itself, each row exactly as alone."""
+    if name == "cpu":
+        from .kernels import available
 
-
-def reference(name: str):
-    """Register the PyTorch definition of op `name` (decorator)."""
-    def register(fn):
-        _REGISTRY[name].reference = fn
-        return fn
-    return register
-
-
-def implementation(name: str, backend: str, qualifies: Callable, takes_padded: bool = False):
-    """Register `backend`'s implementation of op `name`, used where `qualifies(*args)` is true (decorator).
-    `takes_padded`: a mixing op that runs right-padded batches itself, each row exactly as alone (else
-    such a batch reaches it row by row)."""
-    def register(fn):
-        _REGISTRY[name].implementations[backend] = (fn, qualifies, takes_padded)
-        return fn
-    return register
-
-
-def _load_references() -> None:
-    # importing the layer modules registers the references
-    from .layers.attention import attention_reference  # noqa: F401
-    from .layers.gated_deltanet import gdn_core_reference  # noqa: F401
-    from .layers.moe import moe_reference  # noqa: F401
-    from .layers.norms import add_rmsnorm_reference  # noqa: F401
-
-
-def _load_cpu() -> None:
-    from .kernels.ops import gdn_core_cpu  # noqa: F401  (importing it registers the native CPU implementations)
-
-
-def _load_cuda() -> None:
-    from .gpu.ops import moe_cuda  # noqa: F401  (importing it registers the GPU implementations)
+        if not available():
+            raise RuntimeError("the 'cpu' backend needs Clover's native kernels, which cannot be built here "
+                               "(no C compiler, no AVX-512 BF16, or CLOVER_KERNELS=0): use backend='reference'")
+        from .kernels.ops import IMPLEMENTATIONS
+        return IMPLEMENTATIONS
+    if name == "cuda":
+        from .gpu.ops import IMPLEMENTATIONS
+        return IMPLEMENTATIONS
+    return {}
 
 
 class Backend:
@@ -88,38 +73,26 @@ class Backend:
     def __init__(self, name: str = "reference"):
         if name not in self.NAMES:
             raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(self.NAMES)}")
-        _load_references()
-        if name == "cpu":
-            from .kernels import available
-
-            if not available():
-                raise RuntimeError("the 'cpu' backend needs Clover's native kernels, which cannot be built here "
-                                   "(no C compiler, no AVX-512 BF16, or CLOVER_KERNELS=0): use backend='reference'")
-            _load_cpu()
-        if name == "cuda":
-            _load_cuda()
         self.name = name
-        for op in _REGISTRY.values():
-            setattr(self, op.name, _bind(op, name))
+        self._own = implementations(name)
+        for op, ref in REFERENCES.items():
+            setattr(self, op, _bind(op, ref, self._own.get(op), name))
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 
     def implements(self, name: str) -> bool:
         """Whether this backend has its own implementation of op `name` (else every call is the reference)."""
-        return self.name in _REGISTRY[name].implementations
+        return name in self._own
 
 
-def _bind(op: Op, backend: str) -> Callable:
-    ref = op.reference
-    if ref is None:
-        raise RuntimeError(f"op {op.name} has no reference implementation registered")
-    fast, qualifies, takes_padded = op.implementations.get(backend, (None, lambda *args: False, False))
+def _bind(op: str, ref: Callable, own: tuple | None, backend: str) -> Callable:
+    fast, qualifies, takes_padded = own or (None, lambda *args: False, False)
 
     def call(*args):
         return fast(*args) if qualifies(*args) else ref(*args)
-    call.__name__ = f"{op.name}_{backend}"
-    at = MIXING_BATCH_ARG.get(op.name)
+    call.__name__ = f"{op}_{backend}"
+    at = MIXING_BATCH_ARG.get(op)
     if at is None:
         return call if fast is not None else ref
 
@@ -151,7 +124,6 @@ def _row_by_row(call: Callable, args: tuple, at: int):
             out = y.new_zeros(B, T, *y.shape[2:])
         out[b, :n] = y[0]
     return out
-
 
 
 REFERENCE = None

@@ -28,16 +28,13 @@ import torch
 from safetensors.torch import save_file
 
 from .config import CloverConfig
+from .errors import CheckpointError
 from .transfer import StagedCopy
 
 IGNORED = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."), re.compile(r"^visual\."))
 PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 CLOVER_EXTRAS = re.compile(r"\.linear_attn\.(conv1d_right\.weight|block_mix_logits)$")
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked; the message names the key, file and shapes."""
 
 
 # ---- reading files ----------------------------------------------------------------------------

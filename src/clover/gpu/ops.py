@@ -8,7 +8,6 @@ The implementations are device-agnostic, so `Backend("cuda")` also runs on CPU (
 
 from __future__ import annotations
 
-from ..backend import implementation
 from .attention import attention_fast
 from .experts import grouped_experts
 from .gdn import gdn_core_fast
@@ -18,8 +17,6 @@ def _any_call(*args) -> bool:
     return True
 
 
-implementation("gdn_core", "cuda", _any_call, takes_padded=True)(gdn_core_fast)
-implementation("attention", "cuda", _any_call, takes_padded=True)(attention_fast)
 
 
 def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
@@ -27,8 +24,16 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
     return x.dim() == 3 and ex.panels is None and ex.packed is None
 
 
-@implementation("moe", "cuda", _moe_qualifies)
 def moe_cuda(moe, x, block_len, block_top_p):
     """The MoE block with its routed experts as grouped GEMMs, dequantized on the device when stored
     quantized (gpu/experts.py)."""
     return moe(x, block_len, block_top_p, experts=lambda *args: grouped_experts(moe.experts, *args))
+
+
+# op → (implementation, which calls it takes, whether it runs right-padded batches itself): backend.py.
+# add_rmsnorm is the reference (one fused `F.rms_norm`).
+IMPLEMENTATIONS = {
+    "gdn_core": (gdn_core_fast, _any_call, True),
+    "attention": (attention_fast, _any_call, True),
+    "moe": (moe_cuda, _moe_qualifies, False),
+}

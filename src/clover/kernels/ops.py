@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import implementation
 from .attention_cached import MAX_TOKENS as ATTENTION_MAX_TOKENS
 from .attention_cached import attention_cached
 from .gdn_short import MAX_TOKENS as GDN_MAX_TOKENS
@@ -41,15 +40,12 @@ def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
     return _plain_bf16(h, delta) and (delta is None or delta.shape == h.shape)
 
 
-implementation("add_rmsnorm", "cpu", _add_rmsnorm_qualifies)(add_rmsnorm)
-
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     T = u.shape[1]
     return (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a)
 
 
-@implementation("gdn_core", "cpu", _gdn_qualifies)
 def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
     T = u.shape[1]
     if batch is None:            # from scratch (`model(ids)`): zero states in, scratch states out
@@ -79,7 +75,6 @@ def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
             and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
 
 
-@implementation("attention", "cpu", _attention_qualifies)
 def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
     """Each row over its pages; a causal pass of more than 64 tokens as consecutive 64-token calls, each
     writing its K/V before it attends: a query's numbers never depend on how a prompt was chunked."""
@@ -99,10 +94,18 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
     return x.dim() == 3 and _plain_bf16(x) and packed_for_kernels(moe)
 
 
-@implementation("moe", "cpu", _moe_qualifies)
 def moe_cpu(moe, x, block_len, block_top_p):
     out, distinct = moe_block(moe, x, block_len, block_top_p)
     parallel = getattr(moe, "parallel", None)     # a tensor-parallel shard (ShardedMoE): the kernel's output is
     if parallel is not None:                      # its experts' and shared-expert columns' part of the sum
         parallel.all_reduce(out)
     return out, distinct
+
+
+# op → (implementation, which calls it takes, whether it runs right-padded batches itself): backend.py
+IMPLEMENTATIONS = {
+    "add_rmsnorm": (add_rmsnorm, _add_rmsnorm_qualifies, False),
+    "gdn_core": (gdn_core_cpu, _gdn_qualifies, False),
+    "attention": (attention_cpu, _attention_qualifies, False),
+    "moe": (moe_cpu, _moe_qualifies, False),
+}

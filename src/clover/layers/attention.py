@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import reference, reference_backend
 from .norms import ZeroCenteredRMSNorm
 from .rotary import apply_rotary
 
@@ -50,7 +49,7 @@ class Attention(nn.Module):
         K/V is written into the row's pages (the block's as scratch past the row's length).
         `backend`: whose `attention` op runs (default: the reference)."""
         qg, k, v = self._project(x)
-        attend = (backend or reference_backend()).attention
+        attend = backend.attention if backend is not None else attention_reference
         return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))
 
     def _attend_cached(self, q, k, v, batch, T, block_len):
@@ -84,7 +83,6 @@ class Attention(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-@reference("attention")
 def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: int):
     """Between the projections and `o_proj`: q/k norms, rotary, scaled-dot-product attention (causal
     rows, block rows seeing the whole block), the sigmoid output gate."""

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
+
 
 class FileEmbedding(nn.Module):
     """`nn.Embedding` over `rows` × `dim` values stored row-major at byte `offset` of the file `path`,
@@ -68,8 +70,6 @@ class FileEmbedding(nn.Module):
 
     def error(self, message: str) -> Exception:
         """The exception a problem with the file raises (a GGUF table's: GGUFError)."""
-        from ..checkpoint import CheckpointError
-
         return CheckpointError(message)
 
     def read_rows(self, ids: list[int]) -> torch.Tensor:

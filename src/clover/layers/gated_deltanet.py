@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import reference, reference_backend
 from .delta_rule import gated_delta_rule
 from .norms import GatedRMSNorm, compute_dtype
 
@@ -112,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         continues from its GDN slot: the causal part's state goes to the row's write slot, the block
         reads the state and writes nothing. `backend`: whose `gdn_core` runs (default: the reference)."""
         u, z, b, a = self._project(x)
-        core = (backend or reference_backend()).gdn_core
+        core = backend.gdn_core if backend is not None else gdn_core_reference
         P = x.shape[1] - block_len
         if batch is not None and batch.records is not None and P:      # an open speculation: its rollback
             for r, records in enumerate(batch.records):                 # replays these through `core`
@@ -121,7 +120,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(core(self, u, z, b, a, batch, block_len))
 
 
-@reference("gdn_core")
 def gdn_core_reference(self: GatedDeltaNet, u, z, b, a, batch, block_len: int):
     """The mixer between its input projections and `out_proj`: causal conv (+ the right conv in the
     block), the gated delta rule over the rows' states, the block readout, the gated norm."""

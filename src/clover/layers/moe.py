@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import reference
 from .expert_selection import route_top_k, select_block_experts_batched
 
 
@@ -274,7 +273,6 @@ class SparseMoE(nn.Module):
         return out, distinct
 
 
-@reference("moe")
 def moe_reference(moe: SparseMoE, x, block_len: int, block_top_p):
     """The MoE block's output (routed + gated shared experts, no residual) and its distinct experts."""
     return moe(x, block_len, block_top_p)

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import reference
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,7 +27,6 @@ class ZeroCenteredRMSNorm(nn.Module):
         return F.rms_norm(x.to(cdt), (x.shape[-1],), 1.0 + self.weight.to(cdt), self.eps).to(x.dtype)
 
 
-@reference("add_rmsnorm")
 def add_rmsnorm_reference(h: torch.Tensor, delta: torch.Tensor | None, norm: ZeroCenteredRMSNorm):
     """The residual add and the norm after it: (h + delta, norm(h + delta)); without delta, (h, norm(h))."""
     total = h if delta is None else h + delta

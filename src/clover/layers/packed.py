@@ -194,10 +194,8 @@ def pack_for_cpu(model, kernels: bool | None = None, consume: bool = False) -> i
     if kernels is None:
         return 0
     count = pack_part(model, "", kernels, consume)
-    if kernels:                 # the fused ops run the native kernels from now on (backend.py)
-        from ..backend import Backend
-
-        model.backend = Backend("cpu")
+    if kernels:                 # the fused ops run the native kernels from now on (backend.py; a
+        model.backend = type(model.backend)("cpu")    # transform of the layers does not import it)
     model.packed = "clover-kernels" if kernels else "onednn"
     return count
 
