@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
             mixed = self.self_attn(x, cos, sin, batch, block_len, backend)
         h, x = backend.add_rmsnorm(h, mixed, self.post_attention_layernorm)
         moe_out, distinct = backend.moe(self.mlp, x, block_len, block_top_p)
-        return h, moe_out, distinct
+        return h, self.mlp.combine(moe_out), distinct
 
 
 class TextModel(nn.Module):

@@ -108,9 +108,9 @@ class ShardedMoE(SparseMoE):
                                    local_config.moe_intermediate_size)
         self.parallel = parallel
 
-    def forward(self, x, block_len: int = 0, block_top_p=None, experts=None):
-        out, distinct = super().forward(x, block_len, block_top_p, experts=experts)
-        return self.parallel.all_reduce(out), distinct
+    def combine(self, out):
+        """Whichever backend computed this rank's part of the block, the ranks' parts summed."""
+        return self.parallel.all_reduce(out)
 
 
 def shard_model(model, plan: ShardPlan, parallel: ParallelGroup) -> None:

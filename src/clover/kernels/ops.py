@@ -7,8 +7,8 @@ The limits below are the C code's (the kernels also refuse anything else with an
     tokens with a block, or any number of causal tokens (64 per call);
   - attention: a cached forward, up to 64 tokens with a block, or any number of causal tokens (64 per
     call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
-  - moe: a block packed into panels by `pack_for_cpu(kernels=True)`; on a tensor-parallel shard the
-    kernel computes the shard's experts (of the global routing) and the all-reduce follows it here.
+  - moe: a block packed into panels by `pack_for_cpu(kernels=True)` (on a tensor-parallel shard, the
+    shard's experts of the global routing; the module's `combine` sums the ranks' parts after it).
 """
 
 from __future__ import annotations
@@ -95,11 +95,7 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
 
 
 def moe_cpu(moe, x, block_len, block_top_p):
-    out, distinct = moe_block(moe, x, block_len, block_top_p)
-    parallel = getattr(moe, "parallel", None)     # a tensor-parallel shard (ShardedMoE): the kernel's output is
-    if parallel is not None:                      # its experts' and shared-expert columns' part of the sum
-        parallel.all_reduce(out)
-    return out, distinct
+    return moe_block(moe, x, block_len, block_top_p)
 
 
 # op → (implementation, which calls it takes, whether it runs right-padded batches itself): backend.py

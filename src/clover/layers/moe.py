@@ -241,6 +241,12 @@ class SparseMoE(nn.Module):
             return router_probs(logits), torch.sigmoid(shared_gate) * shared
         return self.gate(flat), torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
 
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """The block's output as the next layer adds it, after whichever backend computed it: this
+        module's whole sum as it is (a tensor-parallel shard's block sums its ranks' parts here:
+        distributed/layers.py)."""
+        return out
+
     def forward(self, x, block_len: int = 0, block_top_p=None, experts=None):
         """x [B, T, H]. The last `block_len` tokens of each row are a noisy block; `block_top_p` [B]
         (1.0 = off) restricts their routing per row (SPEC §6). Returns (out [B, T, H], distinct [B] | None):
