@@ -98,7 +98,7 @@ def test_async_consumer(model):
 
 
 def test_queue_is_bounded(model):
-    with Engine(model, EngineOptions(max_batch=1, max_queue=1)) as engine:
+    with Engine(model, EngineOptions(max_batch=1, max_sequences=1, max_queue=1)) as engine:
         a = engine.submit([30, 31], max_new_tokens=40, block_size=1)
         b = engine.submit([32, 33], max_new_tokens=4)
         with pytest.raises(QueueFull):
@@ -119,9 +119,9 @@ def test_cache_budget_limits_the_batch(model):
     assert cache_bytes(model.config, model.dtype, 4, 16, 4) > 0
     slot = StatePool.bytes_per_slot(model.config, model.dtype)
     page = StatePool.bytes_per_page(model.config, model.dtype)
-    slots = 1 + 2 * 8 + 8                      # the pool's slots for max_batch 8 (see StatePool.for_budget)
+    slots = 1 + 2 * 8 + 8                      # the pool's slots for 8 sequences (see StatePool.for_budget)
     seen = []
-    with Engine(model, EngineOptions(max_batch=8, max_queue=8, max_cache_bytes=slots * slot + 2 * page + 1)) as engine:
+    with Engine(model, EngineOptions(max_batch=8, max_sequences=8, max_queue=8, max_cache_bytes=slots * slot + 2 * page + 1)) as engine:
         assert engine.pool.num_pages == 2
         handles = [engine.submit([40 + i, 41, 42, 43], max_new_tokens=16, block_size=4) for i in range(6)]
         while not all(h.finished for h in handles):
@@ -150,7 +150,7 @@ def test_invalid_requests_never_reach_the_decoder(model):
 
 
 def test_cancel_frees_the_slot_and_spares_the_others(model):
-    with Engine(model, EngineOptions(max_batch=2, max_queue=4)) as engine:
+    with Engine(model, EngineOptions(max_batch=2, max_sequences=2, max_queue=4)) as engine:
         victim = engine.submit([50, 51, 52], max_new_tokens=200, block_size=1)
         other = engine.submit([53, 54, 55], max_new_tokens=20, block_size=2)
         queued = engine.submit([56, 57], max_new_tokens=8)

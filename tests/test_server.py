@@ -422,7 +422,7 @@ def test_cli_arguments_build_a_server(model_dir):
 
 
 def test_full_queue_gets_429_and_recovers(model, tokenizer, slow_forwards):
-    server, engine = start(model, tokenizer, max_batch=1, max_queue=0)
+    server, engine = start(model, tokenizer, max_batch=1, max_sequences=1, max_queue=0)
     try:
         client = server.client()
         body = {"model": MODEL, "prompt": "Hog", "max_tokens": 400, "block_size": 1, "stream": True,

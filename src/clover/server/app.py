@@ -45,11 +45,15 @@ ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "clover", *,
                max_body_bytes: int = 1 << 20, shutdown_engine: bool = True,
                shutdown_timeout: float = 30.0, max_block_size: int | None = None, api_key: str | None = None,
-               allowed_hosts: list[str] | None = None, body_timeout: float | None = 30.0) -> FastAPI:
+               allowed_hosts: list[str] | None = None, body_timeout: float | None = 30.0,
+               stream_buffer_tokens: int | None = 64, stream_idle_timeout: float | None = 60.0) -> FastAPI:
     """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down.
     `api_key`: required as a Bearer token on every route but /health (None: no authentication).
     `allowed_hosts`: Host header names accepted ("*.example.com" and "*" allowed; None: any).
     `body_timeout`: seconds a request body may take to arrive (408 after; None: no limit).
+    `stream_buffer_tokens`: a stream's request stops being computed while this many of its tokens
+    wait for its client (backpressure; None: never); `stream_idle_timeout`: a stream whose client
+    reads nothing for this long is closed and its request cancelled (None: never).
     `max_block_size`: the largest block_size a request may ask for (None: the model's
     generation_config.json, else GenerationSettings' default)."""
 
@@ -125,11 +129,12 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
         return settings
 
-    def submit(prompt_ids, settings, grammar=None):
+    def submit(prompt_ids, settings, grammar=None, stream=False):
         try:
+            buffered = {"buffer_tokens": stream_buffer_tokens} if stream and stream_buffer_tokens else {}
             if grammar is None:
-                return engine.submit(prompt_ids, settings)
-            return engine.submit(prompt_ids, settings, grammar=grammar)
+                return engine.submit(prompt_ids, settings, **buffered)
+            return engine.submit(prompt_ids, settings, grammar=grammar, **buffered)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
@@ -204,7 +209,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
         if constraint is not None:
             grammar = await asyncio.to_thread(structured.matcher, *constraint, settings)
-        handle = submit(prompt_ids, settings, grammar)
+        handle = submit(prompt_ids, settings, grammar, req.stream)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -245,7 +250,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                            "choices": [], "usage": usage(handle, text)})
             yield b"data: [DONE]\n\n"
 
-        return SSEResponse(stream(), handle.cancel)
+        return SSEResponse(stream(), handle.cancel, stream_idle_timeout)
 
     # ---- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -288,7 +293,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                                  "finish_reason": "length"}],
                     "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}, "clover": {}}
         settings = make_settings(req, extra, prompt_ids, "prompt")
-        handle = submit(prompt_ids, settings)
+        handle = submit(prompt_ids, settings, stream=req.stream)
         text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
 
         if not req.stream:
@@ -327,7 +332,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                            "choices": [], "usage": usage(handle, text)})
             yield b"data: [DONE]\n\n"
 
-        return SSEResponse(stream(), handle.cancel)
+        return SSEResponse(stream(), handle.cancel, stream_idle_timeout)
 
     # ---- the rest ------------------------------------------------------------------------------
     def model_card() -> dict:

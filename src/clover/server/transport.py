@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 from types import SimpleNamespace
 
 from fastapi import Request
@@ -18,6 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .protocol import APIError, bad_request
 from .text import CONTENT, REASONING, TextStream
+
+log = logging.getLogger("clover.server")
 
 # Engine finish reasons → OpenAI finish reasons ("stop" strings are handled here, not by the engine).
 FINISH_REASONS = {"eos": "stop", "length": "length", "stop": "stop", "cancelled": "stop"}
@@ -94,16 +97,34 @@ class Guard:
                         {"WWW-Authenticate": "Bearer"})
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that runs `on_close` however it ends (done, error, disconnect)."""
+class StreamIdle(Exception):
+    """A stream's client read nothing for the idle timeout."""
 
-    def __init__(self, content, on_close):
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends (done, error, disconnect).
+    A client that takes nothing for `idle_timeout` seconds while an event waits to be written is cut
+    off (the connection closed, the request cancelled): while it does not read, its request is held
+    by the engine's backpressure, and this bounds how long it keeps its state."""
+
+    def __init__(self, content, on_close, idle_timeout: float | None = None):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
+        self._idle_timeout = idle_timeout
 
     async def __call__(self, scope, receive, send):
+        async def timed_send(message):
+            try:
+                await asyncio.wait_for(send(message), self._idle_timeout)
+            except asyncio.TimeoutError:
+                raise StreamIdle() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if self._idle_timeout is None else timed_send)
+        except* StreamIdle:
+            # uvicorn closes the connection of a response left incomplete
+            log.warning("%s:%s read nothing for %g s: stream closed", *(scope.get("client") or ("?", "?")),
+                        self._idle_timeout)
         finally:
             self._on_close()
 
