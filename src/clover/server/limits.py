@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 import uvicorn
@@ -23,8 +24,9 @@ def header_timeout_protocol(seconds: float, write_buffer_bytes: int | None = Non
     """An h11 protocol class that closes a connection whose next request's headers have not fully
     arrived `seconds` after its first byte could come (connection made, or previous response done).
     `write_buffer_bytes`: the transport's high-water mark (asyncio's default: 64 KiB), past which a
-    response's next write waits for the client to read; a small one keeps a stream that is not read
-    from piling up text in the server (the engine then holds its request: backpressure)."""
+    response's next write waits for the client to read, and the socket's send buffer (the kernel
+    doubles it; unset, it grows to megabytes): small ones keep a stream that is not read from piling
+    up text in the server (the engine then holds its request: backpressure)."""
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer = None
@@ -33,6 +35,9 @@ def header_timeout_protocol(seconds: float, write_buffer_bytes: int | None = Non
             super().connection_made(transport)
             if write_buffer_bytes is not None:
                 transport.set_write_buffer_limits(high=write_buffer_bytes)
+                sock = transport.get_extra_info("socket")
+                if sock is not None:       # the kernel's send buffer, else autotuned up to megabytes
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, write_buffer_bytes)
             self._watch_headers()
 
         def data_received(self, data: bytes) -> None:
@@ -70,7 +75,7 @@ def header_timeout_protocol(seconds: float, write_buffer_bytes: int | None = Non
     return HeaderTimeoutH11Protocol
 
 
-WRITE_BUFFER_BYTES = 16 * 1024
+WRITE_BUFFER_BYTES = 8 * 1024
 
 
 def install_repeat_filter(burst: int = 5, interval: float = 10.0) -> RepeatFilter:
