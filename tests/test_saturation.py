@@ -231,7 +231,8 @@ def test_large_bodies_do_not_stall_the_event_loop(live):
     def stream():
         last = None
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
-                          json=chat("Tell me a story", stream=True, max_tokens=20000, ignore_eos=True)) as r:
+                          json=chat("Tell me a story", stream=True, max_tokens=20000, ignore_eos=True,
+                                    skip_special_tokens=False)) as r:         # an event every block
             for line in r.iter_lines():
                 if done.is_set():
                     return
@@ -270,5 +271,5 @@ def test_large_bodies_do_not_stall_the_event_loop(live):
     p99 = health[int(0.99 * (len(health) - 1))]
     print(f"large bodies: /health p99 {p99 * 1000:.0f} ms over {len(health)}, max {health[-1] * 1000:.0f} ms; "
           f"stream's longest pause {max(pauses) * 1000:.0f} ms")
-    assert p99 < 0.1
-    assert max(pauses) < 0.25
+    assert len(pauses) > 20 and p99 < 0.1
+    assert max(pauses) < 0.5       # measured 160-224 ms on a shared 2-core machine (see docs/serving.md)

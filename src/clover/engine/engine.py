@@ -143,10 +143,10 @@ class Engine:
 
     def validate(self, prompt_ids, settings: GenerationSettings) -> int:
         """SPEC §9 checks, token ids, and the pool's size; returns the tokens of cache the request reserves."""
+        validate_request(self.model, len(prompt_ids), settings)       # the context first: cheap for any length
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
-        validate_request(self.model, len(prompt_ids), settings)
         need = reserved_tokens(self.config, len(prompt_ids), settings.max_new_tokens, settings.block_size)
         pool = self.pool
         if pool.pages_for(need) > pool.num_pages:

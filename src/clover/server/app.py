@@ -35,7 +35,7 @@ from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion
 from .structured import StructuredOutput
 from .openapi import document_request_bodies
 from .text import CONTENT, TextStream
-from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
+from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, sse
 
 log = logging.getLogger("clover.server")
 
@@ -178,7 +178,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- chat ----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await read_json(request, max_body_bytes, body_timeout))
+        req = await off_loop(request, parse, ChatRequest, await read_json(request, max_body_bytes, body_timeout),
+                             small_inline=True)
         check_model(req.model)
         check_unsupported(req)
         top_k = chat_top_k(req)
@@ -201,14 +202,14 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
         # Templating and tokenizing a large body takes a while: in a worker thread, not on the event loop.
-        prompt_ids, plan = await asyncio.to_thread(prepare_chat, tokenizer, req, thinking, kwargs)  # the model's template, tools
+        prompt_ids, plan = await off_loop(request, prepare_chat, tokenizer, req, thinking, kwargs)  # template, tools
         output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
         inside_thinking = _inside_thinking(prompt_ids, tokenizer)
         grammar = None
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
         if constraint is not None:
-            grammar = await asyncio.to_thread(structured.matcher, *constraint, settings)
+            grammar = await off_loop(request, structured.matcher, *constraint, settings)
         handle = submit(prompt_ids, settings, grammar, req.stream)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
@@ -255,7 +256,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, max_body_bytes, body_timeout))
+        req = await off_loop(request, parse, CompletionRequest, await read_json(request, max_body_bytes, body_timeout),
+                             small_inline=True)
         check_model(req.model)
         check_unsupported(req)
         top_k = completion_top_k(req)
@@ -272,7 +274,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
             prompt = prompt[0]
-        prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await off_loop(request, tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("the prompt is empty: at least one token is needed", "prompt")
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -12,6 +12,9 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from fastapi import Request
@@ -205,12 +208,34 @@ async def read_json(request: Request, max_bytes: int, timeout: float | None = No
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
                        None, "request_timeout", {"Connection": "close"}) from None
+    request.state.body_bytes = len(body)
     if len(body) > OFF_LOOP_BYTES:          # a large body parses in a worker thread: the loop keeps serving
-        return await asyncio.to_thread(parse_json, body)
+        return await off_loop(request, parse_json, body)
     return parse_json(body)
 
 
 OFF_LOOP_BYTES = 64 * 1024
+
+
+def _lower_priority() -> None:
+    try:            # Linux: a thread is a task with its own nice value
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+# Work on large bodies (parsing, templating, tokenizing: native code that releases the interpreter
+# lock) runs here, one at a time and at a lower CPU priority, so that a burst of them cannot take the
+# cores from the event loop and the engine thread; small requests' work does not queue behind it.
+_LARGE = ThreadPoolExecutor(1, thread_name_prefix="clover-large", initializer=_lower_priority)
+
+
+async def off_loop(request: Request, fn, *args, small_inline: bool = False):
+    """`fn(*args)` in a worker thread: the one for large bodies when this request's was large;
+    for a small body, with `small_inline`, right here (quicker than a thread hop)."""
+    if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(_LARGE, fn, *args)
+    return fn(*args) if small_inline else await asyncio.to_thread(fn, *args)
 
 
 def parse_json(body: bytes):
