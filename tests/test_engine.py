@@ -267,3 +267,41 @@ def test_on_a_gpu_the_pool_takes_most_of_the_free_memory(caplog):
         assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(4))
     finally:
         engine.shutdown()
+
+
+def test_rotation_keeps_outputs_and_serves_newcomers_first(model):
+    """More requests run than a step computes (max_batch 2, 6 long ones): they take turns, each one's
+    tokens are those it gets alone, and a newcomer's first block comes within a few steps."""
+    reqs = [([60 + i, 61, 62], dict(max_new_tokens=48, block_size=4)) for i in range(6)]
+    expected = [alone(model, p, s) for p, s in reqs]
+    with Engine(model, EngineOptions(max_batch=2, max_sequences=8, max_queue=8)) as engine:
+        handles = [engine.submit(p, **s) for p, s in reqs]
+        next(handles[-1].iter_events(TIMEOUT))            # all six have been admitted and served
+        assert engine.active == 6
+        steps = engine.metrics.steps.value()
+        newcomer = engine.submit([70, 71, 72], max_new_tokens=4, block_size=4)
+        newcomer.result(TIMEOUT)
+        waited = engine.metrics.steps.value() - steps
+        for h in handles:
+            h.result(TIMEOUT)
+    assert newcomer.tokens == alone(model, [70, 71, 72], dict(max_new_tokens=4, block_size=4))
+    alone_steps = 1 + 4 + 1                               # prefill, at most 4 denoising steps of 4 masks, commit
+    assert waited <= alone_steps + 2, waited              # not behind the six long ones
+    for i, (h, want) in enumerate(zip(handles, expected)):
+        assert h.tokens == want, f"request {i}"
+
+
+def test_a_held_request_waits_for_its_consumer(model):
+    """A handle with a 4-token buffer that nobody reads stops being computed (its state kept), the
+    others go on, and once read it finishes with the tokens it gets alone."""
+    with Engine(model, EngineOptions(max_batch=4)) as engine:
+        held = engine.submit([80, 81, 82], max_new_tokens=64, block_size=4, buffer_tokens=4)
+        deadline = time.time() + TIMEOUT
+        while not held.held:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        other = engine.generate([83, 84], max_new_tokens=32, block_size=4, timeout=TIMEOUT)
+        assert len(held.tokens) < 4 + 4 * 2 and not held.finished     # a step or two past its buffer, no more
+        tokens = [t for event in held.iter_events(TIMEOUT) for t in event.tokens]
+    assert tokens == held.tokens == alone(model, [80, 81, 82], dict(max_new_tokens=64, block_size=4))
+    assert other.tokens == alone(model, [83, 84], dict(max_new_tokens=32, block_size=4))
