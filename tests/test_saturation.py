@@ -273,3 +273,26 @@ def test_large_bodies_do_not_stall_the_event_loop(live):
           f"stream's longest pause {max(pauses) * 1000:.0f} ms")
     assert len(pauses) > 20 and p99 < 0.1
     assert max(pauses) < 0.5       # measured 160-224 ms on a shared 2-core machine (see docs/serving.md)
+
+
+def test_a_stream_left_unread_is_closed_after_the_idle_timeout():
+    """--stream-idle-timeout 2: a stream whose client reads nothing is cancelled and its connection
+    closed (what was sent, then EOF, no [DONE])."""
+    proc, url, port = start_server("--stream-idle-timeout", "2", "--stream-buffer-tokens", str(BUFFER))
+    try:
+        sock = unread_stream(port, chat("Tell me a long story", stream=True, max_tokens=20000, ignore_eos=True,
+                                        skip_special_tokens=False))
+        wait_until(lambda: json.loads(httpx.get(url + "/health").text)["batch_size"] == 1, 30, "not admitted")
+        t0 = time.time()
+        wait_until(lambda: json.loads(httpx.get(url + "/health").text)["batch_size"] == 0, 30, "not cancelled")
+        assert time.time() - t0 > 1                  # not before the timeout
+        sock.settimeout(30)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+        sock.close()
+        assert raw.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in raw
+        assert httpx.post(url + "/v1/chat/completions", json=chat("Hi", max_tokens=8)).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)

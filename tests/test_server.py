@@ -410,11 +410,12 @@ def test_cli_arguments_build_a_server(model_dir):
     from clover.server.cli import build
 
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
-        ["--model", str(model_dir), "--port", "0", "--max-batch", "3", "--max-queue", "5", "--max-cache-gb", "0.5"])
+        ["--model", str(model_dir), "--port", "0", "--max-batch", "3", "--max-queue", "5", "--max-cache-gb", "0.5",
+         "--max-sequences", "7"])
     assert (args.host, args.port) == ("127.0.0.1", 0)
     app, engine = build(args)
     try:
-        assert engine.options.max_batch == 3 and engine.options.max_queue == 5
+        assert engine.options.max_batch == 3 and engine.options.max_queue == 5 and engine.options.max_sequences == 7
         assert engine.options.max_cache_bytes == 1 << 29
         assert app.state.model_name == model_dir.name
     finally:
