@@ -305,3 +305,18 @@ def test_a_held_request_waits_for_its_consumer(model):
         tokens = [t for event in held.iter_events(TIMEOUT) for t in event.tokens]
     assert tokens == held.tokens == alone(model, [80, 81, 82], dict(max_new_tokens=64, block_size=4))
     assert other.tokens == alone(model, [83, 84], dict(max_new_tokens=32, block_size=4))
+
+
+def test_graceful_shutdown_waits_for_a_held_request_without_spinning(model):
+    """A held request at a graceful shutdown: the engine thread sleeps (no busy loop) until the
+    shutdown's timeout ends it with an error event."""
+    engine = Engine(model, EngineOptions(max_batch=2))
+    h = engine.submit([90, 91], max_new_tokens=64, block_size=4, buffer_tokens=4)
+    deadline = time.time() + TIMEOUT
+    while not h.held:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    cpu = time.process_time()
+    engine.shutdown(graceful=True, timeout=1.0)
+    assert time.process_time() - cpu < 0.1        # spinning, the engine thread took 0.37 s of CPU here
+    assert h.finished and h.finish_reason == "error" and h.error_code == "shutdown"

@@ -287,8 +287,9 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._admitted or self._cancels or self._scores or self._runnable()
-                           or self._state == "closed" or (self._state == "draining" and not self._waiting)):
-                    self._wake.wait()
+                           or self._state == "closed"
+                           or (self._state == "draining" and not self._waiting and not self._running)):
+                    self._wake.wait()       # (held requests wait for their consumers, or for shutdown to close)
                 if self._state == "closed" or (self._state == "draining" and not (
                         self._waiting or self._admitted or self._running or self._scores)):
                     break
