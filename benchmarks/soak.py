@@ -165,7 +165,7 @@ async def unread(url: str, model: str, rng: random.Random) -> bool:
 
 
 async def main_async(args, url: str, pid: int | None) -> dict:
-    stats, rng = Stats(), random.Random(args.seed)
+    stats = Stats()
     weights = [3, 3, 2, 2, 2, 1, 1]
     rss = {"start": rss_mb(pid) if pid else None}
     end = time.time() + args.minutes * 60

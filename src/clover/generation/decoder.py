@@ -15,15 +15,15 @@ gets its first block after a few steps, not after the whole long prefill.
 
 Admission: a sequence enters when the pool can reserve pages for its whole length (prompt, every block
 and the next block's scratch) and two GDN slots, so a running sequence never runs out; otherwise it
-waits (FIFO). The pool, not `max_batch`, bounds how many run.
+waits (FIFO); the pool, not `max_batch`, bounds how many run. Its prompt is first looked up in the
+prefix cache: a cached prefix is shared instead of prefilled, and the prefill inserts the state at each
+chunk end on a page boundary, one of which is the last page boundary before the prompt's end.
 
 Rotation: a step computes at most `max_batch` of the running sequences. When more run, each step takes
 those that have not produced anything yet (a newcomer's first block comes after a few steps however
 many run), then the ones served longest ago; the others keep their state in the pool until their
 turn. Sequences in `held` (a stream whose client is not reading) are not stepped at all. A
-sequence's tokens do not depend on when it runs: each row's computation is its own. Its prompt is first looked up in the prefix cache: a cached prefix is shared instead of
-prefilled, and the prefill inserts the state at each chunk end on a page boundary, one of which is
-the last page boundary before the prompt's end.
+sequence's tokens do not depend on when it runs: each row's computation is its own.
 
 Failures stay with their request: a forward that raises changes no sequence (cache.py), so its rows
 are retried one by one and only the rows that fail alone end with finish_reason "error"; an exception
