@@ -320,3 +320,18 @@ def test_graceful_shutdown_waits_for_a_held_request_without_spinning(model):
     engine.shutdown(graceful=True, timeout=1.0)
     assert time.process_time() - cpu < 0.1        # spinning, the engine thread took 0.37 s of CPU here
     assert h.finished and h.finish_reason == "error" and h.error_code == "shutdown"
+
+
+def test_turns_are_shared_per_client(model):
+    """max_batch 2: client a runs four requests, client b one of the same length, sent last. Turns go
+    round the clients first, so b's finishes before any of a's (each of a's gets a quarter of a's
+    turns), and every request's tokens are those it gets alone."""
+    settings = dict(max_new_tokens=32, block_size=4, eos_token_id=[])
+    with Engine(model, EngineOptions(max_batch=2, max_sequences=8)) as engine:
+        a = [engine.submit([100 + i, 101, 102], client="a", **settings) for i in range(4)]
+        b = engine.submit([110, 101, 102], client="b", **settings)
+        for h in a + [b]:
+            h.result(TIMEOUT)
+    assert b.finished_at < min(h.finished_at for h in a)
+    for h, first in zip(a + [b], [100, 101, 102, 103, 110]):
+        assert h.tokens == alone(model, [first, 101, 102], settings)

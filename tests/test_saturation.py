@@ -272,7 +272,7 @@ def test_large_bodies_do_not_stall_the_event_loop(live):
     print(f"large bodies: /health p99 {p99 * 1000:.0f} ms over {len(health)}, max {health[-1] * 1000:.0f} ms; "
           f"stream's longest pause {max(pauses) * 1000:.0f} ms")
     assert len(pauses) > 20 and p99 < 0.1
-    assert max(pauses) < 0.5       # measured 160-224 ms on a shared 2-core machine (see docs/serving.md)
+    assert max(pauses) < 0.5       # measured 160-270 ms on a shared 2-core machine (see docs/serving.md)
 
 
 def test_a_stream_left_unread_is_closed_after_the_idle_timeout():

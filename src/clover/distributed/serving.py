@@ -94,10 +94,10 @@ class MirroredDecoder:
         self._channel = channel
         self._ops: list = [("reset",)] if replaces_another else []
 
-    def add(self, seq: Sequence) -> None:
-        self._inner.add(seq)                 # raises for a request the pool can never hold: not sent
+    def add(self, seq: Sequence, client=None) -> None:
+        self._inner.add(seq, client)         # raises for a request the pool can never hold: not sent
         seed = seq.sampling_seed
-        self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed))
+        self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed, client))
 
     def cancel(self, seq: Sequence) -> None:
         self._inner.cancel(seq)
@@ -198,11 +198,11 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
         for op in ops:
             kind = op[0]
             if kind == "add":
-                _, leader_id, prompt, settings, seed = op
+                _, leader_id, prompt, settings, seed, client = op
                 seq = Sequence(prompt, settings, model.config)
                 if seed is not None:
                     seq.sampling_seed = seed          # the leader's seed (the generator is made at its first draw)
-                decoder.add(seq)
+                decoder.add(seq, client)
                 seqs[leader_id] = seq
             elif kind == "cancel":
                 seq = seqs.pop(op[1], None)

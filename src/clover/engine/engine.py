@@ -158,17 +158,19 @@ class Engine:
         return need
 
     def submit(self, prompt_ids, settings: GenerationSettings | None = None, grammar=None,
-               buffer_tokens: int | None = None, **overrides) -> RequestHandle:
+               buffer_tokens: int | None = None, client=None, **overrides) -> RequestHandle:
         """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed.
         `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding).
-        `buffer_tokens`: pause the request while this many of its tokens wait for the consumer."""
+        `buffer_tokens`: pause the request while this many of its tokens wait for the consumer.
+        `client`: who sent it (an address, a key): turns are shared fairly between clients."""
         if settings is None:
             settings = self.settings(**overrides)
         elif overrides:
             settings = settings.replace(**overrides)
         prompt_ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt_ids]
         need = self.validate(prompt_ids, settings)
-        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config, grammar), need, buffer_tokens)
+        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config, grammar), need, buffer_tokens,
+                               client)
         with self._lock:
             if self._state != "running" or not self._thread.is_alive():
                 self.metrics.rejected.inc(reason="closed")
@@ -326,7 +328,7 @@ class Engine:
                 continue
             self._running[handle.id] = handle
             try:
-                self._decoder.add(handle.sequence)
+                self._decoder.add(handle.sequence, handle.client)
             except ValueError as exc:
                 del self._running[handle.id]
                 handle.sequence.finish("error")

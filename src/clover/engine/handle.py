@@ -30,7 +30,7 @@ class EngineEvent:
 class RequestHandle:
     """A request inside the engine. Read `tokens`, `finish_reason`, `stats` once `finished`."""
 
-    def __init__(self, engine, sequence, cache_tokens: int, buffer_tokens: int | None = None):
+    def __init__(self, engine, sequence, cache_tokens: int, buffer_tokens: int | None = None, client=None):
         self._engine = engine
         self.sequence = sequence
         self.id = sequence.id
@@ -46,6 +46,7 @@ class RequestHandle:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self.client = client                    # who sent it: turns are shared fairly between clients
         self.buffer_tokens = buffer_tokens      # held (not stepped) while this many tokens wait unread
         self._unread = 0                        # tokens pushed, not yet taken by the consumer
         self._events: deque[EngineEvent] = deque()

@@ -21,8 +21,10 @@ chunk end on a page boundary, one of which is the last page boundary before the 
 
 Rotation: a step computes at most `max_batch` of the running sequences. When more run, each step takes
 those that have not produced anything yet (a newcomer's first block comes after a few steps however
-many run), then the ones served longest ago; the others keep their state in the pool until their
-turn. Sequences in `held` (a stream whose client is not reading) are not stepped at all. A
+many run), then the others by turn: each client's (`add(seq, client)`) least recently served
+sequence first, then each client's second, and so on — a client with many requests gets no more
+turns than one with a single request — and within a round the ones served longest ago; the others
+keep their state in the pool until their turn. Sequences in `held` (a stream whose client is not reading) are not stepped at all. A
 sequence's tokens do not depend on when it runs: each row's computation is its own.
 
 Failures stay with their request: a forward that raises changes no sequence (cache.py), so its rows
@@ -107,10 +109,12 @@ class Decoder:
         self.prefix_cache = prefix_cache
         self.steps = 0
         self._served: dict[int, int] = {}       # sequence id → the step that last computed it
+        self._client: dict[int, object] = {}    # sequence id → who sent it (None: anonymous, one client)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, client=None) -> None:
         """Queue a sequence for admission (one that already holds a cache, in whatever phase it is in,
-        joins the running ones as it is)."""
+        joins the running ones as it is). `client`: who sent it, for turns shared fairly per client."""
+        self._client[seq.id] = client
         if seq.cache is not None:
             seq.prefilled = len(seq.prompt)
             self.running.append(seq)
@@ -127,7 +131,7 @@ class Decoder:
             if seq in group:
                 group.remove(seq)
                 seq.finish("cancelled")
-        self._served.pop(seq.id, None)
+        self._forget(seq)
 
     @property
     def idle(self) -> bool:
@@ -154,15 +158,26 @@ class Decoder:
                 events.append(StepEvent(seq, produced.get(seq.id, []), seq.done))
             if seq.done:
                 self.running.remove(seq)
-                self._served.pop(seq.id, None)
+                self._forget(seq)
         return events
 
+    def _forget(self, seq: Sequence) -> None:
+        self._served.pop(seq.id, None)
+        self._client.pop(seq.id, None)
+
     def _schedule(self, held) -> list[Sequence]:
-        """This step's sequences: not held, not done; those with no output yet first, then the ones
-        served longest ago (running order breaks ties: oldest admitted first); at most `max_batch`."""
+        """This step's sequences: not held, not done; at most `max_batch`, in the order of Rotation
+        (ties: running order, the oldest admitted first)."""
         ready = [s for s in self.running if not s.done and s.id not in held]
         if self.max_batch is not None and len(ready) > self.max_batch:
-            ready.sort(key=lambda s: (len(s.response) > 0, self._served.get(s.id, -1)))
+            ready.sort(key=lambda s: self._served.get(s.id, -1))
+            turns: dict = defaultdict(int)
+            round_of = {}                           # a sequence's place among its client's: 0, 1, …
+            for s in ready:
+                client = self._client.get(s.id)
+                round_of[s.id] = turns[client]
+                turns[client] += 1
+            ready.sort(key=lambda s: (len(s.response) > 0, round_of[s.id]))   # stable: served order within a round
             ready = ready[: self.max_batch]
         self.steps += 1
         for seq in ready:

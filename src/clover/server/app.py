@@ -129,12 +129,15 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
         return settings
 
-    def submit(prompt_ids, settings, grammar=None, stream=False):
+    def submit(request, prompt_ids, settings, grammar=None, stream=False):
+        # the client, for fair turns: its address (behind a proxy, every request shares the proxy's)
+        extra = {"client": request.client.host if request.client else None}
+        if stream and stream_buffer_tokens:
+            extra["buffer_tokens"] = stream_buffer_tokens
+        if grammar is not None:
+            extra["grammar"] = grammar
         try:
-            buffered = {"buffer_tokens": stream_buffer_tokens} if stream and stream_buffer_tokens else {}
-            if grammar is None:
-                return engine.submit(prompt_ids, settings, **buffered)
-            return engine.submit(prompt_ids, settings, grammar=grammar, **buffered)
+            return engine.submit(prompt_ids, settings, **extra)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
@@ -210,7 +213,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
         if constraint is not None:
             grammar = await off_loop(request, structured.matcher, *constraint, settings)
-        handle = submit(prompt_ids, settings, grammar, req.stream)
+        handle = submit(request, prompt_ids, settings, grammar, req.stream)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -295,7 +298,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                                  "finish_reason": "length"}],
                     "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}, "clover": {}}
         settings = make_settings(req, extra, prompt_ids, "prompt")
-        handle = submit(prompt_ids, settings, stream=req.stream)
+        handle = submit(request, prompt_ids, settings, stream=req.stream)
         text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
 
         if not req.stream:
