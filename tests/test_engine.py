@@ -264,9 +264,30 @@ def test_on_a_gpu_the_pool_takes_most_of_the_free_memory(caplog):
     assert default_cache_bytes(SimpleNamespace(parallel=object()), 4) is None
     engine = Engine(model, EngineOptions(max_batch=4), start=False)
     try:
-        assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(4))
+        assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(engine.max_sequences))
     finally:
         engine.shutdown()
+
+
+def test_a_device_too_small_for_the_default_sequences_runs_one_step_worth(monkeypatch, caplog):
+    """By default 4 × max_batch requests run at once; where the GPU cannot hold their state the engine
+    falls back to max_batch (with a warning); an explicit max_sequences it cannot hold is an error."""
+    import logging
+
+    from clover.engine import engine as engine_module
+
+    def fake(model, sequences):                    # a device with room for the state of 4 sequences
+        if sequences > 4:
+            raise ValueError(f"cuda:0: the state pool needs more for {sequences}")
+        return None
+    monkeypatch.setattr(engine_module, "default_cache_bytes", fake)
+    model = make_model("base")
+    with caplog.at_level(logging.WARNING, logger="clover.engine"):
+        engine = Engine(model, EngineOptions(max_batch=4), start=False)
+    assert engine.max_sequences == 4 and "cannot hold the state of 16 running requests" in caplog.text
+    engine.shutdown()
+    with pytest.raises(ValueError, match="for 8"):
+        Engine(model, EngineOptions(max_batch=4, max_sequences=8), start=False)
 
 
 def test_rotation_keeps_outputs_and_serves_newcomers_first(model):

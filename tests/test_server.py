@@ -415,7 +415,7 @@ def test_cli_arguments_build_a_server(model_dir):
     assert (args.host, args.port) == ("127.0.0.1", 0)
     app, engine = build(args)
     try:
-        assert engine.options.max_batch == 3 and engine.options.max_queue == 5 and engine.options.max_sequences == 7
+        assert engine.options.max_batch == 3 and engine.options.max_queue == 5 and engine.max_sequences == 7
         assert engine.options.max_cache_bytes == 1 << 29
         assert app.state.model_name == model_dir.name
     finally:

@@ -182,7 +182,7 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
     """A follower rank's serving loop: the decoder operations rank 0 sends, applied in order, until
     it says stop (or goes away). SIGTERM is ignored: rank 0 shuts the group down gracefully."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    model.configure_state_pool(options.max_cache_bytes, options.max_sequences)     # as Engine.__init__ does
+    model.configure_state_pool(options.max_cache_bytes, options.max_sequences or 4 * options.max_batch)  # as Engine
 
     def new_decoder():
         return Decoder(model, max_batch=options.max_batch, step_tokens=options.step_tokens,

@@ -58,7 +58,8 @@ class RequestTooLarge(GenerationSettingsError):
 @dataclass(frozen=True)
 class EngineOptions:
     max_batch: int = 16                    # requests computed per step (more run in turn)
-    max_sequences: int | None = None       # requests running at once (state in the pool); None: 4 × max_batch
+    max_sequences: int | None = None       # requests running at once (state in the pool); None: 4 × max_batch,
+    #                                        or max_batch on a GPU whose free memory cannot hold that many
     max_queue: int = 64                    # requests waiting for a slot; one more raises QueueFull
     max_cache_bytes: int | None = None     # the state pool's size (K/V pages + GDN slots); None: on one GPU most of
     #                                        its free memory (engine/budget.py), elsewhere the model's default
@@ -67,10 +68,10 @@ class EngineOptions:
     prefix_cache: bool = True              # reuse cached prompt prefixes across requests
 
     def __post_init__(self):
-        if self.max_sequences is None:
-            object.__setattr__(self, "max_sequences", 4 * self.max_batch)
         for name in ("max_batch", "max_queue", "max_sequences"):
             v = getattr(self, name)
+            if v is None and name == "max_sequences":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "max_queue" else 1):
                 raise ValueError(f"{name} must be an integer >= {0 if name == 'max_queue' else 1}, got {v!r}")
         if self.max_cache_bytes is not None and (not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 1):
@@ -85,10 +86,19 @@ class Engine:
         self.config = model.config
         self.options = options or EngineOptions()
         self.metrics = EngineMetrics()
-        budget = self.options.max_cache_bytes
+        budget, o = self.options.max_cache_bytes, self.options
+        self.max_sequences = o.max_sequences or 4 * o.max_batch
         if budget is None:
-            budget = default_cache_bytes(model, self.options.max_sequences)   # on a GPU: most of its free memory
-        self.pool = model.configure_state_pool(budget, self.options.max_sequences)
+            try:
+                budget = default_cache_bytes(model, self.max_sequences)   # on a GPU: most of its free memory
+            except ValueError:
+                if o.max_sequences is not None or o.max_batch == self.max_sequences:
+                    raise
+                log.warning("the device cannot hold the state of %d running requests: %d run at once (one step's "
+                            "worth); set --max-sequences / --max-cache-gb to choose", self.max_sequences, o.max_batch)
+                self.max_sequences = o.max_batch
+                budget = default_cache_bytes(model, self.max_sequences)
+        self.pool = model.configure_state_pool(budget, self.max_sequences)
         self._decoder = self._new_decoder()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -277,7 +287,7 @@ class Engine:
     # ---- the engine thread -------------------------------------------------------------------
     def _admit_locked(self) -> None:
         """Move queued requests into the batch, FIFO, while slots allow (the decoder waits for pool room)."""
-        while self._waiting and self._slots < self.options.max_sequences:
+        while self._waiting and self._slots < self.max_sequences:
             head = self._waiting[0]
             self._waiting.popleft()
             self._admitted.append(head)
