@@ -38,7 +38,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-batch", type=int, default=16,
                         help="requests computed per step; more run in turn (default 16)")
     parser.add_argument("--max-sequences", type=int, default=None,
-                        help="requests running at once, their state kept in the pool (default 4 × --max-batch)")
+                        help="requests running at once, their state kept in the pool (default 4 × --max-batch, or "
+                             "--max-batch on a GPU too small for that)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests waiting to start (past --max-sequences or the pool) before 429")
     parser.add_argument("--stream-buffer-tokens", type=int, default=64,
