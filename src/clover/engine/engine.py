@@ -13,9 +13,10 @@ longer than the whole pool is refused at `submit` (`RequestTooLarge`). Each step
 `max_batch` of the running requests, in turn (decoder.py, Rotation).
 
 Backpressure: a handle made with `buffer_tokens` (a server stream) that holds that many tokens its
-consumer has not taken is not stepped (its state stays in the pool) until the consumer reads. The decoder isolates failures per request
-(error event for that request alone); an exception escaping a whole step fails the requests that
-were running, and the loop goes on with a fresh decoder.
+consumer has not taken is not stepped (its state stays in the pool) until the consumer reads.
+
+The decoder isolates failures per request (error event for that request alone); an exception
+escaping a whole step fails the requests that were running, and the loop goes on with a fresh decoder.
 Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
 between steps, so the model is only ever driven by one thread.
 The engine works in token ids: tokenization and text belong to the server.
