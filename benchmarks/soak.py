@@ -187,7 +187,12 @@ async def main_async(args, url: str, pid: int | None) -> dict:
         rss["middle"] = rss_mb(pid) if pid else None
 
     t0 = time.time()
-    await asyncio.gather(sample_middle(), *(worker(i) for i in range(args.clients)))
+    workers = [asyncio.ensure_future(worker(i)) for i in range(args.clients)]
+    await sample_middle()
+    await asyncio.wait(workers, timeout=max(0.0, end - time.time()) + 30)   # requests still open then: cut off
+    for task in workers:
+        task.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
     wall = time.time() - t0
     await asyncio.sleep(2)                                  # unread streams' cancellations settle
     rss["end"] = rss_mb(pid) if pid else None
