@@ -98,7 +98,7 @@ def test_async_consumer(model):
 
 
 def test_queue_is_bounded(model):
-    with Engine(model, EngineOptions(max_batch=1, max_queue=1)) as engine:
+    with Engine(model, EngineOptions(max_batch=1, max_sequences=1, max_queue=1)) as engine:
         a = engine.submit([30, 31], max_new_tokens=40, block_size=1)
         b = engine.submit([32, 33], max_new_tokens=4)
         with pytest.raises(QueueFull):
@@ -119,9 +119,9 @@ def test_cache_budget_limits_the_batch(model):
     assert cache_bytes(model.config, model.dtype, 4, 16, 4) > 0
     slot = StatePool.bytes_per_slot(model.config, model.dtype)
     page = StatePool.bytes_per_page(model.config, model.dtype)
-    slots = 1 + 2 * 8 + 8                      # the pool's slots for max_batch 8 (see StatePool.for_budget)
+    slots = 1 + 2 * 8 + 8                      # the pool's slots for 8 sequences (see StatePool.for_budget)
     seen = []
-    with Engine(model, EngineOptions(max_batch=8, max_queue=8, max_cache_bytes=slots * slot + 2 * page + 1)) as engine:
+    with Engine(model, EngineOptions(max_batch=8, max_sequences=8, max_queue=8, max_cache_bytes=slots * slot + 2 * page + 1)) as engine:
         assert engine.pool.num_pages == 2
         handles = [engine.submit([40 + i, 41, 42, 43], max_new_tokens=16, block_size=4) for i in range(6)]
         while not all(h.finished for h in handles):
@@ -150,7 +150,7 @@ def test_invalid_requests_never_reach_the_decoder(model):
 
 
 def test_cancel_frees_the_slot_and_spares_the_others(model):
-    with Engine(model, EngineOptions(max_batch=2, max_queue=4)) as engine:
+    with Engine(model, EngineOptions(max_batch=2, max_sequences=2, max_queue=4)) as engine:
         victim = engine.submit([50, 51, 52], max_new_tokens=200, block_size=1)
         other = engine.submit([53, 54, 55], max_new_tokens=20, block_size=2)
         queued = engine.submit([56, 57], max_new_tokens=8)
@@ -264,6 +264,95 @@ def test_on_a_gpu_the_pool_takes_most_of_the_free_memory(caplog):
     assert default_cache_bytes(SimpleNamespace(parallel=object()), 4) is None
     engine = Engine(model, EngineOptions(max_batch=4), start=False)
     try:
-        assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(4))
+        assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(engine.max_sequences))
     finally:
         engine.shutdown()
+
+
+def test_a_device_too_small_for_the_default_sequences_runs_one_step_worth(monkeypatch, caplog):
+    """By default 4 × max_batch requests run at once; where the GPU cannot hold their state the engine
+    falls back to max_batch (with a warning); an explicit max_sequences it cannot hold is an error."""
+    import logging
+
+    from clover.engine import engine as engine_module
+
+    def fake(model, sequences):                    # a device with room for the state of 4 sequences
+        if sequences > 4:
+            raise ValueError(f"cuda:0: the state pool needs more for {sequences}")
+        return None
+    monkeypatch.setattr(engine_module, "default_cache_bytes", fake)
+    model = make_model("base")
+    with caplog.at_level(logging.WARNING, logger="clover.engine"):
+        engine = Engine(model, EngineOptions(max_batch=4), start=False)
+    assert engine.max_sequences == 4 and "cannot hold the state of 16 running requests" in caplog.text
+    engine.shutdown()
+    with pytest.raises(ValueError, match="for 8"):
+        Engine(model, EngineOptions(max_batch=4, max_sequences=8), start=False)
+
+
+def test_rotation_keeps_outputs_and_serves_newcomers_first(model):
+    """More requests run than a step computes (max_batch 2, 6 long ones): they take turns, each one's
+    tokens are those it gets alone, and a newcomer's first block comes within a few steps."""
+    reqs = [([60 + i, 61, 62], dict(max_new_tokens=48, block_size=4)) for i in range(6)]
+    expected = [alone(model, p, s) for p, s in reqs]
+    with Engine(model, EngineOptions(max_batch=2, max_sequences=8, max_queue=8)) as engine:
+        handles = [engine.submit(p, **s) for p, s in reqs]
+        next(handles[-1].iter_events(TIMEOUT))            # all six have been admitted and served
+        assert engine.active == 6
+        steps = engine.metrics.steps.value()
+        newcomer = engine.submit([70, 71, 72], max_new_tokens=4, block_size=4)
+        newcomer.result(TIMEOUT)
+        waited = engine.metrics.steps.value() - steps
+        for h in handles:
+            h.result(TIMEOUT)
+    assert newcomer.tokens == alone(model, [70, 71, 72], dict(max_new_tokens=4, block_size=4))
+    alone_steps = 1 + 4 + 1                               # prefill, at most 4 denoising steps of 4 masks, commit
+    assert waited <= alone_steps + 2, waited              # not behind the six long ones
+    for i, (h, want) in enumerate(zip(handles, expected)):
+        assert h.tokens == want, f"request {i}"
+
+
+def test_a_held_request_waits_for_its_consumer(model):
+    """A handle with a 4-token buffer that nobody reads stops being computed (its state kept), the
+    others go on, and once read it finishes with the tokens it gets alone."""
+    with Engine(model, EngineOptions(max_batch=4)) as engine:
+        held = engine.submit([80, 81, 82], max_new_tokens=64, block_size=4, buffer_tokens=4)
+        deadline = time.time() + TIMEOUT
+        while not held.held:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        other = engine.generate([83, 84], max_new_tokens=32, block_size=4, timeout=TIMEOUT)
+        assert len(held.tokens) < 4 + 4 * 2 and not held.finished     # a step or two past its buffer, no more
+        tokens = [t for event in held.iter_events(TIMEOUT) for t in event.tokens]
+    assert tokens == held.tokens == alone(model, [80, 81, 82], dict(max_new_tokens=64, block_size=4))
+    assert other.tokens == alone(model, [83, 84], dict(max_new_tokens=32, block_size=4))
+
+
+def test_graceful_shutdown_waits_for_a_held_request_without_spinning(model):
+    """A held request at a graceful shutdown: the engine thread sleeps (no busy loop) until the
+    shutdown's timeout ends it with an error event."""
+    engine = Engine(model, EngineOptions(max_batch=2))
+    h = engine.submit([90, 91], max_new_tokens=64, block_size=4, buffer_tokens=4)
+    deadline = time.time() + TIMEOUT
+    while not h.held:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    cpu = time.process_time()
+    engine.shutdown(graceful=True, timeout=1.0)
+    assert time.process_time() - cpu < 0.1        # spinning, the engine thread took 0.37 s of CPU here
+    assert h.finished and h.finish_reason == "error" and h.error_code == "shutdown"
+
+
+def test_turns_are_shared_per_client(model):
+    """max_batch 2: client a runs four requests, client b one of the same length, sent last. Turns go
+    round the clients first, so b's finishes before any of a's (each of a's gets a quarter of a's
+    turns), and every request's tokens are those it gets alone."""
+    settings = dict(max_new_tokens=32, block_size=4, eos_token_id=[])
+    with Engine(model, EngineOptions(max_batch=2, max_sequences=8)) as engine:
+        a = [engine.submit([100 + i, 101, 102], client="a", **settings) for i in range(4)]
+        b = engine.submit([110, 101, 102], client="b", **settings)
+        for h in a + [b]:
+            h.result(TIMEOUT)
+    assert b.finished_at < min(h.finished_at for h in a)
+    for h, first in zip(a + [b], [100, 101, 102, 103, 110]):
+        assert h.tokens == alone(model, [first, 101, 102], settings)

@@ -222,6 +222,9 @@ def serve_args(*argv):
     (["--port", "99999"], "--port must lie in 0..65535, got 99999"),
     (["--port", "-1"], "--port must lie in 0..65535"),
     (["--max-batch", "0"], "--max-batch must be at least 1"),
+    (["--max-sequences", "0"], "--max-sequences must be at least 1"),
+    (["--stream-buffer-tokens", "0"], "--stream-buffer-tokens must be at least 1"),
+    (["--stream-idle-timeout", "0"], "--stream-idle-timeout must be > 0"),
     (["--header-timeout", "0"], "--header-timeout must be > 0"),
     (["--model", "/nonexistent/dir"], "no model at /nonexistent/dir"),
 ])

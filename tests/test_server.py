@@ -410,11 +410,12 @@ def test_cli_arguments_build_a_server(model_dir):
     from clover.server.cli import build
 
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(
-        ["--model", str(model_dir), "--port", "0", "--max-batch", "3", "--max-queue", "5", "--max-cache-gb", "0.5"])
+        ["--model", str(model_dir), "--port", "0", "--max-batch", "3", "--max-queue", "5", "--max-cache-gb", "0.5",
+         "--max-sequences", "7"])
     assert (args.host, args.port) == ("127.0.0.1", 0)
     app, engine = build(args)
     try:
-        assert engine.options.max_batch == 3 and engine.options.max_queue == 5
+        assert engine.options.max_batch == 3 and engine.options.max_queue == 5 and engine.max_sequences == 7
         assert engine.options.max_cache_bytes == 1 << 29
         assert app.state.model_name == model_dir.name
     finally:
@@ -422,7 +423,7 @@ def test_cli_arguments_build_a_server(model_dir):
 
 
 def test_full_queue_gets_429_and_recovers(model, tokenizer, slow_forwards):
-    server, engine = start(model, tokenizer, max_batch=1, max_queue=0)
+    server, engine = start(model, tokenizer, max_batch=1, max_sequences=1, max_queue=0)
     try:
         client = server.client()
         body = {"model": MODEL, "prompt": "Hog", "max_tokens": 400, "block_size": 1, "stream": True,

@@ -94,20 +94,20 @@ class MirroredDecoder:
         self._channel = channel
         self._ops: list = [("reset",)] if replaces_another else []
 
-    def add(self, seq: Sequence) -> None:
-        self._inner.add(seq)                 # raises for a request the pool can never hold: not sent
+    def add(self, seq: Sequence, client=None) -> None:
+        self._inner.add(seq, client)         # raises for a request the pool can never hold: not sent
         seed = seq.sampling_seed
-        self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed))
+        self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed, client))
 
     def cancel(self, seq: Sequence) -> None:
         self._inner.cancel(seq)
         self._ops.append(("cancel", seq.id))
 
-    def step(self):
-        ops, self._ops = self._ops + [("step",)], []
+    def step(self, held=()):
+        ops, self._ops = self._ops + [("step", tuple(held))], []
         self._channel.send(ops)
         try:
-            events = self._inner.step()
+            events = self._inner.step(held)
         except RankFailure:                    # the group is broken: nothing left to compare
             raise
         except Exception:
@@ -182,7 +182,7 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
     """A follower rank's serving loop: the decoder operations rank 0 sends, applied in order, until
     it says stop (or goes away). SIGTERM is ignored: rank 0 shuts the group down gracefully."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    model.configure_state_pool(options.max_cache_bytes, options.max_batch)     # as Engine.__init__ does
+    model.configure_state_pool(options.max_cache_bytes, options.max_sequences or 4 * options.max_batch)  # as Engine
 
     def new_decoder():
         return Decoder(model, max_batch=options.max_batch, step_tokens=options.step_tokens,
@@ -198,11 +198,11 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
         for op in ops:
             kind = op[0]
             if kind == "add":
-                _, leader_id, prompt, settings, seed = op
+                _, leader_id, prompt, settings, seed, client = op
                 seq = Sequence(prompt, settings, model.config)
                 if seed is not None:
                     seq.sampling_seed = seed          # the leader's seed (the generator is made at its first draw)
-                decoder.add(seq)
+                decoder.add(seq, client)
                 seqs[leader_id] = seq
             elif kind == "cancel":
                 seq = seqs.pop(op[1], None)
@@ -213,7 +213,8 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
             elif kind == "step":
                 digest = None
                 try:
-                    digest = step_digest(decoder.step(), decoder.running)
+                    held = {seqs[i].id for i in op[1] if i in seqs}     # the leader's ids → this rank's
+                    digest = step_digest(decoder.step(held), decoder.running)
                 except Exception:                # rank 0's step fails the same way and sends a reset
                     log.exception("decoder step failed on this rank")
                 if not _agree(channel, digest):

@@ -43,7 +43,7 @@ def device_cache_bytes(free_bytes: int, needed_bytes: int, device) -> int:
     if needed_bytes > free_bytes - (1 << 30):
         raise ValueError(
             f"{device}: the state pool needs {needed_bytes / 2**30:.1f} GiB (GDN slots for the running batch and "
-            f"64K tokens of K/V) and {free_bytes / 2**30:.1f} GiB is free after the weights; lower --max-batch, "
+            f"64K tokens of K/V) and {free_bytes / 2**30:.1f} GiB is free after the weights; lower --max-sequences, "
             f"set --max-cache-gb, or use a larger device")
     log.warning("%s: %.1f GiB free after the weights; the state pool takes the %.1f GiB it needs, leaving "
                 "less than %.0f GiB for activations", device, free_bytes / 2**30, needed_bytes / 2**30,

@@ -5,13 +5,18 @@ One background thread owns the `Decoder` and the model; it alternates "take in w
 → one batched causal forward), then hands each request its new tokens. Requests join and leave
 between steps. Other threads only `submit()` (validate, queue) and `cancel()`.
 
-Admission: a request enters the running batch when fewer than `max_batch` run; otherwise it waits,
-FIFO, in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). Inside the batch the
-`Decoder` starts it once the model's state pool (sized from `max_cache_bytes` when the engine starts)
-can reserve its whole length — the pool's real capacity, not an estimate; a request longer than the
-whole pool is refused at `submit` (`RequestTooLarge`). The decoder isolates failures per request
-(error event for that request alone); an exception escaping a whole step fails the requests that
-were running, and the loop goes on with a fresh decoder.
+Admission: a request goes to the `Decoder` while fewer than `max_sequences` are there; otherwise it
+waits, FIFO, in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). The `Decoder`
+starts it once the model's state pool (sized for `max_sequences` from `max_cache_bytes` when the
+engine starts) can reserve its whole length — the pool's real capacity, not an estimate; a request
+longer than the whole pool is refused at `submit` (`RequestTooLarge`). Each step computes at most
+`max_batch` of the running requests, in turn (decoder.py, Rotation).
+
+Backpressure: a handle made with `buffer_tokens` (a server stream) that holds that many tokens its
+consumer has not taken is not stepped (its state stays in the pool) until the consumer reads.
+
+The decoder isolates failures per request (error event for that request alone); an exception
+escaping a whole step fails the requests that were running, and the loop goes on with a fresh decoder.
 Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
 between steps, so the model is only ever driven by one thread.
 The engine works in token ids: tokenization and text belong to the server.
@@ -53,7 +58,9 @@ class RequestTooLarge(GenerationSettingsError):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch: int = 16                    # requests decoded together
+    max_batch: int = 16                    # requests computed per step (more run in turn)
+    max_sequences: int | None = None       # requests running at once (state in the pool); None: 4 × max_batch,
+    #                                        or max_batch on a GPU whose free memory cannot hold that many
     max_queue: int = 64                    # requests waiting for a slot; one more raises QueueFull
     max_cache_bytes: int | None = None     # the state pool's size (K/V pages + GDN slots); None: on one GPU most of
     #                                        its free memory (engine/budget.py), elsewhere the model's default
@@ -62,10 +69,12 @@ class EngineOptions:
     prefix_cache: bool = True              # reuse cached prompt prefixes across requests
 
     def __post_init__(self):
-        for name in ("max_batch", "max_queue"):
+        for name in ("max_batch", "max_queue", "max_sequences"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_batch" else 0):
-                raise ValueError(f"{name} must be an integer >= {1 if name == 'max_batch' else 0}, got {v!r}")
+            if v is None and name == "max_sequences":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "max_queue" else 1):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'max_queue' else 1}, got {v!r}")
         if self.max_cache_bytes is not None and (not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 1):
             raise ValueError(f"max_cache_bytes must be a positive integer or None, got {self.max_cache_bytes!r}")
 
@@ -78,10 +87,19 @@ class Engine:
         self.config = model.config
         self.options = options or EngineOptions()
         self.metrics = EngineMetrics()
-        budget = self.options.max_cache_bytes
+        budget, o = self.options.max_cache_bytes, self.options
+        self.max_sequences = o.max_sequences or 4 * o.max_batch
         if budget is None:
-            budget = default_cache_bytes(model, self.options.max_batch)   # on a GPU: most of its free memory
-        self.pool = model.configure_state_pool(budget, self.options.max_batch)
+            try:
+                budget = default_cache_bytes(model, self.max_sequences)   # on a GPU: most of its free memory
+            except ValueError:
+                if o.max_sequences is not None or o.max_batch == self.max_sequences:
+                    raise
+                log.warning("the device cannot hold the state of %d running requests: %d run at once (one step's "
+                            "worth); set --max-sequences / --max-cache-gb to choose", self.max_sequences, o.max_batch)
+                self.max_sequences = o.max_batch
+                budget = default_cache_bytes(model, self.max_sequences)
+        self.pool = model.configure_state_pool(budget, self.max_sequences)
         self._decoder = self._new_decoder()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -136,10 +154,10 @@ class Engine:
 
     def validate(self, prompt_ids, settings: GenerationSettings) -> int:
         """SPEC §9 checks, token ids, and the pool's size; returns the tokens of cache the request reserves."""
+        validate_request(self.model, len(prompt_ids), settings)       # the context first: cheap for any length
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
-        validate_request(self.model, len(prompt_ids), settings)
         need = reserved_tokens(self.config, len(prompt_ids), settings.max_new_tokens, settings.block_size)
         pool = self.pool
         if pool.pages_for(need) > pool.num_pages:
@@ -151,16 +169,19 @@ class Engine:
         return need
 
     def submit(self, prompt_ids, settings: GenerationSettings | None = None, grammar=None,
-               **overrides) -> RequestHandle:
+               buffer_tokens: int | None = None, client=None, **overrides) -> RequestHandle:
         """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed.
-        `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding)."""
+        `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding).
+        `buffer_tokens`: pause the request while this many of its tokens wait for the consumer.
+        `client`: who sent it (an address, a key): turns are shared fairly between clients."""
         if settings is None:
             settings = self.settings(**overrides)
         elif overrides:
             settings = settings.replace(**overrides)
         prompt_ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt_ids]
         need = self.validate(prompt_ids, settings)
-        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config, grammar), need)
+        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config, grammar), need, buffer_tokens,
+                               client)
         with self._lock:
             if self._state != "running" or not self._thread.is_alive():
                 self.metrics.rejected.inc(reason="closed")
@@ -267,7 +288,7 @@ class Engine:
     # ---- the engine thread -------------------------------------------------------------------
     def _admit_locked(self) -> None:
         """Move queued requests into the batch, FIFO, while slots allow (the decoder waits for pool room)."""
-        while self._waiting and self._slots < self.options.max_batch:
+        while self._waiting and self._slots < self.max_sequences:
             head = self._waiting[0]
             self._waiting.popleft()
             self._admitted.append(head)
@@ -278,9 +299,10 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._admitted or self._cancels or self._running or self._scores
-                           or self._state == "closed" or (self._state == "draining" and not self._waiting)):
-                    self._wake.wait()
+                while not (self._admitted or self._cancels or self._scores or self._runnable()
+                           or self._state == "closed"
+                           or (self._state == "draining" and not self._waiting and not self._running)):
+                    self._wake.wait()       # (held requests wait for their consumers, or for shutdown to close)
                 if self._state == "closed" or (self._state == "draining" and not (
                         self._waiting or self._admitted or self._running or self._scores)):
                     break
@@ -290,11 +312,20 @@ class Engine:
             try:
                 self._take_in(admitted, cancels)
                 self._run_scores(scores)
-                if not self._decoder.idle:
+                if self._runnable():
                     self._step()
             except Exception:           # bookkeeping bug: keep serving the others
                 log.exception("engine loop error")
         self._fail_everything("the server is shutting down", "shutdown")
+
+    def _runnable(self) -> bool:
+        """Whether a step has work: a request waiting for the pool, or one running whose consumer is keeping up."""
+        return bool(self._decoder.waiting) or any(not h.held for h in self._running.values())
+
+    def wake(self) -> None:
+        """A held handle's consumer read its tokens: the loop may step it again."""
+        with self._lock:
+            self._wake.notify_all()
 
     def _take_in(self, admitted, cancels) -> None:
         now = time.perf_counter()
@@ -308,7 +339,7 @@ class Engine:
                 continue
             self._running[handle.id] = handle
             try:
-                self._decoder.add(handle.sequence)
+                self._decoder.add(handle.sequence, handle.client)
             except ValueError as exc:
                 del self._running[handle.id]
                 handle.sequence.finish("error")
@@ -341,7 +372,7 @@ class Engine:
         self.metrics.step_batch.observe(len(self._running))
         start = time.perf_counter()
         try:
-            events = self._decoder.step()
+            events = self._decoder.step({h.id for h in self._running.values() if h.held})
         except Exception as exc:
             log.exception("decoder step failed; failing the %d running request(s)", len(self._running))
             self.metrics.step_errors.inc()

@@ -30,7 +30,7 @@ class EngineEvent:
 class RequestHandle:
     """A request inside the engine. Read `tokens`, `finish_reason`, `stats` once `finished`."""
 
-    def __init__(self, engine, sequence, cache_tokens: int):
+    def __init__(self, engine, sequence, cache_tokens: int, buffer_tokens: int | None = None, client=None):
         self._engine = engine
         self.sequence = sequence
         self.id = sequence.id
@@ -46,6 +46,9 @@ class RequestHandle:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self.client = client                    # who sent it: turns are shared fairly between clients
+        self.buffer_tokens = buffer_tokens      # held (not stepped) while this many tokens wait unread
+        self._unread = 0                        # tokens pushed, not yet taken by the consumer
         self._events: deque[EngineEvent] = deque()
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -54,6 +57,11 @@ class RequestHandle:
     @property
     def finished(self) -> bool:
         return self.finished_at is not None
+
+    @property
+    def held(self) -> bool:
+        """Whether the engine should not step this request now: its consumer has fallen behind."""
+        return self.buffer_tokens is not None and self._unread >= self.buffer_tokens
 
     def cancel(self) -> None:
         """Stop this request (thread-safe, idempotent): its slot frees before the next forward."""
@@ -67,6 +75,7 @@ class RequestHandle:
             now = time.perf_counter()
             if event.tokens:
                 self.tokens.extend(event.tokens)
+                self._unread += len(event.tokens)
                 if self.first_token_at is None:
                     self.first_token_at = now
             if event.finished:
@@ -90,9 +99,7 @@ class RequestHandle:
             self._wakeup = asyncio.Event()
         while True:
             self._wakeup.clear()        # before draining: a push after the drain sets it again
-            with self._cond:
-                batch = list(self._events)
-                self._events.clear()
+            batch = self._take()
             for event in batch:
                 yield event
                 if event.finished:
@@ -107,9 +114,27 @@ class RequestHandle:
                 if not self._events and not self._cond.wait_for(lambda: self._events, timeout):
                     raise TimeoutError(f"request {self.id}: no event within {timeout} s")
                 event = self._events.popleft()
+                resumed = self._took(len(event.tokens))
+            if resumed:
+                self._engine.wake()
             yield event
             if event.finished:
                 return
+
+    def _take(self) -> list[EngineEvent]:
+        with self._cond:
+            batch = list(self._events)
+            self._events.clear()
+            resumed = self._took(sum(len(e.tokens) for e in batch))
+        if resumed:
+            self._engine.wake()
+        return batch
+
+    def _took(self, n: int) -> bool:
+        """The consumer took `n` tokens (under _cond); True if that lets a held request run again."""
+        was_held = self.held
+        self._unread -= n
+        return was_held and not self.held
 
     def result(self, timeout: float | None = None) -> "RequestHandle":
         """Block until finished (events are consumed); returns self."""

@@ -15,9 +15,17 @@ gets its first block after a few steps, not after the whole long prefill.
 
 Admission: a sequence enters when the pool can reserve pages for its whole length (prompt, every block
 and the next block's scratch) and two GDN slots, so a running sequence never runs out; otherwise it
-waits (FIFO). Its prompt is first looked up in the prefix cache: a cached prefix is shared instead of
-prefilled, and the prefill inserts the state at each chunk end on a page boundary, one of which is
-the last page boundary before the prompt's end.
+waits (FIFO); the pool, not `max_batch`, bounds how many run. Its prompt is first looked up in the
+prefix cache: a cached prefix is shared instead of prefilled, and the prefill inserts the state at each
+chunk end on a page boundary, one of which is the last page boundary before the prompt's end.
+
+Rotation: a step computes at most `max_batch` of the running sequences. When more run, each step takes
+those that have not produced anything yet (a newcomer's first block comes after a few steps however
+many run), then the others by turn: each client's (`add(seq, client)`) least recently served
+sequence first, then each client's second, and so on — a client with many requests gets no more
+turns than one with a single request — and within a round the ones served longest ago; the others
+keep their state in the pool until their turn. Sequences in `held` (a stream whose client is not reading) are not stepped at all. A
+sequence's tokens do not depend on when it runs: each row's computation is its own.
 
 Failures stay with their request: a forward that raises changes no sequence (cache.py), so its rows
 are retried one by one and only the rows that fail alone end with finish_reason "error"; an exception
@@ -99,10 +107,14 @@ class Decoder:
         self.step_tokens = step_tokens or DEFAULT_STEP_TOKENS
         self.decode_prefill_tokens = decode_prefill_tokens or DEFAULT_DECODE_PREFILL_TOKENS
         self.prefix_cache = prefix_cache
+        self.steps = 0
+        self._served: dict[int, int] = {}       # sequence id → the step that last computed it
+        self._client: dict[int, object] = {}    # sequence id → who sent it (None: anonymous, one client)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, client=None) -> None:
         """Queue a sequence for admission (one that already holds a cache, in whatever phase it is in,
-        joins the running ones as it is)."""
+        joins the running ones as it is). `client`: who sent it, for turns shared fairly per client."""
+        self._client[seq.id] = client
         if seq.cache is not None:
             seq.prefilled = len(seq.prompt)
             self.running.append(seq)
@@ -119,35 +131,62 @@ class Decoder:
             if seq in group:
                 group.remove(seq)
                 seq.finish("cancelled")
+        self._forget(seq)
 
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
 
     @torch.inference_mode()
-    def step(self) -> list[StepEvent]:
+    def step(self, held=()) -> list[StepEvent]:
+        """One step of at most `max_batch` running sequences (see Rotation); `held`: ids of sequences
+        not to step now (they keep their state)."""
         produced: dict[int, list[int]] = defaultdict(list)
         self._admit()
-        busy = self._decode_tokens()
+        batch = self._schedule(held)
+        busy = self._decode_tokens(batch)
         prefill_budget = self.step_tokens - busy
         if busy:
             prefill_budget = min(prefill_budget, self.decode_prefill_tokens)
         prefill_budget = max(prefill_budget, self.pool.page_size)
-        self._guard(self._prefill, [s for s in self.running if s.phase == "prefill"], prefill_budget)
-        self._guard(self._block_forwards, [s for s in self.running if s.phase == "denoise"])
-        self._guard(self._causal_forwards, [s for s in self.running if s.phase in ("commit", "verify", "ar")],
-                    produced)
+        self._guard(self._prefill, [s for s in batch if s.phase == "prefill"], prefill_budget)
+        self._guard(self._block_forwards, [s for s in batch if s.phase == "denoise"])
+        self._guard(self._causal_forwards, [s for s in batch if s.phase in ("commit", "verify", "ar")], produced)
         events = []
         for seq in list(self.running):
             if seq.id in produced or seq.done:
                 events.append(StepEvent(seq, produced.get(seq.id, []), seq.done))
             if seq.done:
                 self.running.remove(seq)
+                self._forget(seq)
         return events
+
+    def _forget(self, seq: Sequence) -> None:
+        self._served.pop(seq.id, None)
+        self._client.pop(seq.id, None)
+
+    def _schedule(self, held) -> list[Sequence]:
+        """This step's sequences: not held, not done; at most `max_batch`, in the order of Rotation
+        (ties: running order, the oldest admitted first)."""
+        ready = [s for s in self.running if not s.done and s.id not in held]
+        if self.max_batch is not None and len(ready) > self.max_batch:
+            ready.sort(key=lambda s: self._served.get(s.id, -1))
+            turns: dict = defaultdict(int)
+            round_of = {}                           # a sequence's place among its client's: 0, 1, …
+            for s in ready:
+                client = self._client.get(s.id)
+                round_of[s.id] = turns[client]
+                turns[client] += 1
+            ready.sort(key=lambda s: (len(s.response) > 0, round_of[s.id]))   # stable: served order within a round
+            ready = ready[: self.max_batch]
+        self.steps += 1
+        for seq in ready:
+            self._served[seq.id] = self.steps
+        return ready
 
     # ---- admission and the step budget ---------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
+        while self.waiting:
             seq = self.waiting[0]
             need = _reserved(seq, self.model.config)
             if not self.pool.can_reserve(need):
@@ -167,10 +206,11 @@ class Decoder:
                 seq.stats.reused_tokens = seq.prefilled
             self.running.append(seq)
 
-    def _decode_tokens(self) -> int:
-        """Tokens the running (non-prefill) sequences put through this step's forwards."""
+    @staticmethod
+    def _decode_tokens(batch: list[Sequence]) -> int:
+        """Tokens the step's non-prefill sequences put through its forwards."""
         n = 0
-        for s in self.running:
+        for s in batch:
             if s.phase == "denoise" or s.phase == "verify":
                 n += len(s.block)
             elif s.phase == "commit":

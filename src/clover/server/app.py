@@ -35,7 +35,7 @@ from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion
 from .structured import StructuredOutput
 from .openapi import document_request_bodies
 from .text import CONTENT, TextStream
-from .transport import CountRequests, Guard, SSEResponse, collect, outputs, read_json, sse
+from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, sse
 
 log = logging.getLogger("clover.server")
 
@@ -45,11 +45,15 @@ ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "clover", *,
                max_body_bytes: int = 1 << 20, shutdown_engine: bool = True,
                shutdown_timeout: float = 30.0, max_block_size: int | None = None, api_key: str | None = None,
-               allowed_hosts: list[str] | None = None, body_timeout: float | None = 30.0) -> FastAPI:
+               allowed_hosts: list[str] | None = None, body_timeout: float | None = 30.0,
+               stream_buffer_tokens: int | None = 64, stream_idle_timeout: float | None = 60.0) -> FastAPI:
     """The app. `shutdown_engine`: stop the engine (gracefully) when the app shuts down.
     `api_key`: required as a Bearer token on every route but /health (None: no authentication).
     `allowed_hosts`: Host header names accepted ("*.example.com" and "*" allowed; None: any).
     `body_timeout`: seconds a request body may take to arrive (408 after; None: no limit).
+    `stream_buffer_tokens`: a stream's request stops being computed while this many of its tokens
+    wait for its client (backpressure; None: never); `stream_idle_timeout`: a stream whose client
+    reads nothing for this long is closed and its request cancelled (None: never).
     `max_block_size`: the largest block_size a request may ask for (None: the model's
     generation_config.json, else GenerationSettings' default)."""
 
@@ -125,11 +129,15 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
         return settings
 
-    def submit(prompt_ids, settings, grammar=None):
+    def submit(request, prompt_ids, settings, grammar=None, stream=False):
+        # the client, for fair turns: its address (behind a proxy, every request shares the proxy's)
+        extra = {"client": request.client.host if request.client else None}
+        if stream and stream_buffer_tokens:
+            extra["buffer_tokens"] = stream_buffer_tokens
+        if grammar is not None:
+            extra["grammar"] = grammar
         try:
-            if grammar is None:
-                return engine.submit(prompt_ids, settings)
-            return engine.submit(prompt_ids, settings, grammar=grammar)
+            return engine.submit(prompt_ids, settings, **extra)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
@@ -173,7 +181,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- chat ----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await read_json(request, max_body_bytes, body_timeout))
+        req = await off_loop(request, parse, ChatRequest, await read_json(request, max_body_bytes, body_timeout),
+                             small_inline=True)
         check_model(req.model)
         check_unsupported(req)
         top_k = chat_top_k(req)
@@ -196,15 +205,15 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
         # Templating and tokenizing a large body takes a while: in a worker thread, not on the event loop.
-        prompt_ids, plan = await asyncio.to_thread(prepare_chat, tokenizer, req, thinking, kwargs)  # the model's template, tools
+        prompt_ids, plan = await off_loop(request, prepare_chat, tokenizer, req, thinking, kwargs)  # template, tools
         output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
         inside_thinking = _inside_thinking(prompt_ids, tokenizer)
         grammar = None
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
         if constraint is not None:
-            grammar = await asyncio.to_thread(structured.matcher, *constraint, settings)
-        handle = submit(prompt_ids, settings, grammar)
+            grammar = await off_loop(request, structured.matcher, *constraint, settings)
+        handle = submit(request, prompt_ids, settings, grammar, req.stream)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -245,12 +254,13 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                            "choices": [], "usage": usage(handle, text)})
             yield b"data: [DONE]\n\n"
 
-        return SSEResponse(stream(), handle.cancel)
+        return SSEResponse(stream(), handle.cancel, stream_idle_timeout)
 
     # ---- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, max_body_bytes, body_timeout))
+        req = await off_loop(request, parse, CompletionRequest, await read_json(request, max_body_bytes, body_timeout),
+                             small_inline=True)
         check_model(req.model)
         check_unsupported(req)
         top_k = completion_top_k(req)
@@ -267,7 +277,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
             prompt = prompt[0]
-        prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await off_loop(request, tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("the prompt is empty: at least one token is needed", "prompt")
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -288,7 +298,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                                  "finish_reason": "length"}],
                     "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}, "clover": {}}
         settings = make_settings(req, extra, prompt_ids, "prompt")
-        handle = submit(prompt_ids, settings)
+        handle = submit(request, prompt_ids, settings, stream=req.stream)
         text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
 
         if not req.stream:
@@ -327,7 +337,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                            "choices": [], "usage": usage(handle, text)})
             yield b"data: [DONE]\n\n"
 
-        return SSEResponse(stream(), handle.cancel)
+        return SSEResponse(stream(), handle.cancel, stream_idle_timeout)
 
     # ---- the rest ------------------------------------------------------------------------------
     def model_card() -> dict:

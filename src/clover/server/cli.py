@@ -35,12 +35,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="on a CUDA device, run every forward eagerly (default: decode and block steps "
                              "replayed as CUDA graphs)")
-    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    parser.add_argument("--max-batch", type=int, default=16,
+                        help="requests computed per step; more run in turn (default 16)")
+    parser.add_argument("--max-sequences", type=int, default=None,
+                        help="requests running at once, their state kept in the pool (default 4 × --max-batch, or "
+                             "--max-batch on a GPU too small for that)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting to start (past --max-sequences or the pool) before 429")
+    parser.add_argument("--stream-buffer-tokens", type=int, default=64,
+                        help="a stream is paused while this many of its tokens wait for its client (default 64)")
+    parser.add_argument("--stream-idle-timeout", type=float, default=60.0,
+                        help="seconds a stream's client may read nothing before it is closed (default 60)")
     parser.add_argument("--max-cache-gb", type=float, default=None,
                         help="the state pool (K/V pages, GDN states) of the running batch; default on a GPU: 90%% "
                              "of the memory free after the weights less 6 GiB, on the CPU 2 GiB (virtual until used) "
-                             "or what --max-batch requests' GDN states need")
+                             "or what --max-sequences requests' GDN states need")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="largest block_size a request may ask for (default: the model's "
@@ -70,12 +79,14 @@ def check_args(args) -> None:
     """ServeError for options that would otherwise fail later with a traceback."""
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must lie in 0..65535, got {args.port}")
-    for name in ("max_batch", "max_connections", "max_body_bytes", "keep_alive_timeout"):
+    for name in ("max_batch", "max_connections", "max_body_bytes", "keep_alive_timeout", "stream_buffer_tokens"):
         if getattr(args, name) < 1:
             raise ServeError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise ServeError(f"--max-queue must be >= 0, got {args.max_queue}")
-    for name in ("header_timeout", "body_timeout", "graceful_timeout"):
+    if args.max_sequences is not None and args.max_sequences < 1:
+        raise ServeError(f"--max-sequences must be at least 1, got {args.max_sequences}")
+    for name in ("header_timeout", "body_timeout", "graceful_timeout", "stream_idle_timeout"):
         if not getattr(args, name) > 0:
             raise ServeError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.max_block_size is not None and args.max_block_size < 1:
@@ -128,7 +139,8 @@ def build(args):
     app = create_app(engine, tokenizer, served_name(args), max_body_bytes=args.max_body_bytes,
                      shutdown_timeout=args.graceful_timeout, max_block_size=args.max_block_size,
                      api_key=args.api_key or os.environ.get("CLOVER_API_KEY") or None,
-                     allowed_hosts=args.allowed_hosts, body_timeout=args.body_timeout)
+                     allowed_hosts=args.allowed_hosts, body_timeout=args.body_timeout,
+                     stream_buffer_tokens=args.stream_buffer_tokens, stream_idle_timeout=args.stream_idle_timeout)
     return app, engine
 
 
@@ -154,7 +166,8 @@ def engine_options(args):
     from clover.engine import EngineOptions
 
     budget = None if args.max_cache_gb is None else int(args.max_cache_gb * (1 << 30))
-    return EngineOptions(max_batch=args.max_batch, max_queue=args.max_queue, max_cache_bytes=budget)
+    return EngineOptions(max_batch=args.max_batch, max_sequences=args.max_sequences, max_queue=args.max_queue,
+                         max_cache_bytes=budget)
 
 
 def run_follower(args) -> int:

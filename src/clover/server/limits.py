@@ -13,21 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def header_timeout_protocol(seconds: float) -> type:
+def header_timeout_protocol(seconds: float, write_buffer_bytes: int | None = None) -> type:
     """An h11 protocol class that closes a connection whose next request's headers have not fully
-    arrived `seconds` after its first byte could come (connection made, or previous response done)."""
+    arrived `seconds` after its first byte could come (connection made, or previous response done).
+    `write_buffer_bytes`: the transport's high-water mark (asyncio's default: 64 KiB), past which a
+    response's next write waits for the client to read, and the socket's send buffer (the kernel
+    doubles it; unset, it grows to megabytes): small ones keep a stream that is not read from piling
+    up text in the server (the engine then holds its request: backpressure)."""
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            if write_buffer_bytes is not None:
+                transport.set_write_buffer_limits(high=write_buffer_bytes)
+                sock = transport.get_extra_info("socket")
+                if sock is not None:       # the kernel's send buffer, else autotuned up to megabytes
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, write_buffer_bytes)
             self._watch_headers()
 
         def data_received(self, data: bytes) -> None:
@@ -65,6 +75,9 @@ def header_timeout_protocol(seconds: float) -> type:
     return HeaderTimeoutH11Protocol
 
 
+WRITE_BUFFER_BYTES = 8 * 1024
+
+
 def install_repeat_filter(burst: int = 5, interval: float = 10.0) -> RepeatFilter:
     """Put one RepeatFilter on every handler of the root and uvicorn loggers (call after logging
     is configured: uvicorn.Config configures its own). Not on uvicorn's access log: every access
@@ -100,12 +113,15 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                    graceful_timeout: float | None = 30.0, header_timeout: float = 10.0,
-                   keep_alive_timeout: int = 5, max_connections: int | None = 256, **extra):
-    """The uvicorn.Config `clover serve` runs: h11 with a header deadline, idle keep-alive closed after
-    `keep_alive_timeout` s, requests past `max_connections` open connections answered 503."""
+                   keep_alive_timeout: int = 5, max_connections: int | None = 256,
+                   write_buffer_bytes: int | None = WRITE_BUFFER_BYTES, **extra):
+    """The uvicorn.Config `clover serve` runs: h11 with a header deadline and a small write buffer,
+    idle keep-alive closed after `keep_alive_timeout` s, requests past `max_connections` open
+    connections answered 503."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=header_timeout_protocol(header_timeout),
+    http = header_timeout_protocol(header_timeout, write_buffer_bytes)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                           timeout_graceful_shutdown=graceful_timeout, timeout_keep_alive=keep_alive_timeout,
                           limit_concurrency=max_connections, **extra)
 

@@ -11,6 +11,10 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from fastapi import Request
@@ -18,6 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .protocol import APIError, bad_request
 from .text import CONTENT, REASONING, TextStream
+
+log = logging.getLogger("clover.server")
 
 # Engine finish reasons → OpenAI finish reasons ("stop" strings are handled here, not by the engine).
 FINISH_REASONS = {"eos": "stop", "length": "length", "stop": "stop", "cancelled": "stop"}
@@ -94,16 +100,34 @@ class Guard:
                         {"WWW-Authenticate": "Bearer"})
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that runs `on_close` however it ends (done, error, disconnect)."""
+class StreamIdle(Exception):
+    """A stream's client read nothing for the idle timeout."""
 
-    def __init__(self, content, on_close):
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends (done, error, disconnect).
+    A client that takes nothing for `idle_timeout` seconds while an event waits to be written is cut
+    off (the connection closed, the request cancelled): while it does not read, its request is held
+    by the engine's backpressure, and this bounds how long it keeps its state."""
+
+    def __init__(self, content, on_close, idle_timeout: float | None = None):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
+        self._idle_timeout = idle_timeout
 
     async def __call__(self, scope, receive, send):
+        async def timed_send(message):
+            try:
+                await asyncio.wait_for(send(message), self._idle_timeout)
+            except asyncio.TimeoutError:
+                raise StreamIdle() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if self._idle_timeout is None else timed_send)
+        except* StreamIdle:
+            # uvicorn closes the connection of a response left incomplete
+            log.warning("%s:%s read nothing for %g s: stream closed", *(scope.get("client") or ("?", "?")),
+                        self._idle_timeout)
         finally:
             self._on_close()
 
@@ -184,12 +208,34 @@ async def read_json(request: Request, max_bytes: int, timeout: float | None = No
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
                        None, "request_timeout", {"Connection": "close"}) from None
+    request.state.body_bytes = len(body)
     if len(body) > OFF_LOOP_BYTES:          # a large body parses in a worker thread: the loop keeps serving
-        return await asyncio.to_thread(parse_json, body)
+        return await off_loop(request, parse_json, body)
     return parse_json(body)
 
 
 OFF_LOOP_BYTES = 64 * 1024
+
+
+def _lower_priority() -> None:
+    try:            # Linux: a thread is a task with its own nice value
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+# Work on large bodies (parsing, templating, tokenizing: native code that releases the interpreter
+# lock) runs here, one at a time and at a lower CPU priority, so that a burst of them cannot take the
+# cores from the event loop and the engine thread; small requests' work does not queue behind it.
+_LARGE = ThreadPoolExecutor(1, thread_name_prefix="clover-large", initializer=_lower_priority)
+
+
+async def off_loop(request: Request, fn, *args, small_inline: bool = False):
+    """`fn(*args)` in a worker thread: the one for large bodies when this request's was large;
+    for a small body, with `small_inline`, right here (quicker than a thread hop)."""
+    if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(_LARGE, fn, *args)
+    return fn(*args) if small_inline else await asyncio.to_thread(fn, *args)
 
 
 def parse_json(body: bytes):
