@@ -1,12 +1,14 @@
-"""Structured output on /v1/chat/completions: `response_format` and strict tool arguments → a grammar.
+"""Structured output on /v1/chat/completions: `response_format` and tool calls → a grammar.
 
 `response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema",
-"json_schema": {"name", "schema", "strict"}}` become an llguidance JSON-schema grammar for the answer;
-a function with `"strict": true` under tool_choice "required" or a named function becomes a Lark grammar
-for the rest of the call the prompt opened (`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each
-value written as the template writes it (strings raw, other types as JSON of their schema). Under
-tool_choice "auto" with strict tools, the answer is free text, but a call it opens (`<tool_call>`)
-must be written whole to a declared function, by its schema. When the prompt leaves the
+"json_schema": {"name", "schema", "strict"}}` become an llguidance JSON-schema grammar for the answer.
+Tools, strict or not (clients rarely mark them), become a Lark grammar: under tool_choice "required"
+or a named function for the rest of the call the prompt opened
+(`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each value written as the template writes it
+(strings raw, other types as JSON of their schema). Under tool_choice "auto" the answer is free text,
+but a call it opens (`<tool_call>`) must be written whole to a declared function, by its schema —
+unless the request sets `tool_call_grammar: false`. With `strict`, what the grammar cannot promise
+(pattern, format, lengths of a raw string; a string-or-other union) is a 400; without, it is not enforced. When the prompt leaves the
 model thinking, the grammar lets it think first and governs what follows `</think>` (under "auto", a
 call written inside the thinking ends it, as the tool-call parser reads it, and is constrained too).
 Schemas are compiled before the request is queued: a schema llguidance cannot compile, or a budget
