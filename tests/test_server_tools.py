@@ -372,23 +372,28 @@ def real(tmp_path_factory):
 
 
 def test_real_engine_named_tool_choice(real):
-    """A random tiny model writes junk after the prompt's opening of the call: the call still comes back
-    (named, its arguments a JSON object), streamed and whole alike."""
+    """A random tiny model would write junk after the prompt's opening of the call: the call grammar
+    holds it to the tool's schema, so the call comes back whole with arguments that validate, streamed
+    and whole alike; a budget too small for the shortest valid call is a 400 before generation."""
+    jsonschema = pytest.importorskip("jsonschema")
     client = real.client()
     named = {"type": "function", "function": {"name": "add"}}
-    kw = dict(messages=[{"role": "user", "content": "1+2?"}], tools=TOOLS, tool_choice=named, max_tokens=8,
+    kw = dict(messages=[{"role": "user", "content": "1+2?"}], tools=TOOLS, tool_choice=named, max_tokens=64,
               temperature=0)
     whole = client.chat.completions.create(model=MODEL, **kw)
-    # The client's accumulator (its final parse refuses finish_reason "length", so take its snapshot).
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-    state = ChatCompletionStreamState()
-    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
-        state.handle_chunk(chunk)
-    stream = state.current_completion_snapshot
+    with client.chat.completions.stream(model=MODEL, **kw) as s:
+        for _ in s:
+            pass
+        stream = s.get_final_completion()
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == "add")
     for r in (whole, stream):
-        assert r.choices[0].finish_reason in ("tool_calls", "length")
+        assert r.choices[0].finish_reason == "tool_calls"
         (call,) = r.choices[0].message.tool_calls
-        assert call.function.name == "add" and isinstance(json.loads(call.function.arguments), dict)
+        assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
     assert whole.choices[0].message.content == stream.choices[0].message.content
     assert whole.choices[0].message.tool_calls[0].function.arguments == \
         stream.choices[0].message.tool_calls[0].function.arguments
+    import openai
+    with pytest.raises(openai.BadRequestError, match="max_tokens 8 is too small"):
+        client.chat.completions.create(model=MODEL, **{**kw, "max_tokens": 8})

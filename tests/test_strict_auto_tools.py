@@ -66,10 +66,12 @@ def accepts(grammars, lark, ids) -> bool:
     return all(m.consume(t) for t in ids)
 
 
-def test_no_strict_tool_means_no_grammar_and_some_is_a_400(tok):
-    assert auto_lark([NOTE], True, None) is None
-    with pytest.raises(APIError, match="every tool strict"):
-        auto_lark([LOOKUP, NOTE], True, None)
+def test_tools_that_are_not_strict_get_the_grammar_too(grammars, tok):
+    """A call to `note` (an open object schema) may carry any parameters; its structure still holds."""
+    lark = grammars.compile(auto_lark([NOTE], True, None))
+    ok = "<tool_call>\n<function=note>\n<parameter=text>\nhi\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(grammars, lark, tok.encode("Noting.\n" + ok) + [EOS])
+    assert not accepts(grammars, lark, tok.encode("<tool_call>\n<function=note>\n1parameter=a>") + [EOS])
 
 
 @pytest.mark.parametrize("thinking", [False, True])

@@ -339,7 +339,7 @@ def cmd_eval_demo(args) -> int:
         from clover.training.evaluate_tools import evaluate_tools, format_tool_report
 
         report = evaluate_tools(model, tokenizer, per_task=args.per_task, seed=args.seed, modes=modes,
-                                progress=lambda s: print(s, file=sys.stderr))
+                                progress=lambda s: print(s, file=sys.stderr), call_grammar=not args.no_call_grammar)
         print(format_tool_report(report))
         print(json.dumps(report))
         return 0
@@ -479,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", action="store_true",
                    help="tool-call accuracy instead: held-out multiply/lookup/convert problems with the demo "
                         "tools offered (call, answer, both), and questions to answer without a call")
+    p.add_argument("--no-call-grammar", action="store_true",
+                   help="--tools: decode without the tool-call grammar the server applies by default")
     p.add_argument("--sweep", action="store_true",
                    help="accuracy against speed: LowConfidence over --thresholds x --block-sizes, plus "
                         "autoregressive and self-speculative; writes a table, JSON and PNG to --out")

@@ -210,7 +210,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         settings = make_settings(req, extra, prompt_ids, "messages")
         inside_thinking = _inside_thinking(prompt_ids, tokenizer)
         grammar = None
-        constraint = structured.lark(req, plan, inside_thinking)    # response_format, strict tool arguments
+        constraint = structured.lark(req, plan, inside_thinking)    # response_format, tool calls
         if constraint is not None:
             grammar = await off_loop(request, structured.matcher, *constraint, settings)
         handle = submit(request, prompt_ids, settings, grammar, req.stream)

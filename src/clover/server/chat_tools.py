@@ -10,10 +10,10 @@ tool_choice:
 - "none": tools left out of the prompt and nothing parsed, as if none were sent.
 - "required" / a named function: the prompt itself opens the call after the generation prompt —
   `<tool_call>\\n<function=` (required) or `<tool_call>\\n<function=NAME>\\n` (named) — with thinking
-  closed, since the call must be the first thing in the answer. The model writes the rest; a call it
-  botches (an undeclared name, say) comes back as text.
-- `strict` on a function: its calls are enforced by constrained decoding under any of "auto",
-  "required" and a named function (`structured.py`); `parallel_tool_calls: false` keeps the first call.
+  closed, since the call must be the first thing in the answer. The model writes the rest, held to
+  the tools' schemas by constrained decoding (`structured.py`).
+- Under "auto" a call the model opens follows the same grammar unless `tool_call_grammar: false`
+  (then only `strict` tools are enforced); `parallel_tool_calls: false` keeps the first call.
 """
 
 from __future__ import annotations

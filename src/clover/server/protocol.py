@@ -19,7 +19,8 @@ from ..generation.settings import GenerationSettings
 # Generation settings a request may set by name (max_tokens maps to max_new_tokens).
 SETTING_EXTRAS = GenerationSettings.field_names() - {"max_new_tokens", "eos_token_id", "temperature", "top_p",
                                                      "seed", "max_block_size"}     # the last: the operator's
-SERVER_EXTRAS = {"enable_thinking", "chat_template_kwargs", "skip_special_tokens", "ignore_eos"}
+SERVER_EXTRAS = {"enable_thinking", "chat_template_kwargs", "skip_special_tokens", "ignore_eos",
+                 "tool_call_grammar"}
 # OpenAI fields we accept and ignore when they ask for nothing we would do differently.
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                   "safety_identifier"}

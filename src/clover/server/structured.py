@@ -1,12 +1,14 @@
-"""Structured output on /v1/chat/completions: `response_format` and strict tool arguments → a grammar.
+"""Structured output on /v1/chat/completions: `response_format` and tool calls → a grammar.
 
 `response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema",
-"json_schema": {"name", "schema", "strict"}}` become an llguidance JSON-schema grammar for the answer;
-a function with `"strict": true` under tool_choice "required" or a named function becomes a Lark grammar
-for the rest of the call the prompt opened (`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each
-value written as the template writes it (strings raw, other types as JSON of their schema). Under
-tool_choice "auto" with strict tools, the answer is free text, but a call it opens (`<tool_call>`)
-must be written whole to a declared function, by its schema. When the prompt leaves the
+"json_schema": {"name", "schema", "strict"}}` become an llguidance JSON-schema grammar for the answer.
+Tools, strict or not (clients rarely mark them), become a Lark grammar: under tool_choice "required"
+or a named function for the rest of the call the prompt opened
+(`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each value written as the template writes it
+(strings raw, other types as JSON of their schema). Under tool_choice "auto" the answer is free text,
+but a call it opens (`<tool_call>`) must be written whole to a declared function, by its schema —
+unless the request sets `tool_call_grammar: false`. With `strict`, what the grammar cannot promise
+(pattern, format, lengths of a raw string; a string-or-other union) is a 400; without, it is not enforced. When the prompt leaves the
 model thinking, the grammar lets it think first and governs what follows `</think>` (under "auto", a
 call written inside the thinking ends it, as the tool-call parser reads it, and is constrained too).
 Schemas are compiled before the request is queued: a schema llguidance cannot compile, or a budget
@@ -58,44 +60,21 @@ def answer_schema(response_format: dict | None) -> dict | None:
     return schema
 
 
-def call_lark(tools: list[dict], prefill: str) -> str | None:
-    """Lark for the rest of a call opened by `prefill` when its function(s) are strict (None: none is)."""
+def call_lark(tools: list[dict], prefill: str) -> str:
+    """Lark for the rest of a call the prompt opened (`prefill`): to the named function, or to any of
+    `tools` under "required" — strict or not, the call follows the parameters' schemas."""
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if prefill.endswith(">\n"):                      # named: "<tool_call>\n<function=NAME>\n"
-        name = prefill[len("<tool_call>\n<function="):-2]
-        fn = functions[name]
-        if not fn.get("strict"):
-            return None
-        return "start: " + _body_rules(fn, "f0", first=True)
-    strict = [fn for fn in functions.values() if fn.get("strict")]
-    if not strict:
-        return None
-    if len(strict) != len(functions):
-        raise bad_request('tool_choice "required" with strict tools needs every tool strict (or name one)',
-                          "tools", "unsupported")
-    rules, alts = [], []
-    for k, fn in enumerate(strict):
-        alts.append(f"f{k}")
-        rules.append(f"f{k}: {json.dumps(fn['name'] + '>' + chr(10))} " + _body_rules(fn, f"f{k}", first=True))
+        return "start: " + _body_rules(functions[prefill[len("<tool_call>\n<function="):-2]], "f0")
+    alts, rules = _function_rules(tools)
     return "start: " + " | ".join(alts) + "\n" + "\n".join(rules)
 
 
-def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> str | None:
-    """Lark for tool_choice "auto" when the functions are strict (None: none is; 400: only some are,
-    since a free call body has no closing path the budget could rely on): any text without
-    `<tool_call>`, and each `<tool_call>` it writes followed by a whole call by its function's schema.
-    One call at most unless `parallel`. `think_end_id`: the response thinks first, and the thinking
-    ends at `</think>` or at a call."""
-    functions = [t["function"] for t in tools]
-    strict = [fn for fn in functions if fn.get("strict")]
-    if not strict:
-        return None
-    if len(strict) != len(functions):
-        raise bad_request('tool_choice "auto" with strict tools needs every tool strict', "tools", "unsupported")
-    rules, alts = [], []
-    for k, fn in enumerate(functions):
-        alts.append(f"f{k}")
-        rules.append(f"f{k}: {json.dumps(fn['name'] + '>' + chr(10))} " + _body_rules(fn, f"f{k}", first=True))
+def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> str:
+    """Lark for tool_choice "auto": any text without `<tool_call>`, and each `<tool_call>` it writes
+    followed by a whole call to one of `tools` by its schema. One call at most unless `parallel`.
+    `think_end_id`: the response thinks first, and the thinking ends at `</think>` or at a call."""
+    alts, rules = _function_rules(tools)
     more = "*" if parallel else "?"
     start = (f"start: TEXT <[{think_end_id}]> answer | call_open call {'answer' if parallel else 'TEXT'}"
              if think_end_id is not None else "start: answer")
@@ -108,12 +87,22 @@ def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> st
         *rules])
 
 
-def _body_rules(fn: dict, prefix: str, first: bool) -> str:
+def _function_rules(tools: list[dict]) -> tuple[list[str], list[str]]:
+    """One alternative per function (`NAME>\\n` then its body) and the rules they use."""
+    alts, rules = [], []
+    for k, tool in enumerate(tools):
+        fn = tool["function"]
+        alts.append(f"f{k}")
+        rules.append(f"f{k}: {json.dumps(fn['name'] + '>' + chr(10))} " + _body_rules(fn, f"f{k}"))
+    return alts, rules
+
+
+def _body_rules(fn: dict, prefix: str) -> str:
     """`params "</function>\\n</tool_call>"` for one function, followed by its rules' lines."""
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     where = f"tools.{fn['name']}.parameters"
     if params.get("type", "object") != "object" or not isinstance(params.get("properties", {}), dict):
-        raise bad_request(f"{where}: a strict function's parameters must be an object schema", "tools", "invalid_schema")
+        raise bad_request(f"{where}: a function's parameters must be an object schema", "tools", "invalid_schema")
     required = params.get("required", [])
     if not isinstance(required, list):
         raise bad_request(f"{where}.required must be a list", "tools", "invalid_schema")
@@ -121,31 +110,41 @@ def _body_rules(fn: dict, prefix: str, first: bool) -> str:
     for k, (arg, schema) in enumerate(params.get("properties", {}).items()):
         rule = f"{prefix}_p{k}"
         open_ = json.dumps(f"<parameter={arg}>\n")
-        lines.append(f"{rule}: {open_} {_value(schema, f'{where}.properties.{arg}')} " + json.dumps("\n</parameter>\n"))
+        lines.append(f"{rule}: {open_} {_value(schema, f'{where}.properties.{arg}', bool(fn.get('strict')))} " + json.dumps("\n</parameter>\n"))
         seq.append(rule if arg in required else rule + "?")
+    if not fn.get("strict") and params.get("additionalProperties", True) is not False:
+        # undeclared parameters the schema allows: any name, a raw one-line value
+        lines.append(f'{prefix}_x: "<parameter=" /[A-Za-z0-9_.-]+/ ">\\n" {_RAW_STRING} "\\n</parameter>\\n"')
+        seq.append(f"{prefix}_x*")
     head = " ".join(seq + [json.dumps("</function>\n</tool_call>")])
     return head + ("\n" + "\n".join(lines) if lines else "")
 
 
-def _value(schema, where: str) -> str:
-    """One parameter's value as the template writes it: a raw string, else JSON of its schema."""
+def _value(schema, where: str, strict: bool) -> str:
+    """One parameter's value as the template writes it: a raw string, else JSON of its schema. A
+    string's pattern/format/length, and a union with strings, are enforced only when `strict` (400
+    there); otherwise such a value is a raw one-line string."""
     if not isinstance(schema, dict):
         raise bad_request(f"{where} must be a JSON schema object", "tools", "invalid_schema")
     types = schema.get("type")
+    if types is None and not strict and not {"enum", "const", "anyOf", "oneOf", "allOf", "$ref"} & set(schema):
+        return _RAW_STRING                          # an untyped value: written as the model writes it
     if types == "string":
         if "enum" in schema or "const" in schema:
             values = schema.get("enum", [schema.get("const")])
             if not values or not all(isinstance(v, str) and "\n" not in v and "<" not in v for v in values):
-                raise bad_request(f"{where}: a strict string enum needs one-line values without '<'", "tools",
+                raise bad_request(f"{where}: a string enum needs one-line values without '<'", "tools",
                                   "invalid_schema")
             return "(" + " | ".join(json.dumps(v) for v in values) + ")"
         for key in ("pattern", "format", "minLength", "maxLength"):
-            if key in schema:
+            if key in schema and strict:
                 raise bad_request(f"{where}: {key} on a raw string parameter is not supported in strict mode",
                                   "tools", "unsupported")
         return _RAW_STRING
     if isinstance(types, list) and "string" in types or any("string" == s.get("type") for s in
                                                             schema.get("anyOf", []) if isinstance(s, dict)):
+        if not strict:
+            return _RAW_STRING
         raise bad_request(f"{where}: a strict parameter may be a string or another type, not both (strings are "
                           "written raw, other values as JSON)", "tools", "unsupported")
     return Grammars.json_rule(schema)
@@ -165,30 +164,28 @@ class StructuredOutput:
                                            self.tokenizer.think_end_token_id)
         return self._grammars[key]
 
-    def lark(self, req, plan, thinking: bool) -> tuple[str, str, bool] | None:
-        """(Lark grammar, the request field it comes from, whether the model thinks first) for a chat
-        request, or None (unconstrained)."""
+    def lark(self, req, plan, thinking: bool) -> tuple[str, str, bool, list | None] | None:
+        """(Lark grammar, the request field it comes from, whether the model thinks first, the tools it
+        covers) for a chat request, or None (unconstrained). A forced call (required / named) always
+        follows the tools' schemas; under "auto" a call the model opens does too, unless the request
+        sets `tool_call_grammar: false` (then only strict tools are held to it)."""
         schema = answer_schema(req.response_format)
-        call = call_lark(plan.tools, plan.prefill) if plan.prefill and plan.tools else None
         if schema is not None and plan.parse:
             raise bad_request("response_format other than text cannot be combined with tools that may be called: "
-                              'use tool_choice "none" or strict tools', "response_format", "unsupported")
-        if call is not None:
-            return call, "tools", False             # the prompt opened the call with thinking off
-        if plan.parse and not plan.prefill:        # tool_choice "auto": the thinking is in its grammar
+                              'use tool_choice "none"', "response_format", "unsupported")
+        if plan.prefill and plan.tools:            # the prompt opened the call with thinking off
+            return call_lark(plan.tools, plan.prefill), "tools", False, plan.tools
+        if plan.parse and _auto_grammar(req, plan.tools):   # "auto": the thinking is in its grammar
             think_end = self.tokenizer.think_end_token_id if thinking else None
             if thinking and think_end is None:
-                raise bad_request("this model has no </think> token: strict tools cannot be enforced "
-                                  "while it thinks", "tools", "unsupported")
-            auto = auto_lark(plan.tools, plan.parallel, think_end)
-            if auto is not None:
-                return auto, "tools", False
+                raise bad_request("this model has no </think> token: tool calls cannot be enforced "
+                                  'while it thinks (set "tool_call_grammar": false)', "tools", "unsupported")
+            return auto_lark(plan.tools, plan.parallel, think_end), "tools", False, plan.tools
         if schema is None:
             return None
-        lark = "start: " + Grammars.json_rule(schema)
-        return lark, "response_format", thinking
+        return "start: " + Grammars.json_rule(schema), "response_format", thinking, None
 
-    def matcher(self, lark: str, param: str, thinking: bool, settings):
+    def matcher(self, lark: str, param: str, thinking: bool, tools: list | None, settings):
         """A request's matcher (runs in a worker thread: compiling may take a while). 400 on a grammar
         llguidance refuses, on ignore_eos, and on a max_tokens that cannot hold the shortest answer."""
         if not settings.eos_token_id:
@@ -200,7 +197,8 @@ class StructuredOutput:
                 lark = grammars.with_thinking(lark)
             matcher = grammars.matcher(grammars.compile(lark))
         except GrammarError as exc:
-            raise bad_request(f"{param}: the schema cannot be enforced: {_first_line(exc)}", param,
+            culprit = self._culprit(tools, settings) if tools else None
+            raise bad_request(f"{culprit or param}: the schema cannot be enforced: {_first_line(exc)}", param,
                               "invalid_schema") from None
         if matcher.closing(settings.max_new_tokens) is None:
             # The closing walk is greedy: where it finds no end at all (a pattern or format it cannot
@@ -211,6 +209,28 @@ class StructuredOutput:
                                   f"shortest valid answer found takes {len(shortest)} tokens", "max_tokens",
                                   "invalid_value")
         return matcher
+
+    def _culprit(self, tools: list, settings) -> str | None:
+        """The first tool whose own call grammar llguidance refuses, as `tools.NAME` (for the 400)."""
+        grammars = self.grammars(settings.eos_token_id)
+        for tool in tools:
+            try:
+                grammars.compile(call_lark([tool], "<tool_call>\n<function="))
+            except GrammarError:
+                return f"tools.{tool['function']['name']}"
+        return None
+
+
+def _auto_grammar(req, tools) -> bool:
+    """Whether calls under "auto" follow the grammar: by default; `tool_call_grammar: false` leaves
+    them free unless a tool is strict (400 when only some are: a free call cannot be mixed in)."""
+    on = (req.model_extra or {}).get("tool_call_grammar", True)
+    if not isinstance(on, bool):
+        raise bad_request("tool_call_grammar must be true or false", "tool_call_grammar", "invalid_value")
+    strict = [t for t in tools if t["function"].get("strict")]
+    if not on and strict and len(strict) != len(tools):
+        raise bad_request('tool_call_grammar false with strict tools needs every tool strict', "tools", "unsupported")
+    return on or bool(strict)
 
 
 def _first_line(exc: Exception) -> str:

@@ -7,13 +7,15 @@ Per decoding mode (evaluate.MODES) and tool, with all of DEMO_TOOLS offered in t
   - `answer`: given the right call and the tool's true result, the second turn's answer is exact;
   - `end_to_end`: both (what an agent loop needs);
 and, for the evaluated tasks' questions with the tools offered (`no_call`), that the model answers
-without calling a tool, correctly.
+without calling a tool, correctly. `call_grammar` (the server's default under tool_choice "auto"):
+each response follows the call grammar of the offered tools, as `clover serve` builds it.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 
 from ..generation.api import generate_batch, resolve_settings
 from ..server.tool_calls import parse_tool_calls
@@ -63,9 +65,9 @@ def call_matches(text: str, expected: dict) -> bool:
 
 def evaluate_tools(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 1234, modes=None,
                    enable_thinking: bool = True, max_new_tokens: int = 128, batch_size: int = 32,
-                   progress=None) -> dict:
+                   progress=None, call_grammar: bool = True) -> dict:
     """{mode: {tool task: {call, answer, end_to_end, n}, "no_call": {accuracy, n},
-    "_all": {…}, "tokens_per_forward": x}}."""
+    "_all": {…}, "tokens_per_forward": x, "seconds": s}}."""
     problems = heldout_tool_problems(per_task, seed)
     plain = []
     for task in TASK_NAMES:
@@ -79,9 +81,12 @@ def evaluate_tools(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: 
     report = {}
     for mode, mode_settings in modes.items():
         settings = resolve_settings(model, max_new_tokens=max_new_tokens, **mode_settings)
-        results = []
+        results, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            results += generate_batch(model, prompts[i : i + batch_size], settings)
+            batch = prompts[i : i + batch_size]
+            grammars = [_call_matcher(tokenizer, model, settings, enable_thinking) for _ in batch] if call_grammar else None
+            results += generate_batch(model, batch, settings, grammars=grammars)
+        seconds = time.perf_counter() - start
         texts = [tokenizer.decode(r.tokens) for r in results]
         per: dict = {}
         for task in (*TOOL_TASK_NAMES, "_all"):
@@ -95,11 +100,28 @@ def evaluate_tools(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: 
         per["no_call"] = {"accuracy": sum(no_call) / len(plain), "n": len(plain)}
         tokens = sum(r.stats.generated_tokens for r in results)
         per["tokens_per_forward"] = tokens / max(1, sum(r.stats.forwards for r in results))
+        per["seconds"] = seconds
         report[mode] = per
         if progress:
             progress(f"{mode}: end-to-end {per['_all']['end_to_end']:.1%}, call {per['_all']['call']:.1%}, "
                      f"no-call {per['no_call']['accuracy']:.1%}, {per['tokens_per_forward']:.2f} tokens/forward")
     return report
+
+
+def _call_matcher(tokenizer: CloverTokenizer, model, settings, thinking: bool):
+    """A matcher for the demo tools' call grammar under tool_choice "auto", as the server builds it."""
+    from ..grammar import Grammars
+    from ..server.structured import auto_lark
+
+    key = (tuple(settings.eos_token_id), thinking)
+    cache = _call_matcher.__dict__.setdefault("cache", {})
+    if key not in cache:
+        grammars = Grammars(tokenizer.tokenizer, model.config.vocab_size, settings.eos_token_id,
+                            tokenizer.think_end_token_id)
+        think_end = tokenizer.think_end_token_id if thinking else None
+        cache[key] = (grammars, grammars.compile(auto_lark(list(DEMO_TOOLS), True, think_end)))
+    grammars, lark = cache[key]
+    return grammars.matcher(lark)
 
 
 def format_tool_report(report: dict) -> str:
