@@ -199,11 +199,11 @@ def _show_think_end(tokenizer, tokens, decoder) -> str:
 
 # ---- chat -------------------------------------------------------------------------------------
 def cmd_chat(args) -> int:
-    from clover.generation.api import generate_batch, resolve_settings
-    from clover.tokenization import IncrementalDecoder
+    from clover.llm import LLM
 
     model, tokenizer, path = _load(args)
-    settings = resolve_settings(model, **_settings_from_args(args))
+    llm = LLM.from_parts(model, tokenizer)
+    settings = _settings_from_args(args)
     print(f"clover chat — {path} — /reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
     messages = []
     while True:
@@ -224,17 +224,18 @@ def cmd_chat(args) -> int:
             print(f"unknown command {line}; commands: /reset, /exit", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=not args.no_think)
-        decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
-
-        def on_event(_, tokens, finished):
-            sys.stdout.write(_show_think_end(tokenizer, tokens, decoder))
-            sys.stdout.flush()
-
+        sys.stdout.write("clover> ")
+        thinking = False
         try:
-            sys.stdout.write("clover> " + ("" if args.no_think else "<think>\n"))
-            sys.stdout.flush()
-            (result,) = generate_batch(model, [ids], settings, on_event=on_event)
+            for delta in llm.chat(messages, thinking=not args.no_think, stream=True, **settings):
+                if delta.reasoning:
+                    sys.stdout.write(("" if thinking else "<think>\n") + delta.reasoning)
+                    thinking = True
+                if delta.text:
+                    sys.stdout.write(("\n</think>\n\n" if thinking else "") + delta.text)
+                    thinking = False
+                sys.stdout.flush()
+                reply = delta.completion
         except ValueError as exc:
             messages.pop()
             print(f"\nerror: {exc}", file=sys.stderr)
@@ -243,9 +244,8 @@ def cmd_chat(args) -> int:
             messages.pop()
             print("\n(reply stopped; Ctrl-D or /exit quits)", file=sys.stderr)
             continue
-        sys.stdout.write(decoder.flush() + "\n")
-        reply = tokenizer.decode(result.tokens, skip_special_tokens=True).split("</think>")[-1].strip()
-        messages.append({"role": "assistant", "content": reply})
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply.text})
 
 
 # ---- info -------------------------------------------------------------------------------------

@@ -45,6 +45,15 @@ def generate_batch(model, prompts, settings: GenerationSettings | list[Generatio
     defaults), one for all prompts or one per prompt.
     `on_event(index, new_tokens, finished)` is called as tokens resolve (for streaming).
     `grammars`: one `clover.grammar.GrammarMatcher` (or None) per prompt, which its completion follows."""
+    seqs = make_sequences(model, prompts, settings, grammars)
+    for index, tokens, finished in run_sequences(model, seqs, max_batch):
+        if on_event is not None:
+            on_event(index, tokens, finished)
+    return [GenerationResult(s.prompt, s.response, s.finish_reason, s.stats) for s in seqs]
+
+
+def make_sequences(model, prompts, settings, grammars=None) -> list[Sequence]:
+    """Validated requests (SPEC §9) for `generate_batch`'s arguments, before any forward runs."""
     if isinstance(settings, (GenerationSettings, dict)):
         settings = [settings] * len(prompts)
     settings = [resolve_settings(model, **s) if isinstance(s, dict) else s for s in settings]
@@ -61,6 +70,14 @@ def generate_batch(model, prompts, settings: GenerationSettings | list[Generatio
                 raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {model.config.vocab_size}")
         validate(model, len(prompt), s)
         seqs.append(Sequence(prompt, s, model.config, grammar))
+    return seqs
+
+
+def run_sequences(model, seqs: list[Sequence], max_batch: int | None = None, cancel: set[int] | None = None):
+    """Decode `seqs` together to the end, yielding `(index in seqs, new tokens, finished)` as tokens
+    resolve. Indices the caller adds to `cancel` are cancelled before the next step (a stop string
+    matched, say); stopping the iteration early cancels the unfinished ones. Either way their pool
+    state is freed at once."""
     index = {seq.id: i for i, seq in enumerate(seqs)}
     fit_pool(model, seqs)
     decoder = Decoder(model, max_batch=max_batch)
@@ -68,20 +85,26 @@ def generate_batch(model, prompts, settings: GenerationSettings | list[Generatio
         decoder.add(seq)
     parallel = getattr(model, "parallel", None)       # a tensor-parallel shard: its ranks check each step agrees
     steps = 0
-    while not decoder.idle:
-        steps += 1
-        try:
-            events = decoder.step()
-        except Exception:
-            if parallel is not None:             # the others must hear of it, not wait for this rank
-                parallel.check_agreement(None, f"generation step {steps}")
-            raise
-        if parallel is not None:
-            parallel.check_agreement(step_digest(events, decoder.running), f"generation step {steps}")
-        for event in events:
-            if on_event is not None:
-                on_event(index[event.sequence.id], event.tokens, event.finished)
-    return [GenerationResult(s.prompt, s.response, s.finish_reason, s.stats) for s in seqs]
+    try:
+        while not decoder.idle:
+            for i in cancel or ():
+                decoder.cancel(seqs[i])
+            if decoder.idle:
+                break
+            steps += 1
+            try:
+                events = decoder.step()
+            except Exception:
+                if parallel is not None:             # the others must hear of it, not wait for this rank
+                    parallel.check_agreement(None, f"generation step {steps}")
+                raise
+            if parallel is not None:
+                parallel.check_agreement(step_digest(events, decoder.running), f"generation step {steps}")
+            for event in events:
+                yield index[event.sequence.id], event.tokens, event.finished
+    finally:                                         # stopped early (a stream left, an error): free their state
+        for seq in decoder.running + decoder.waiting:
+            decoder.cancel(seq)
 
 
 def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
