@@ -144,7 +144,11 @@ class CloverForCausalLM(nn.Module):
         return self.state_pool().new_sequence(reserve_tokens=capacity)
 
     # ---- forwards ------------------------------------------------------------------------------
-    def _run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):
+    def run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):
+        """The one forward every executor runs (eager, the step graphs' captured work): `ids` [B, T] at
+        `positions` over the rows' pool state described by `batch` (a `ForwardBatch`, or None: no
+        cache), the last `block_len` tokens a block; `block_top_p` normalised ([B] or None, see
+        `step`); `logits_at` and `stats` as in `step`."""
         backend = self.backend
         h = self.model.embed_tokens(ids)
         cos, sin = self.model.rotary(positions, h.dtype)
@@ -178,7 +182,7 @@ class CloverForCausalLM(nn.Module):
         next token; block rows the token at their own position). `block_top_p`: float or [B]."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        return self._run(input_ids, positions, None, block_len, self._top_p(block_top_p, B), "all", stats)
+        return self.run(input_ids, positions, None, block_len, self._top_p(block_top_p, B), "all", stats)
 
     def block_logits(self, prefix_ids: torch.Tensor, block_ids: torch.Tensor, block_top_p=None) -> torch.Tensor:
         """Block-mode logits [B, L, V] of `block_ids` [B, L] after the causal prefix `prefix_ids` [B, P]."""
@@ -230,8 +234,8 @@ class CloverForCausalLM(nn.Module):
                 if runner is not None:
                     logits = runner.run(ids, batch, block_len, block_top_p, logits_at, stats)
             if logits is None:
-                logits = self._run(ids, self._positions(ids, batch, T), batch, block_len, block_top_p, logits_at,
-                                   stats)
+                logits = self.run(ids, self._positions(ids, batch, T), batch, block_len, block_top_p, logits_at,
+                                  stats)
         except BaseException:
             pool.abort(batch, caches)
             raise

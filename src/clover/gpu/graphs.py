@@ -143,7 +143,7 @@ class _StaticForward:
         self.batch._index = {(self.flat.device, key.tokens): idx}
         positions = idx.starts[:, None] + torch.arange(key.tokens, device=self.flat.device)
         stats = [] if key.stats else None
-        logits = self.runner.model._run(self.ids, positions, self.batch, key.block_len, self.top_p, key.logits,
+        logits = self.runner.model.run(self.ids, positions, self.batch, key.block_len, self.top_p, key.logits,
                                         stats)
         return logits, stats
 
@@ -188,12 +188,7 @@ class StepGraphs:
         self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()
         self.failed: set[GraphKey] = set()
         self._memory_pool = None
-        with pool._lock:
-            need_pages = pool.pages_for(MAX_TOKENS)
-            if pool.available_pages() < need_pages or (pool.has_gdn and pool.available_slots() < 1):
-                raise RuntimeError("the state pool has no room for the graphs' scratch pages and slot")
-            self.scratch_pages = [pool._take_page() for _ in range(need_pages)]
-            self.scratch_slot = pool._take_slot() if pool.has_gdn else 0
+        self.scratch_pages, self.scratch_slot = pool.take_scratch(MAX_TOKENS)
 
     def nbytes(self) -> int:
         """Bytes of the kept graphs' static inputs and outputs (their logits, mostly)."""
@@ -206,11 +201,7 @@ class StepGraphs:
 
     def close(self) -> None:
         """Give the scratch pages and slot back to the pool and drop the graphs."""
-        with self.pool._lock:
-            for page in self.scratch_pages:
-                self.pool._drop_page(page)
-            if self.pool.has_gdn:
-                self.pool._drop_slot(self.scratch_slot)
+        self.pool.give_back_scratch(self.scratch_pages, self.scratch_slot)
         self.scratch_pages = []
         self.graphs.clear()
 
