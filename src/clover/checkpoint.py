@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from .config import CloverConfig
 from .errors import CheckpointError
+from .progress import progress
 from .transfer import StagedCopy
 
 IGNORED = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."), re.compile(r"^visual\."))
@@ -357,7 +358,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     from .runtime import check_memory
 
     check_memory(planned_nbytes(plan, dtype), str(path), device)
-    for name, tensor in read_tensors(plan, dtype, device):
+    for name, tensor in progress(read_tensors(plan, dtype, device), total=len(plan.sources), desc=f"loading {path.name}",
+                                 unit="tensor"):
         _assign(model, name, tensor)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import _clover_default, _no_weight_init
+from ..progress import progress
 from ..quantization.format import QuantSpec, codes, pack_codes
 from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from .blocks import FORMATS, Codes, GGMLFormat, decode_codes, decode_float, decode_into, promote, to_fp16
@@ -64,7 +65,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
         for module in quantized.values():
             module.to_empty(device=device)                                  # (on a GPU: allocated here)
         specs, count = set(), len(quantized)
-        for k, entry in enumerate(entries):
+        for k, entry in enumerate(progress(entries, desc=f"loading {f.path.name}", unit="tensor")):
             if entry.param in defaults:
                 shape = model.get_parameter(entry.param).shape
                 _assign(model, entry.param, _clover_default(entry.param, shape, dtype).to(device))

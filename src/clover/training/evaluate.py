@@ -11,6 +11,7 @@ import json
 import time
 
 from ..generation.api import generate_batch, resolve_settings
+from ..progress import progress as progress_bar
 from ..tokenization import CloverTokenizer
 from .tasks import TASK_NAMES, check_answer, sample_examples
 
@@ -37,10 +38,12 @@ def evaluate(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: int = 
     for mode, mode_settings in modes.items():
         settings = resolve_settings(model, max_new_tokens=max_new_tokens, **mode_settings)
         results, batch_seconds = [], []
-        for i in range(0, len(prompts), batch_size):
-            start = time.perf_counter()
-            results += generate_batch(model, prompts[i : i + batch_size], settings)
-            batch_seconds.append(time.perf_counter() - start)
+        with progress_bar(total=len(prompts), desc=mode, unit="prompt") as bar:
+            for i in range(0, len(prompts), batch_size):
+                start = time.perf_counter()
+                results += generate_batch(model, prompts[i : i + batch_size], settings)
+                batch_seconds.append(time.perf_counter() - start)
+                bar.update(len(prompts[i : i + batch_size]))
         seconds = sum(batch_seconds)
         per = {}
         for task in tasks + ["_all"]:
