@@ -422,6 +422,40 @@ def system_info() -> dict:
     return info
 
 
+def machine_line(threads: int) -> str:
+    """One line naming the CPU, the kernels' instruction set and the thread count: a table of speeds
+    means little without the machine that produced it."""
+    import datetime
+
+    from clover.kernels import bf16_kernels, isa
+
+    cpu = "unknown CPU"
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.split(":", 1)[0].strip() == "model name"), cpu)
+    except OSError:
+        pass
+    kernels = f"kernels {isa()}, bf16 {bf16_kernels()}" if isa() else "no native kernels"
+    return f"Machine: {cpu} ({kernels}), {threads} threads, {datetime.date.today().isoformat()}."
+
+
+def write_markdown(path, text: str, marker: str) -> None:
+    """Write `text` to `path`; where `path` already holds a `<!-- MARKER -->` ... `<!-- /MARKER -->`
+    block (the README's headline table), replace only what is between the markers."""
+    from pathlib import Path
+
+    path = Path(path)
+    begin, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    old = path.read_text() if path.exists() else ""
+    if begin not in old and end not in old:
+        path.write_text(text.rstrip("\n") + "\n")
+        return
+    if old.count(begin) != 1 or old.count(end) != 1 or old.index(begin) > old.index(end):
+        raise ValueError(f"{path}: expected one {begin} followed by one {end}")
+    head, rest = old.split(begin)
+    path.write_text(f"{head}{begin}\n{text.strip()}\n{end}{rest.split(end, 1)[1]}")
+
+
 # ------------------------------------------------------------------------------------------------ engine suite
 class EngineAPI:
     """What a benchmarked engine implements (transformers: ``bench_transformers.TransformersEngine``; Clover's own

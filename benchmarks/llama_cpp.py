@@ -42,6 +42,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shlex
 import statistics
 import struct
 import subprocess
@@ -478,6 +479,16 @@ def summarize(rounds: list[dict], bytes_per_token: dict, file_bytes: dict, names
     return rows, "\n".join(lines)
 
 
+MARKDOWN_MARKER = "bench:llama-cpp"
+
+
+def headline(table: str, args, argv: list[str]) -> str:
+    """The table as `--markdown-out` writes it: followed by the machine and the command that made it."""
+    from benchmarks.common import machine_line
+
+    return f"{table}\n\n{machine_line(args.threads)} Command: `clover bench llama-cpp {shlex.join(argv)}`."
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     internal = {"_worker": worker_main, "_convert": convert_main, "_quantize": quantize_gguf_main}
@@ -497,7 +508,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-flash-attn", choices=("on", "off"), default="on")
     ap.add_argument("--prepare-only", action="store_true", help="build the files and stop")
     ap.add_argument("--json-out", type=Path, default=None)
-    ap.add_argument("--markdown-out", type=Path, default=None)
+    ap.add_argument("--markdown-out", type=Path, default=None,
+                    help="write the table, the machine and this command here; into a file's "
+                         f"<!-- {MARKDOWN_MARKER} --> block (the README's) where it has one")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in names if n not in {c[0] for c in CONFIGS}]
@@ -535,7 +548,7 @@ def main(argv=None) -> int:
             results[name]["loadavg_before"] = load
         rounds.append({"bandwidth": bw, "order": order, "results": results, "finished": time.time()})
 
-    from benchmarks.common import emit_json, state_bytes
+    from benchmarks.common import emit_json, state_bytes, write_markdown
 
     if "Clover bf16" in names:                  # the first round's prompt logits against Clover bf16's
         import numpy as np
@@ -562,7 +575,7 @@ def main(argv=None) -> int:
     if args.json_out:
         args.json_out.write_text(text + "\n")
     if args.markdown_out:
-        args.markdown_out.write_text(table + "\n")
+        write_markdown(args.markdown_out, headline(table, args, argv), MARKDOWN_MARKER)
     return 0
 
 

@@ -5,9 +5,9 @@ Step one: the question with DEMO_TOOLS offered (tool_choice auto: the model deci
 one call with the arguments the question implies (expected arguments come from the problem generator,
 independently of the model). Step two: the tool runs on the arguments the model wrote (`run_tool`),
 its result goes back as a `tool` message, and the answer must be exact. The demo model is small and
-its accuracy is measured, not perfect (README: tool-call accuracy), so each tool must succeed on at
+its accuracy is measured, not perfect (docs/tools.md: tool-call accuracy), so each tool must succeed on at
 least 7 of 8 problems — a model that does not call tools, or mangles arguments, fails that at once.
-Decoding is self-speculative, as the README's agent example uses it: the demo model writes calls well
+Decoding is self-speculative, as docs/tools.md's agent example uses it: the demo model writes calls well
 causally (self-speculative output is the autoregressive output, drafted in blocks) and less well with
 LowConfidence, which places the XML's repeated tags before it knows the values' lengths.
 """

@@ -156,7 +156,7 @@ def test_demo_model_answers_fixed_heldout_problems(demo):
     assert sum(answers) >= MIN_CORRECT, [tok.decode(r.tokens) for r in results]
 
 
-# The demo model's measured strengths (README eval table): every task is learnt (100% autoregressive
+# The demo model's measured strengths (docs/demo-model.md's table): every task is learnt (100% autoregressive
 # on the held-out table); one miss in twelve is allowed for numerics on other CPUs.
 SOLVED_TASKS = TASK_NAMES
 MIN_CORRECT = 11

@@ -81,7 +81,7 @@ def test_heldout_tool_problems_never_appear_in_training():
     held_keys = {call.key for _, call, _, _ in held}
     train_keys = {ex.key for ex in sample_examples(3000, "train", seed=9, tasks=TOOL_TASK_NAMES)}
     assert train_keys and not held_keys & train_keys
-    # lookup's answer in the eval is the demo store's value, the one the README's tool returns
+    # lookup's answer in the eval is the demo store's value, the one docs/tools.md's agent example gets
     for task, call, reply, expected in held:
         if expected["name"] == "lookup":
             assert reply.answer == run_tool("lookup", expected["arguments"])

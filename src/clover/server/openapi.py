@@ -5,7 +5,7 @@ surrogates, read deadline) and only then validate it with the pydantic models of
 FastAPI cannot see what they take and the spec would show bodiless operations. This writes each
 model's JSON schema, self-contained, into its route's `requestBody`: what API clients and schema
 fuzzers (schemathesis, `tests/test_openapi_fuzz.py`) read. The models allow extra fields, and the
-schema says so; the block-diffusion extras are listed in the README.
+schema says so; the block-diffusion extras are listed in docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tool-call accuracy of the demo model on held-out tool problems (`clover eval-demo --tools`).
 
 Per decoding mode (evaluate.MODES) and tool, with all of DEMO_TOOLS offered in their documented order
-(what the README's agent example sends):
+(what docs/tools.md's agent example sends):
   - `call`: the first turn's output holds exactly one call, to the right tool, with arguments equal
     to the expected ones once typed by the tool's schema (the server's own parser reads it);
   - `answer`: given the right call and the tool's true result, the second turn's answer is exact;

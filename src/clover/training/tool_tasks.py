@@ -2,7 +2,7 @@
 
 The demo tools (`DEMO_TOOLS`, OpenAI function schemas) are what the demo model was trained to call:
 `multiply` (arithmetic it cannot do itself), `lookup` (a key-value store) and `convert` (lengths
-between km, m, cm and mm). `run_tool` is their reference implementation (the README's agent example
+between km, m, cm and mm). `run_tool` is their reference implementation (docs/tools.md's agent example
 and the tests call it; `lookup` reads a store you pass, or the deterministic demo store).
 
 A tool problem is two training examples, as an agent loop sees them:
