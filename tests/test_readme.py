@@ -114,6 +114,16 @@ def test_using_it_snippet_runs():
     assert "tokens_per_forward" in out.stdout
 
 
+def test_text_api_snippets_run():
+    readme = next(b for b in blocks("python") if "clover.LLM()" in b)
+    library = next(b for b in blocks("python", doc("library.md")) if "clover.LLM()" in b)
+    for snippet in (readme, library):
+        out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=ENV, timeout=300,
+                             cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip(), snippet
+
+
 def _run_against_server(serve_line: str, client_code: str) -> str:
     """Start `serve_line` (the README's server command) on a free port, run `client_code` against it
     with the port swapped in, return its stdout."""
