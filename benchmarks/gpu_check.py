@@ -138,18 +138,18 @@ class Forward:
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        return self.model._run(*self.args)
+        return self.model.run(*self.args)
 
     def capture(self):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self.model._run(*self.args)
+                self.model.run(*self.args)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = self.model._run(*self.args)
+            self.out = self.model.run(*self.args)
 
     def abort(self):
         self.caches[0].pool.abort(self.batch, self.caches)

@@ -321,7 +321,7 @@ def test_steps_compile_without_graph_breaks(kind, attention_path):
         batch = pool.prepare(caches, T, block_len)
         positions = batch.index(ids.device, T).starts[:, None] + torch.arange(T)
         compiled = run(ids, positions, batch, block_len, top_p, logits_at, None)
-        eager = model._run(ids, positions, batch, block_len, top_p, logits_at, None)
+        eager = model.run(ids, positions, batch, block_len, top_p, logits_at, None)
         pool.finish(batch, caches)
     assert torch.equal(compiled, eager)
 
