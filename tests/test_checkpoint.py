@@ -443,7 +443,7 @@ _LOAD_BIG = textwrap.dedent("""
     base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model = load_model(big, dtype=dtype)
     weights = weights_nbytes(model)
-    if pack:                              # oneDNN-packed copies replace the weights one matrix at a time
+    if pack:                              # packed copies replace the weights one matrix at a time
         assert pack_for_cpu(model) > 0
     peak = status("VmHWM")
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -472,8 +472,8 @@ def big_checkpoint(tmp_path_factory):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("dtype,pack", [("bfloat16", "plain"), ("float32", "plain"), ("bfloat16", "packed")])
 def test_peak_rss_while_loading(big_checkpoint, dtype, pack):
-    """Peak RSS of a fresh process while it loads (and, packed, while it reorders every matrix for
-    oneDNN): the weights in the target dtype, not a second copy.
+    """Peak RSS of a fresh process while it loads (and, packed, while it repacks every matrix for
+    the kernels): the weights in the target dtype, not a second copy.
 
     The peak is VmHWM after resetting it (clear_refs) at the baseline. ru_maxrss is not used for the
     assertion: Linux carries the *parent's* RSS into a child's ru_maxrss across fork+exec, so under a
@@ -482,7 +482,7 @@ def test_peak_rss_while_loading(big_checkpoint, dtype, pack):
     file_bytes = (big / "model.safetensors").stat().st_size
     assert file_bytes > 190e6
     if pack == "packed" and not packing_available():
-        pytest.skip("oneDNN packing unavailable")
+        pytest.skip("the native kernels are unavailable")
     out = subprocess.run([sys.executable, "-c", _LOAD_BIG, str(big), str(small), dtype, pack],
                          check=True, env=env, timeout=300, capture_output=True, text=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -26,7 +26,7 @@ def _packed(variant="base", bits=None, seed=0):
         model = make_model(variant, seed=seed, dtype=torch.bfloat16)
     if bits:
         quantize_model(model, QuantSpec(bits, 32))
-    assert pack_for_cpu(model, kernels=True) > 0
+    assert pack_for_cpu(model) > 0
     return model
 
 
@@ -93,8 +93,7 @@ def test_logits_are_new_every_step():
 
 
 def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
-    """Autograd on, an open speculation (its GDN records need the reference), a step of two tokens, a
-    model packed for oneDNN, a reference backend: no plan step, same results as before."""
+    """Autograd on, an open speculation, a step of two tokens, a bf16 model left unpacked: no plan step."""
     model = _packed()
     runs = _plan_runs(monkeypatch)
     ids = torch.arange(5, 25)[None]
@@ -109,11 +108,10 @@ def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
         model.step(torch.tensor([[10]]), [c])
         c.end_speculation()
         model.step(torch.tensor([[10, 11]]), [c])
-        onednn = make_model("base", seed=0, dtype=torch.bfloat16)
-        pack_for_cpu(onednn, kernels=False)
-        d = onednn.make_cache()
-        onednn.step(ids, [d])
-        onednn.step(torch.tensor([[9]]), [d])
+        plain = make_model("base", seed=0, dtype=torch.bfloat16)
+        d = plain.make_cache()
+        plain.step(ids, [d])
+        plain.step(torch.tensor([[9]]), [d])
     assert runs == [1]
 
 
@@ -185,7 +183,7 @@ def test_a_quantized_embedding_table(monkeypatch):
     model = make_model("base", seed=3, dtype=torch.bfloat16)
     weight = model.model.embed_tokens.weight
     model.model.embed_tokens = QuantizedEmbedding(*weight.shape, QuantSpec(4, 32), dtype=torch.bfloat16).fill(weight)
-    assert pack_for_cpu(model, kernels=True) > 0 and decode_plan.supported(model)
+    assert pack_for_cpu(model) > 0 and decode_plan.supported(model)
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():
         _decode_both(model, monkeypatch, rows=(12, 5), steps=6)

@@ -324,7 +324,7 @@ def test_moe_block_kernel_matches_the_pytorch_module(variant):
     from tiny_models import make_model
 
     model = copy.deepcopy(make_model(variant, seed=4, dtype=torch.bfloat16))
-    assert pack_for_cpu(model, kernels=True) > 0
+    assert pack_for_cpu(model) > 0
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(11)
     with torch.inference_mode():
@@ -375,7 +375,7 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
     from tiny_models import layer_call, make_model
 
     model = make_model(variant, seed=5, dtype=torch.bfloat16)
-    assert pack_for_cpu(model, kernels=True) > 0
+    assert pack_for_cpu(model) > 0
     index = next(i for i, layer in enumerate(model.model.layers) if layer.kind == "full_attention")
     attn = model.model.layers[index].self_attn
     H = model.config.hidden_size
@@ -473,7 +473,7 @@ def _isa_outputs(path):
         model = make_model("base", seed=3, dtype=torch.bfloat16)
         if bits:
             quantize_model(model, QuantSpec(bits, 32))
-        assert pack_for_cpu(model, kernels=True) > 0
+        assert pack_for_cpu(model) > 0
         ids = torch.randint(6, 90, (2, 37), generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
             cache = model.make_cache(capacity=64)

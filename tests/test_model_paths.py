@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover.layers.packed import onednn_available
 from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
                                      recurrent_gated_delta_rule)
 from clover.layers.moe import reference_experts
@@ -362,7 +361,7 @@ def test_grouped_experts_equal_reference_experts(N):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [None, "onednn", "kernels"])
+@pytest.mark.parametrize("packed", [False, True])
 def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
     """Decode's one-token expert path gives exactly what the grouped path gives for that token."""
     from clover.kernels import available as kernels_available
@@ -370,8 +369,8 @@ def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
 
     if packed and dtype != torch.bfloat16:
         pytest.skip("packing is for bf16 on CPU")
-    if packed and not {"onednn": onednn_available, "kernels": kernels_available}[packed]():
-        pytest.skip(f"{packed} unavailable here")
+    if packed and not kernels_available():
+        pytest.skip("the native kernels are unavailable here")
     g = torch.Generator().manual_seed(3)
     experts = Experts(16, 64, 32)
     with torch.no_grad():
@@ -379,7 +378,7 @@ def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
         experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
     experts = experts.to(dtype)
     if packed:
-        experts.pack(kernels=packed == "kernels")
+        experts.pack()
     for trial in range(50):
         x = torch.randn(1, 64, generator=g).to(dtype)
         w, idx = torch.rand(1, 16, generator=g).softmax(-1).topk(4)
@@ -733,25 +732,3 @@ def test_depthwise_conv_equals_conv1d(dtype, length):
         assert torch.equal(depthwise_conv(x[r:r + 1].to(dtype), w.to(dtype))[0], out[r])
 
 
-def test_packed_experts_batched_and_per_expert_swiglu_agree():
-    """Packed experts run the SwiGLU once over all routed rows up to `batched_swiglu_rows`, and per
-    expert beyond it (prefill chunks); both give exactly the same result."""
-    from clover.layers.moe import Experts
-
-    if not onednn_available():
-        pytest.skip("packing is for bf16 on CPU with oneDNN")
-    g = torch.Generator().manual_seed(5)
-    experts = Experts(16, 64, 32)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.1)
-        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
-    experts = experts.to(torch.bfloat16)
-    experts.pack()
-    x = torch.randn(60, 64, generator=g).to(torch.bfloat16)
-    w, idx = torch.rand(60, 16, generator=g).softmax(-1).topk(4)
-    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    with torch.no_grad():
-        batched = experts(x, idx, w)
-        experts.batched_swiglu_rows = 0                  # this instance: always per expert
-        per_expert = experts(x, idx, w)
-    assert torch.equal(batched, per_expert) and batched.abs().max() > 0

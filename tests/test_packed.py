@@ -1,34 +1,29 @@
-"""oneDNN-packed bf16 weights (layers/packed.py) compute what the plain model computes."""
+"""bf16 weights packed for the native kernels (layers/packed.py) compute what the plain model computes."""
 
 import copy
 
 import pytest
 import torch
 
-from clover.kernels import available as kernels_available
-from clover.layers.packed import onednn_available, pack_for_cpu, packing_available
+from clover.layers.packed import pack_for_cpu, packing_available
 from tiny_models import make_model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no CPU weight packing backend here")
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["clover-kernels", "onednn"])
 @pytest.mark.parametrize("variant", ["base", "tied_gqa4"])
-def test_packed_model_matches_plain_model(variant, kernels, monkeypatch):
-    if not (kernels_available() if kernels else onednn_available()):
-        pytest.skip("backend unavailable here")
-    if kernels:
-        # kernels/attention_cached.c computes attention in fp32 for any number of queries; PyTorch's CPU
-        # kernel rounds the probabilities to bf16 below FP32_ATTENTION_MIN_QUERIES. With that rounding
-        # the plain model flips one near-tie decision of the batched block generation below (position
-        # 10 of the first prompt: 15 vs 38, checked); the plain model computing attention in fp32 too
-        # decides as the kernels do, so that is the reference here.
-        import clover.layers.attention as attention
+def test_packed_model_matches_plain_model(variant, monkeypatch):
+    # kernels/attention_cached.c computes attention in fp32 for any number of queries; PyTorch's CPU
+    # kernel rounds the probabilities to bf16 below FP32_ATTENTION_MIN_QUERIES. With that rounding
+    # the plain model flips one near-tie decision of the batched block generation below (position
+    # 10 of the first prompt: 15 vs 38, checked); the plain model computing attention in fp32 too
+    # decides as the kernels do, so that is the reference here.
+    import clover.layers.attention as attention
 
-        monkeypatch.setattr(attention, "FP32_ATTENTION_MIN_QUERIES", 1)
+    monkeypatch.setattr(attention, "FP32_ATTENTION_MIN_QUERIES", 1)
     plain = make_model(variant, seed=4, dtype=torch.bfloat16)
     packed = copy.deepcopy(plain)
-    assert pack_for_cpu(packed, kernels=kernels) > 0
+    assert pack_for_cpu(packed) > 0
     assert packed.model.layers[0].mlp.experts.gate_up_proj is None          # originals freed
     fused = [m for m in packed.modules() if getattr(m, "input_projections", None)]
     assert len(fused) == 2 * plain.config.num_hidden_layers                  # mixer + MoE per layer
@@ -40,12 +35,9 @@ def test_packed_model_matches_plain_model(variant, kernels, monkeypatch):
     exact = copy.deepcopy(plain).to(torch.float32)          # the same bf16 weights, computed in fp32
 
     def close(got, want, ref):
-        """oneDNN runs the same arithmetic in another layout (bit-equal here; rounding-level slack). The
-        native kernels sum in another order and run the GDN token by token, so the packed model's error
-        against the fp32 computation must stay that of the plain bf16 model (within 2×)."""
+        """The native kernels sum in another order and run the GDN token by token, so the packed model's
+        error against the fp32 computation must stay that of the plain bf16 model (within 2×)."""
         scale = ref.abs().max()
-        if not kernels:
-            return (got.float() - want.float()).abs().max() <= 1e-3 * scale
         return (got.float() - ref).abs().max() <= 2 * (want.float() - ref).abs().max() + 1e-3 * scale
 
     ids = torch.randint(6, 90, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -93,7 +85,7 @@ def test_saving_a_packed_model_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable")
+@pytest.mark.skipif(not packing_available(), reason="native kernels unavailable")
 def test_packed_weights_are_registered_state():
     """Packing is a weight transform whose tensors are registered buffers: `state_dict()` lists them,
     `load_state_dict()` of another packed model's weights makes this one compute exactly what that one
@@ -101,7 +93,7 @@ def test_packed_weights_are_registered_state():
     touching anything instead of silently doing nothing."""
     a, b = make_model("base", seed=1, dtype=torch.bfloat16), make_model("base", seed=2, dtype=torch.bfloat16)
     for m in (a, b):
-        assert pack_for_cpu(m, kernels=True) > 0
+        assert pack_for_cpu(m) > 0
     keys = a.state_dict().keys()
     assert any(k.endswith("fused_input.weight_packed") for k in keys) and any(k.endswith("gate_up_panels") for k in keys)
     ids = torch.randint(5, 90, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -123,16 +115,16 @@ def test_packed_weights_are_registered_state():
         assert torch.equal(a.step(block, [ca], block=True), b.step(block, [cb], block=True))
 
 
-@pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable")
+@pytest.mark.skipif(not packing_available(), reason="native kernels unavailable")
 def test_a_model_built_under_inference_mode_runs_the_kernels():
     """Parameters created under `torch.inference_mode` are inference tensors, which keep no version
     counter: the kernels' cached constants must not depend on one there (the fast path equals the same
     weights built outside inference mode)."""
     outside = make_model("base", seed=3, dtype=torch.bfloat16)
-    pack_for_cpu(outside, kernels=True)
+    pack_for_cpu(outside)
     with torch.inference_mode():
         inside = make_model("base", seed=3, dtype=torch.bfloat16)
-        pack_for_cpu(inside, kernels=True)
+        pack_for_cpu(inside)
         ids = torch.randint(5, 90, (1, 30), generator=torch.Generator().manual_seed(1))
         assert torch.equal(inside(ids), outside(ids))
         a, b = inside.make_cache(), outside.make_cache()

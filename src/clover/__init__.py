@@ -40,8 +40,8 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
     `backend`: "auto" (default) gives the fastest path whose results equal the reference to bf16
     rounding: on CPU, bf16 weights (unless `dtype` asks for another precision) repacked for Clover's
-    native kernels (the "cpu" backend, clover/backend.py), or for oneDNN where the kernels cannot be
-    built; on a CUDA device the "cuda" backend (clover/gpu/: fla-core's gated delta rule where
+    native kernels (the "cpu" backend, clover/backend.py; the reference where they cannot be built);
+    on a CUDA device the "cuda" backend (clover/gpu/: fla-core's gated delta rule where
     `clover[gpu]` is installed, batched SDPA over the pool's pages, grouped-GEMM experts) over the
     weights as stored (or `dtype`), read from the files straight into device memory chunk by chunk.
     "cpu": the native kernels or an error. "cuda": that backend on any device. "reference":
@@ -98,12 +98,12 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
         pack_as_filled = None
         if packs:                          # each layer packed once filled: never all stored forms at once
-            from .layers.packed import pack_part, packing_backend
+            from .layers.packed import pack_part
+            from .layers.packed import packs as packs_model
 
             def pack_as_filled(model, part):
-                kernels = packing_backend(model, True if backend == "cpu" else None)
-                if kernels is not None:
-                    pack_part(model, part, kernels, consume=True)
+                if packs_model(model):
+                    pack_part(model, part, consume=True)
 
         # packed for the CPU: an untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
         model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs)
@@ -114,7 +114,7 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
 
         from .runtime import release_free_memory
 
-        pack_for_cpu(model, kernels=True if backend == "cpu" else None, consume=True)   # (a model only we hold)
+        pack_for_cpu(model, consume=True)   # (a model only we hold)
         release_free_memory()              # the stored forms packing freed (runtime.py says why)
     elif backend == "cuda" or (backend == "auto" and torch.device(device).type == "cuda"):
         from .backend import Backend
@@ -175,7 +175,7 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
     from .runtime import release_free_memory
 
     model = load_tensor_parallel(path, parallel, dtype=torch.bfloat16)
-    pack_for_cpu(model, kernels=True)      # the shard's matrices; row-parallel maps keep their all-reduce
+    pack_for_cpu(model)                    # the shard's matrices; row-parallel maps keep their all-reduce
     release_free_memory()
     return model
 

@@ -536,7 +536,7 @@ def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Pat
     `max_shard_bytes` splits into shards with an index; `include_clover_params=False` drops Clover's
     block-mode parameters (a plain Qwen3.5-MoE checkpoint)."""
     if getattr(model_or_state, "packed", False):
-        # packed matrices (panels or oneDNN tensors) live outside the state dict: the file would lack them
+        # packed matrices (the kernels' panels) live outside the state dict: the file would lack them
         raise ValueError("cannot save a model packed for CPU inference (pack_for_cpu / load(pack=True)): "
                          "its packed and stacked matrices are not in its state dict; save an unpacked model")
     if hasattr(model_or_state, "modules"):

@@ -5,7 +5,7 @@ Values come from keyword arguments, then the environment, then the defaults belo
 first use (a model's load) and kept until `refresh()` reads them again: no other module reads the
 environment, at import or per call. `current()` is what the rest of the package consults.
 
-    CLOVER_KERNELS=0           no native CPU kernels (PyTorch / oneDNN paths)
+    CLOVER_KERNELS=0           no native CPU kernels (the PyTorch reference)
     CLOVER_ISA=avx512|avx2     build the kernels for this instruction set (default: the CPU's best)
     CLOVER_BF16_DOT=auto|fma|pairs   how bf16 × bf16 products sum (kernels/build.py)
     CLOVER_KERNEL_DIR=PATH     where built kernels are cached (default ~/.cache/clover/kernels)

@@ -183,7 +183,7 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("clover CPU kernels unavailable, using PyTorch/oneDNN instead: %s", exc)
+        log.warning("clover CPU kernels unavailable, using the PyTorch reference instead: %s", exc)
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.clover_panel_gemm.argtypes = [ptr, i64, i32, i32, i32, ptr, i32, ptr, i64, i32, i32]

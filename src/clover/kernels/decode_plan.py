@@ -10,7 +10,7 @@ in a list, the intermediates live in buffers owned by the plan, and a step only 
 
 The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for a
 causal one-token step, so results are bit-identical (tests/test_decode_plan.py). It covers what those
-wrappers would all take: a model packed for the kernels (`pack_for_cpu(kernels=True)`, bf16 or
+wrappers would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or
 quantized), no tensor-parallel shard, no autograd, no open speculation (its GDN records need the
 reference). Everything else, and every step the plan does not fit, goes through the layers as before.
 
@@ -38,7 +38,6 @@ from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import library
 from .gdn_short import _constants as gdn_constants
-from .panels import PanelWeight
 from .quant_panels import QuantPanelWeight
 from .rmsnorm import _scale, tensor_version
 
@@ -54,7 +53,7 @@ def _linear_weight(module):
 
     if type(module) is not PackedLinear or module.bias is not None or module.parallel is not None:
         return None
-    return module.packed if isinstance(module.packed, (PanelWeight, QuantPanelWeight)) else None
+    return module.packed
 
 
 def _fused_parts(fused):
@@ -63,7 +62,7 @@ def _fused_parts(fused):
         return None
     parts = []
     for packed, bias, sizes in fused.parts:
-        if bias is not None or not isinstance(packed, (PanelWeight, QuantPanelWeight)):
+        if bias is not None:
             return None
         parts.append((packed, sizes))
     return parts

@@ -25,7 +25,7 @@ def _moe_constants(moe):
         from .quant_panels import weights_struct
 
         if not packed_for_kernels(moe):
-            raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu(kernels=True), its router and "
+            raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu, its router and "
                              "shared expert input maps stacked as the kernel reads them")
         fused, (gate_up, down) = moe.fused_input, moe.experts.panels
         shared_down = moe.shared_expert.down_proj.packed
@@ -80,7 +80,7 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
 
 
 def packed_for_kernels(moe) -> bool:
-    """Whether `moe` was packed by `pack_for_cpu(kernels=True)` in a layout the kernel reads: its
+    """Whether `moe` was packed by `pack_for_cpu` in a layout the kernel reads: its
     router and shared expert input maps stacked as one run, or as the router and gate beside one run
     of the shared expert's gate and up. (A GGUF file may store ffn_gate_shexp and ffn_up_shexp in two
     types, which splits that run: such a block takes the layers' grouped path instead.)"""

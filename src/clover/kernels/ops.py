@@ -7,7 +7,7 @@ The limits below are the C code's (the kernels also refuse anything else with an
     tokens with a block, or any number of causal tokens (64 per call);
   - attention: a cached forward, up to 64 tokens with a block, or any number of causal tokens (64 per
     call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
-  - moe: a block packed into panels by `pack_for_cpu(kernels=True)` (on a tensor-parallel shard, the
+  - moe: a block packed into panels by `pack_for_cpu` (on a tensor-parallel shard, the
     shard's experts of the global routing; the module's `combine` sums the ranks' parts after it).
 """
 

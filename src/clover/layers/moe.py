@@ -47,18 +47,15 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.packed = None   # per expert (gate_up, down) in oneDNN layout, after `pack(kernels=False)`
-        self.panels = None   # (gate_up, down) stacks in panel layout, after `pack(kernels=True)`
+        self.panels = None   # (gate_up, down) stacks in the native kernels' panel layout, after `pack()`
 
-    def pack(self, kernels: bool = False, consume: bool = False) -> None:
-        """Replace the expert matrices by packed copies (CPU bf16 inference, see packed.py): stacked
-        panels for the native kernels, or one oneDNN-packed matrix per expert. `consume`: quantized
-        stacks hand their stored pages back as they are packed (nothing else may read them)."""
+    def pack(self, consume: bool = False) -> None:
+        """Replace the expert matrices by stacked panels for the native kernels (CPU inference, see
+        packed.py). `consume`: quantized stacks hand their stored pages back as they are packed
+        (nothing else may read them)."""
         from .packed import _pack
 
         if self.quantized:
-            if not kernels:
-                raise ValueError("quantized experts pack for Clover's kernels only (oneDNN has no int4/int8 layout)")
             from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
 
             gu, dn = self.gate_up_proj, self.down_proj
@@ -74,28 +71,18 @@ class Experts(nn.Module):
                     self.register_buffer(f"{part}_{key}", tensor)
             return
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
-        if kernels:
-            from ..kernels.panels import pack_gate_up
+        from ..kernels.panels import pack_gate_up
 
-            intermediate = self.down_proj.shape[-1]
-            gate_up = pack_gate_up(self.gate_up_proj.data, intermediate)
-            self.gate_up_proj = None
-            down = self.down_proj.data
-            if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
-                down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
-            self.panels = (gate_up, _pack(down, kernels=True))
-            self.down_proj = None
-            self.register_buffer("gate_up_panels", self.panels[0].panels)     # registered state (see PackedWeights)
-            self.register_buffer("down_panels", self.panels[1].panels)
-            return
-        gate_up = [_pack(self.gate_up_proj[e], kernels=False) for e in range(self.num_experts)]
+        intermediate = self.down_proj.shape[-1]
+        gate_up = pack_gate_up(self.gate_up_proj.data, intermediate)
         self.gate_up_proj = None
-        down = [_pack(self.down_proj[e], kernels=False) for e in range(self.num_experts)]
+        down = self.down_proj.data
+        if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
+            down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
+        self.panels = (gate_up, _pack(down))
         self.down_proj = None
-        self.packed = list(zip(gate_up, down))
-        for e, (g, d) in enumerate(self.packed):
-            self.register_buffer(f"gate_up_packed_{e}", g)
-            self.register_buffer(f"down_packed_{e}", d)
+        self.register_buffer("gate_up_panels", self.panels[0].panels)     # registered state (see PackedWeights)
+        self.register_buffer("down_panels", self.panels[1].panels)
 
     @property
     def quantized(self) -> bool:
@@ -105,7 +92,7 @@ class Experts(nn.Module):
         return isinstance(self.gate_up_proj, QuantizedWeight)
 
     def _apply(self, fn, recurse=True):
-        if self.panels is not None or self.packed is not None:
+        if self.panels is not None:
             from .packed import refuse_moving_packed
 
             refuse_moving_packed(self, fn)
@@ -127,12 +114,6 @@ class Experts(nn.Module):
         return grouped_linear(hidden, down, offsets, ids, scale=scale)
 
     def _expert(self, x, expert: int):
-        if self.packed is not None:
-            from .packed import packed_linear
-
-            gate_up, down = self.packed[expert]
-            gate, up = packed_linear(x, gate_up).chunk(2, dim=-1)
-            return packed_linear(F.silu(gate) * up, down)
         gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
@@ -161,35 +142,16 @@ class Experts(nn.Module):
             if count:
                 spans.append((expert, start, start + count))
                 start += count
-        if self.packed is not None and xs.shape[0] <= self.batched_swiglu_rows:
-            ys = self._packed_spans(xs, spans)
-        else:
-            ys = torch.empty_like(xs)
-            for expert, start, end in spans:
-                ys[start:end] = self._expert(xs[start:end], expert)
+        ys = torch.empty_like(xs)
+        for expert, start, end in spans:
+            ys[start:end] = self._expert(xs[start:end], expert)
         ys = ys * slot_weights
         return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
-
-    # Up to this many routed rows (decode, block steps) the SwiGLU runs once over all experts' rows;
-    # beyond it (prefill chunks) each expert's intermediate stays in cache instead. In-process A/B on
-    # the small bench model: 256 rows 8.6% faster batched, 4096 rows 2% faster, 8192 rows 12% slower.
-    batched_swiglu_rows = 4096
-
-    def _packed_spans(self, xs, spans):
-        """Packed experts over their row spans of `xs`: every expert's gate/up projection, one SwiGLU
-        over all rows, then every expert's down projection — per expert only the two matmuls."""
-        from .packed import packed_linear
-
-        gate_up = torch.cat([packed_linear(xs[s:e], self.packed[ex][0]) for ex, s, e in spans])
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
-        return torch.cat([packed_linear(hidden[s:e], self.packed[ex][1]) for ex, s, e in spans])
 
     def _forward_one(self, x, indices, weights):
         """One token (decode): the grouped computation without its sort/gather/scatter bookkeeping —
         the same experts in the same (ascending) order, the same weighting and sum, so the result is
-        bit-identical to the grouped path (tested). The SwiGLU between the two projections runs once
-        over all k experts' rows instead of once per expert."""
+        bit-identical to the grouped path (tested)."""
         order = indices[0].argsort(stable=True)
         ascending = indices[0, order]                                     # the token's experts, ascending
         slot_weights = weights[0, order, None].to(x.dtype)
@@ -197,11 +159,7 @@ class Experts(nn.Module):
             ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, slot_weights[:, 0],
                                      same_row=True)
             return ys.sum(0, keepdim=True)                                 # weighted inside the kernel
-        if self.packed is not None:
-            ids = ascending.tolist()
-            ys = self._packed_spans(x.expand(len(ids), -1), [(e, j, j + 1) for j, e in enumerate(ids)])
-        else:
-            ys = torch.cat([self._expert(x, e) for e in ascending.tolist()])            # [k, H]
+        ys = torch.cat([self._expert(x, e) for e in ascending.tolist()])            # [k, H]
         return (ys * slot_weights).sum(0, keepdim=True)
 
 

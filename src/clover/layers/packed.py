@@ -1,22 +1,16 @@
-"""Packed bf16 weights for CPU inference: a transform applied to a built model.
+"""Packed weights for CPU inference: a transform applied to a built model.
 
-Two backends, chosen by `pack_for_cpu(model, kernels=...)`:
-- Clover's native kernels (`clover.kernels`, the default where they build): weights in 32-column
-  panels, products in fp32 FMAs. On AVX-512 CPUs without AMX they run ~1.7× oneDNN's bf16 matmul on
-  many rows (prefill, block steps, commits) and 1.0–1.3× on one row; experts routed by a batch go
-  through one grouped call. Outputs differ from `F.linear` only in summation order (tests bound it).
-- oneDNN's blocked layout (`torch.ops.mkldnn`): PyTorch's default bf16 `F.linear` reaches ~60% of a
-  core's read bandwidth on one-row inputs; the reordered weights run the identical arithmetic
-  (bit-equal outputs, measured) ~1.4–1.8× faster for one or a few rows.
-
-`pack_for_cpu(model)` swaps every bf16 `nn.Linear` and each layer's routed experts for packed copies
-and frees the originals, so memory does not grow. First it stacks the maps that read the same input
-(a module lists them in `input_projections`: the GDN in-projections, attention's q/k/v, the router
-with the shared expert's gate/up/output gate) into one `FusedProjection`: decode then makes one
-matrix-vector call where it made four (bit-equal outputs). With the kernels it also gives the model
-the "cpu" backend (clover/backend.py): the GDN mixer, cached attention, the MoE block and the residual
-add + norm then run Clover's native kernels where a call qualifies. The unpacked model stays the
-reference (tests compare the two). Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
+`pack_for_cpu(model)` swaps every bf16 `nn.Linear`, every quantized map and each layer's routed experts
+for copies in the layout Clover's native kernels read (`clover.kernels`: bf16 matrices in 32-column
+panels, products in fp32 FMAs; quantized codes in the integer-dot kernels' panels) and frees the
+originals, so memory does not grow. First it stacks the maps that read the same input (a module lists
+them in `input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared
+expert's gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call
+where it made four. The model also gets the "cpu" backend (clover/backend.py): the GDN mixer, cached
+attention, the MoE block and the residual add + norm run the native kernels where a call qualifies.
+Where the kernels cannot be built, nothing is packed and the model stays on the reference path. The
+unpacked model is the reference (tests compare the two). Inference only: packed weights carry no
+gradients, and `save_checkpoint` refuses a packed model.
 """
 
 from __future__ import annotations
@@ -26,26 +20,16 @@ from torch import nn
 
 
 
-def onednn_available() -> bool:
-    """oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere (AVX2 CPUs) torch
-    raises on the first packed matrix, so there is nothing to pack for."""
-    mkldnn = torch.ops.mkldnn
-    return (hasattr(mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
-            and mkldnn._is_mkldnn_bf16_supported())
-
-
 def packing_available() -> bool:
     from ..kernels import available
 
-    return available() or onednn_available()
+    return available()
 
 
-def _pack(weight: torch.Tensor, kernels: bool):
-    if kernels:
-        from ..kernels.panels import PanelWeight
+def _pack(weight: torch.Tensor):
+    from ..kernels.panels import PanelWeight
 
-        return PanelWeight(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    return PanelWeight(weight)
 
 
 def _quantized(module) -> bool:
@@ -79,8 +63,6 @@ def _kind(module):
 
 
 def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-    if isinstance(packed, torch.Tensor):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     from ..kernels.panels import linear
     from ..kernels.quant_panels import QuantPanelWeight
     from ..kernels.quant_panels import linear as quantized_linear
@@ -112,13 +94,13 @@ class PackedWeights(nn.Module):
         return super()._apply(fn, recurse)
 
     def _register_packed(self, name: str, packed) -> None:
-        """Keep the tensors behind a packed weight (panels, quantized panels or oneDNN's layout) as
-        buffer `name` (quantized: `name_qdata`, `name_qscales`, `name_qmins`)."""
+        """Keep the tensors behind a packed weight (panels or quantized panels) as buffer `name`
+        (quantized: `name_qdata`, `name_qscales`, `name_qmins`)."""
         if hasattr(packed, "buffers"):
             for key, tensor in packed.buffers().items():
                 self.register_buffer(f"{name}_{key}", tensor)
             return
-        self.register_buffer(name, packed.panels if hasattr(packed, "panels") else packed)
+        self.register_buffer(name, packed.panels)
 
 
 class FusedProjection(PackedWeights):
@@ -128,7 +110,7 @@ class FusedProjection(PackedWeights):
     precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
     each."""
 
-    def __init__(self, linears: list, kernels: bool):
+    def __init__(self, linears: list):
         super().__init__()
         self.sizes = [m.out_features if _quantized(m) else m.weight.shape[0] for m in linears]
         self.parts = []                                    # (packed, bias, sizes) per run of one kind
@@ -141,7 +123,7 @@ class FusedProjection(PackedWeights):
             if _quantized(run[0]):
                 packed = _pack_quantized(run)
             else:
-                packed = _pack(torch.cat([m.weight.detach() for m in run]), kernels)
+                packed = _pack(torch.cat([m.weight.detach() for m in run]))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
@@ -161,15 +143,15 @@ class FusedProjection(PackedWeights):
 
 
 class PackedLinear(PackedWeights):
-    """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels, quantized
-    panels or oneDNN's blocked one). A row-parallel map of a tensor-parallel shard (one with a
+    """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
+    panels). A row-parallel map of a tensor-parallel shard (one with a
     `parallel` group: distributed/layers.py) stays one: the packed product is this rank's partial sum,
     all-reduced before the bias is added."""
 
-    def __init__(self, linear: nn.Module, kernels: bool, consume: bool = False):
+    def __init__(self, linear: nn.Module, consume: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack_quantized([linear], consume) if _quantized(linear) else _pack(linear.weight, kernels)
+        self.packed = _pack_quantized([linear], consume) if _quantized(linear) else _pack(linear.weight)
         self._register_packed("weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.parallel = getattr(linear, "parallel", None)
@@ -181,37 +163,32 @@ class PackedLinear(PackedWeights):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def pack_for_cpu(model, kernels: bool | None = None, consume: bool = False) -> int:
-    """Pack the bf16 CPU weights of `model` in place; returns how many matrices were packed.
-
-    `kernels`: True for Clover's native kernels, False for oneDNN, None for the kernels where they are
-    available (`clover.kernels.available()`). A no-op (returns 0) for other dtypes/devices or when
-    the chosen backend is unavailable. Tied output embeddings stay unpacked (the embedding table
-    still needs the plain tensor). Matrices already packed (`pack_part` during a load) are left as they are.
-    `consume=True` (a model nothing else references: clover.load's) lets packing hand the stored
-    quantized codes back to the OS slab by slab, lowering the peak (`pack_part`)."""
-    kernels = packing_backend(model, kernels)
-    if kernels is None:
+def pack_for_cpu(model, consume: bool = False) -> int:
+    """Pack the CPU weights of a bf16 `model` in place for the native kernels and give it the "cpu"
+    backend; returns how many matrices were packed. A no-op (returns 0) for other dtypes/devices or
+    where the kernels cannot be built (`clover.kernels.available()`). Tied output embeddings stay
+    unpacked (the embedding table still needs the plain tensor). Matrices already packed (`pack_part`
+    during a load) are left as they are. `consume=True` (a model nothing else references:
+    clover.load's) lets packing hand the stored quantized codes back to the OS slab by slab, lowering
+    the peak (`pack_part`)."""
+    if not packs(model):
         return 0
-    count = pack_part(model, "", kernels, consume)
-    if kernels:                 # the fused ops run the native kernels from now on (backend.py; a
-        model.backend = type(model.backend)("cpu")    # transform of the layers does not import it)
-    model.packed = "clover-kernels" if kernels else "onednn"
+    count = pack_part(model, "", consume)
+    model.backend = type(model.backend)("cpu")    # the fused ops run the native kernels from now on (backend.py)
+    model.packed = "clover-kernels"
     return count
 
 
-def packing_backend(model, kernels: bool | None) -> bool | None:
-    """True (native kernels) / False (oneDNN) as `pack_for_cpu` would pack `model`, None for not at all."""
+def packs(model) -> bool:
+    """Whether `pack_for_cpu` packs `model`: bf16 on the CPU, with the native kernels available."""
     from ..kernels import available
 
     if model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        return None                        # (checked first: deciding on the kernels may compile them)
-    if kernels is None:
-        kernels = available()
-    return kernels if (available() if kernels else onednn_available()) else None
+        return False                        # (checked first: deciding on the kernels may compile them)
+    return available()
 
 
-def pack_part(model, prefix: str, kernels: bool, consume: bool = False) -> int:
+def pack_part(model, prefix: str, consume: bool = False) -> int:
     """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
     part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
     the stored forms of the whole model never sit beside the packed ones). `consume`: quantized expert
@@ -224,33 +201,33 @@ def pack_part(model, prefix: str, kernels: bool, consume: bool = False) -> int:
     def inside(name: str) -> bool:
         return not prefix or name == prefix or name.startswith(prefix + ".")
 
-    count = _fuse_input_projections(model, kernels, inside)
+    count = _fuse_input_projections(model, inside)
     tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     # Collect names, not modules: a list of the modules themselves would keep every replaced
     # nn.Linear (and its weight) alive until the end, doubling the packed matrices' memory at peak.
     names = [name for name, m in model.named_modules()
              if inside(name) and (
                  (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
-                 or (kernels and _quantized(m))
+                 or _quantized(m)
                  or (isinstance(m, Experts) and m.gate_up_proj is not None
-                     and ((kernels and m.quantized) or (not m.quantized and m.gate_up_proj.dtype == torch.bfloat16))))]
+                     and (m.quantized or m.gate_up_proj.dtype == torch.bfloat16)))]
     for qualified in names:
         parent_name, _, name = qualified.rpartition(".")
         parent = model.get_submodule(parent_name)
         child = getattr(parent, name)
         if isinstance(child, Experts):
-            child.pack(kernels, consume)
+            child.pack(consume)
             count += 2 * child.num_experts
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
         else:
-            setattr(parent, name, PackedLinear(child, kernels, consume))
+            setattr(parent, name, PackedLinear(child, consume))
             count += 1
             del child       # the replaced weight is freed here, before the next matrix is packed
     return count
 
 
-def _fuse_input_projections(model, kernels: bool, inside=lambda name: True) -> int:
+def _fuse_input_projections(model, inside=lambda name: True) -> int:
     """Give each module (whose name passes `inside`) that declares `input_projections` (names of linear
     maps that all read the module's input) one `FusedProjection` in `fused_input`, dropping the
     separate matrices."""
@@ -264,9 +241,9 @@ def _fuse_input_projections(model, kernels: bool, inside=lambda name: True) -> i
             continue
         linears = [module.get_submodule(n) for n in names]
         kinds = [_kind(m) for m in linears]
-        if None in kinds or (not kernels and any(k[0] == "quantized" for k in kinds)):
+        if None in kinds:
             continue
-        module.fused_input = FusedProjection(linears, kernels)
+        module.fused_input = FusedProjection(linears)
         del linears
         for name in names:                 # free each original as soon as the stack is packed
             parent_name, _, leaf = name.rpartition(".")
