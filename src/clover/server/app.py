@@ -1,7 +1,7 @@
 """The HTTP server: an OpenAI-compatible FastAPI app in front of an `Engine`.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
-block), GET /v1/models, /health, /metrics. A request is read (JSON only, size- and time-limited),
+block), GET /v1/models, /health, /metrics, and the playground page at / (page.py). A request is read (JSON only, size- and time-limited),
 parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
 reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
 sends back token ids, which `TextStream` turns into text; `logprobs` / `echo` are scored by the engine
@@ -34,6 +34,7 @@ from .chat_tools import ChatOutput, prepare_chat
 from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion_top_k
 from .structured import StructuredOutput
 from .openapi import document_request_bodies
+from .page import FILES as PLAYGROUND_FILES, add_playground
 from . import step_events
 from .text import CONTENT, TextStream
 from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, sse
@@ -100,7 +101,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
                                        None, "internal_error"))
 
-    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts,
+                       open_paths=("/health", *PLAYGROUND_FILES))   # the page asks for the key itself
     app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)     # outermost: counts refusals
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -385,6 +387,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.registry.CONTENT_TYPE)
 
+    add_playground(app)
     document_request_bodies(app, {
         "/v1/chat/completions": (ChatRequest, {"messages": [{"role": "user", "content": "What is 17+25?"}]}),
         "/v1/completions": (CompletionRequest, {"prompt": "17+25=", "max_tokens": 8})}, model_name)

@@ -56,7 +56,7 @@ class CountRequests:
 class Guard:
     """ASGI middleware in front of every route: the Host header must be one of `allowed_hosts`
     (when given: a DNS-rebinding page reaches a loopback server under its own host name), and, when
-    `api_key` is set, every path but `open_paths` (/health: for load balancers) needs
+    `api_key` is set, every path but `open_paths` (/health: for load balancers; the playground page) needs
     `Authorization: Bearer <api_key>`. Refusals are OpenAI-shaped errors (400 invalid_host, 401)."""
 
     def __init__(self, app, api_key: str | None = None, allowed_hosts=None, open_paths=("/health",)):
