@@ -105,7 +105,7 @@ CHAT = {"messages": [{"role": "user", "content": "What is 17 + 25?"}]}
 
 @pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": "Q: What is 17 + 25?\nA:"}),
                                           ("/v1/chat/completions", CHAT),
-                                          ("/v1/chat/completions",       # under a grammar (settle may rewrite the block)
+                                          ("/v1/chat/completions",       # under a grammar
                                            dict(CHAT, response_format={"type": "json_object"}))])
 def test_server_stream_with_and_without_step_events(demo, path, prompt):
     server, tokenizer = demo

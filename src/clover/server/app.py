@@ -1,8 +1,8 @@
 """The HTTP server: an OpenAI-compatible FastAPI app in front of an `Engine`.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
-block), GET /v1/models, /health, /metrics, and the playground page at / (page.py). A request is read (JSON only, size- and time-limited),
-parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
+block), GET /v1/models, /health, /metrics, and the playground page at / (page.py). A request is read
+(JSON only, size- and time-limited), parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
 reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
 sends back token ids, which `TextStream` turns into text; `logprobs` / `echo` are scored by the engine
 once the completion is written (logprobs.py). A client that disconnects cancels its
