@@ -24,11 +24,13 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
                 ".ci/run installs them)", allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
 from selenium.webdriver.common.by import By                   # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait        # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait   # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 KEY = "playground-test-key"
 TIMEOUT = 120
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,18 @@ def set_value(driver, element_id, value):
     element.send_keys(str(value))
 
 
+def send(driver, prompt):
+    """Send `prompt` from the page; the answer's element once it is done."""
+    before = len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+    set_value(driver, "prompt", prompt)
+    driver.find_element(By.ID, "send").click()
+    finished = ".msg.assistant[data-state='done'], .msg.assistant[data-state='error']"
+    WebDriverWait(driver, TIMEOUT).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, finished)) > before)
+    answer = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+    assert answer.get_attribute("data-state") == "done", answer.text
+    return answer
+
+
 def test_a_prompt_in_the_playground(server, browser, tmp_path):
     driver, wait = browser, WebDriverWait(browser, TIMEOUT)
     driver.get(server + "/")
@@ -104,11 +118,7 @@ def test_a_prompt_in_the_playground(server, browser, tmp_path):
 
     for element_id, value in (("block_size", 16), ("threshold", 0.9), ("max_tokens", 64), ("temperature", 0)):
         set_value(driver, element_id, value)
-    set_value(driver, "prompt", "What is 17 + 25?")
-    driver.find_element(By.ID, "send").click()
-    answer = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-state='done'], "
-                                                               ".msg.assistant[data-state='error']"))
-    assert answer.get_attribute("data-state") == "done", answer.text
+    answer = send(driver, "What is 17 + 25?")
     thought = driver.execute_script("return document.querySelector('.msg.assistant details.thinking div')"
                                     ".textContent")
     content = answer.find_element(By.CSS_SELECTOR, ".content").text
@@ -126,6 +136,16 @@ def test_a_prompt_in_the_playground(server, browser, tmp_path):
     assert (used["block_size"], used["threshold"], used["max_new_tokens"], used["do_sample"]) == (16, 0.9, 64, False)
     assert "block 16" in driver.find_element(By.ID, "used").text
     assert "tok/s" in driver.find_element(By.ID, "speed").text and "–" not in driver.find_element(By.ID, "speed").text
+
+    # a second turn, thinking off, with a tool the model must call: shown as a call, not as text
+    driver.find_element(By.ID, "thinking").click()
+    set_value(driver, "tools", json.dumps([ADD]))
+    Select(driver.find_element(By.ID, "tool_choice")).select_by_value("required")
+    answer = send(driver, "What is 17 + 25?")
+    call = answer.find_element(By.CSS_SELECTOR, ".tool-call").text
+    assert call.startswith("call add(") and set(json.loads(call[len("call add("):-1])) == {"a", "b"}, call
+    assert not answer.find_element(By.CSS_SELECTOR, "details.thinking").is_displayed()
+    assert "thinking off" in driver.find_element(By.ID, "used").text
 
     folder = Path(os.environ.get("CLOVER_TEST_ARTIFACTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)

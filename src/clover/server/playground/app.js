@@ -65,7 +65,10 @@ function requestBody() {
     if (v !== null) body[field] = v;
   }
   const tools = $("tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);      // a bad array: the error shows in the chat
+  if (tools) {
+    body.tools = JSON.parse(tools);      // a bad array: the error shows in the chat
+    body.tool_choice = $("tool_choice").value;
+  }
   return body;
 }
 
@@ -99,6 +102,7 @@ function blockFor(step) {
     b = { size: step.size, cells: new Array(step.size).fill(null), steps: 0, filled: 0, most: 0, experts: [],
           row: document.createElement("tr") };
     b.row.dataset.block = step.block;
+    b.row.addEventListener("click", () => drawBlock(step.block));
     $("blocks").tBodies[0].appendChild(b.row);
     blocks.set(step.block, b);
   }
