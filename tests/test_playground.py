@@ -102,6 +102,8 @@ def send(driver, prompt):
     WebDriverWait(driver, TIMEOUT).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, finished)) > before)
     answer = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
     assert answer.get_attribute("data-state") == "done", answer.text
+    # the diffusion view draws the steps one by one, a little behind the stream
+    WebDriverWait(driver, TIMEOUT).until(lambda d: d.find_element(By.ID, "block").get_attribute("data-pending") == "0")
     return answer
 
 
@@ -125,10 +127,9 @@ def test_a_prompt_in_the_playground(server, browser, tmp_path):
     assert (thought + content).strip()                                # the answer appeared
 
     # the diffusion view: some block had more than one position filled by one denoising step
-    def most_in_one_step(d):
-        rows = d.find_elements(By.CSS_SELECTOR, "#blocks tbody tr")
-        return rows and max(int(r.get_attribute("data-most") or 0) for r in rows)
-    wait.until(lambda d: (most_in_one_step(d) or 0) > 1)
+    rows = driver.find_elements(By.CSS_SELECTOR, "#blocks tbody tr")
+    assert rows and max(int(r.get_attribute("data-most")) for r in rows) > 1
+    assert not driver.find_elements(By.CSS_SELECTOR, "#block .cell:not(.filled)")   # the last block, resolved
     assert driver.find_element(By.ID, "block").get_attribute("data-size") == "16"
     assert len(driver.find_elements(By.CSS_SELECTOR, "#block .cell")) == 16
     # the settings reached the request: the server's echo of what it used
@@ -145,6 +146,7 @@ def test_a_prompt_in_the_playground(server, browser, tmp_path):
     call = answer.find_element(By.CSS_SELECTOR, ".tool-call").text
     assert call.startswith("call add(") and set(json.loads(call[len("call add("):-1])) == {"a", "b"}, call
     assert not answer.find_element(By.CSS_SELECTOR, "details.thinking").is_displayed()
+    assert not driver.find_elements(By.CSS_SELECTOR, "#block .cell:not(.filled)")
     assert "thinking off" in driver.find_element(By.ID, "used").text
 
     folder = Path(os.environ.get("CLOVER_TEST_ARTIFACTS") or tmp_path)

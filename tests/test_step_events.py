@@ -54,7 +54,7 @@ def test_engine_step_events_replay_to_the_committed_tokens(model, block_size, th
         steps = [s for event in traced.iter_events(TIMEOUT) for s in event.steps]
         plain_events = list(plain.iter_events(TIMEOUT))
     assert traced.tokens == plain.tokens and len(traced.tokens) == max_new
-    assert all(not e.steps for e in plain_events)                 # nothing unasked for
+    assert all(not e.steps for e in plain_events) and plain.sequence.step_events is None   # nothing unasked for
     blocks = replay(steps)
     starts = sorted(blocks)
     assert starts == list(range(0, max_new, block_size))           # every block, in response order

@@ -177,6 +177,7 @@ function applyStep(step) {
 
 function showSteps(steps) {
   queue.push(...steps);
+  $("block").dataset.pending = queue.length;
   if (timer === null) drain();
 }
 
@@ -184,9 +185,11 @@ function drain() {
   const step = queue.shift();
   if (step === undefined) {
     timer = null;
+    $("block").dataset.pending = 0;       // every step received so far is drawn
     return;
   }
   applyStep(step);
+  $("block").dataset.pending = queue.length + 1;
   timer = setTimeout(drain, queue.length > 50 ? 0 : STEP_DELAY_MS);
 }
 
