@@ -1,6 +1,6 @@
 """The playground page of `clover serve` in a real browser (issue #45): headless Chromium (Debian's
 `chromium` + `chromium-driver`, driven by Selenium) opens `/` of a live `clover serve` on loopback
-that has an API key, is asked for the key, sends a prompt, and the page shows the answer, a block
+that has an API key and a Host allow-list, is asked for the key, sends a prompt, and the page shows the answer, a block
 with several positions filled in one denoising step, and the settings the server used. A
 screenshot is written to $CLOVER_TEST_ARTIFACTS (or the test's tmp dir)."""
 
@@ -40,7 +40,7 @@ def server():
     port = probe.getsockname()[1]
     probe.close()
     proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--port", str(port), "--threads", "1",
-                             "--api-key", KEY, "--log-level", "warning"],
+                             "--api-key", KEY, "--allowed-host", "127.0.0.1", "--log-level", "warning"],
                             env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     url = f"http://127.0.0.1:{port}"
@@ -74,7 +74,7 @@ def browser():
     driver.quit()
 
 
-def test_the_api_refuses_without_the_key_the_page_loads(server):
+def test_the_api_refuses_without_the_key_the_page_loads_under_an_allowed_host(server):
     body = {"model": "clover-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert httpx.post(server + "/v1/chat/completions", json=body, timeout=30).status_code == 401
     assert httpx.get(server + "/v1/models", timeout=30).status_code == 401
@@ -83,8 +83,10 @@ def test_the_api_refuses_without_the_key_the_page_loads(server):
     assert "default-src 'self'" in page.headers["content-security-policy"]
     for asset in ("/playground/app.js", "/playground/style.css"):
         assert httpx.get(server + asset, timeout=30).status_code == 200
-    # the page, like the API, answers only under the names --allowed-host would list: here any (no list)
-    assert httpx.get(server + "/", headers={"Host": "elsewhere.example"}, timeout=30).status_code == 200
+    # the page, like the API, answers only under the names --allowed-host lists (a DNS-rebinding page)
+    for path in ("/", "/playground/app.js", "/v1/models"):
+        r = httpx.get(server + path, headers={"Host": "elsewhere.example"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
 
 
 def set_value(driver, element_id, value):
