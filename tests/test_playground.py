@@ -1,14 +1,14 @@
 """The playground page of `clover serve` in a real browser (issue #45): headless Chromium (Debian's
 `chromium` + `chromium-driver`, driven by Selenium) opens `/` of a live `clover serve` on loopback
-that has an API key and a Host allow-list, is asked for the key, sends a prompt, and the page shows the answer, a block
-with several positions filled in one denoising step, and the settings the server used. A
-screenshot is written to $CLOVER_TEST_ARTIFACTS (or the test's tmp dir)."""
+that has an API key and a Host allow-list, is asked for the key, sends a prompt, and the page shows
+the answer, a block with several positions filled in one denoising step, and the settings the server
+used; a second turn's required tool call shows as a call. A screenshot is written to
+$CLOVER_TEST_ARTIFACTS (or the test's tmp dir)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
