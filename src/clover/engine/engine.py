@@ -19,7 +19,9 @@ The decoder isolates failures per request (error event for that request alone); 
 escaping a whole step fails the requests that were running, and the loop goes on with a fresh decoder.
 Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
 between steps, so the model is only ever driven by one thread.
-The engine works in token ids: tokenization and text belong to the server.
+The engine works in token ids: tokenization and text belong to the server. A request submitted with
+`step_events=True` also gets each denoising step of its blocks (`EngineEvent.steps`); the others cost
+nothing for it.
 """
 
 from __future__ import annotations

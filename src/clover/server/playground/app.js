@@ -295,6 +295,10 @@ async function send(text) {
   blocks.clear();
   queue = [];
   $("blocks").tBodies[0].replaceChildren();
+  $("block").replaceChildren();
+  $("legend").replaceChildren();
+  $("block-title").textContent = number("block_size") === 1
+    ? "block size 1 decodes autoregressively: no denoising steps to show" : "waiting for the first step…";
   Object.assign(live, { start: performance.now(), resolved: 0, deltas: 0 });
   state.abort = new AbortController();
   try {
