@@ -16,7 +16,7 @@ from fastapi.responses import Response
 FILES = {"/": ("index.html", "text/html; charset=utf-8"),
          "/playground/app.js": ("app.js", "text/javascript; charset=utf-8"),
          "/playground/style.css": ("style.css", "text/css; charset=utf-8")}
-HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",
+HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 

@@ -318,6 +318,12 @@ async function send(text) {
     state.messages.push(reply);
     view.div.dataset.state = "done";
     view.div.dataset.finish = out.finish || "";
+    if (out.finish === "length") {
+      const note = document.createElement("span");
+      note.className = "muted";
+      note.textContent = "(stopped at max tokens)";
+      view.div.appendChild(note);
+    }
   } catch (err) {
     state.messages.pop();
     view.div.classList.add("error");
