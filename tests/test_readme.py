@@ -74,7 +74,15 @@ def test_quick_start_installs_what_its_later_commands_need():
     declared = project["optional-dependencies"]
     assert set(extras) <= set(declared)
     wanted = {re.split(r"[<>=\[ ]", d)[0] for e in extras for d in declared[e]}
-    assert {"pytest", "fastapi", "uvicorn", "openai", "httpx", "transformers", "hypothesis"} <= wanted
+    assert {"pytest", "fastapi", "uvicorn", "openai", "httpx", "transformers", "hypothesis", "selenium"} <= wanted
+
+
+def test_ci_installs_chromium_before_the_quick_start():
+    """The playground's browser test needs Debian's chromium + chromium-driver: .ci/run installs them
+    when missing, before the Quick start's suite runs."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    guard = "command -v chromium || (apt-get update && apt-get install -y chromium chromium-driver)"
+    assert guard in ci and ci.index(guard) < ci.index('bash -e -c "$quick_start"')
 
 
 def test_ci_runs_the_quick_start_block_as_written():

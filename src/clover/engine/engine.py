@@ -19,7 +19,9 @@ The decoder isolates failures per request (error event for that request alone); 
 escaping a whole step fails the requests that were running, and the loop goes on with a fresh decoder.
 Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
 between steps, so the model is only ever driven by one thread.
-The engine works in token ids: tokenization and text belong to the server.
+The engine works in token ids: tokenization and text belong to the server. A request submitted with
+`step_events=True` also gets each denoising step of its blocks (`EngineEvent.steps`); the others cost
+nothing for it.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class Engine:
         self._state = "new"                               # new → running → draining → closed
         # Engine thread only:
         self._running: dict[int, RequestHandle] = {}
+        self._traced: set[int] = set()                    # ids of running requests that asked for step events
         self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
         if start:
             self.start()
@@ -169,19 +172,23 @@ class Engine:
         return need
 
     def submit(self, prompt_ids, settings: GenerationSettings | None = None, grammar=None,
-               buffer_tokens: int | None = None, client=None, **overrides) -> RequestHandle:
+               buffer_tokens: int | None = None, client=None, step_events: bool = False,
+               **overrides) -> RequestHandle:
         """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed.
         `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding).
         `buffer_tokens`: pause the request while this many of its tokens wait for the consumer.
-        `client`: who sent it (an address, a key): turns are shared fairly between clients."""
+        `client`: who sent it (an address, a key): turns are shared fairly between clients.
+        `step_events`: its events also carry each denoising step (`EngineEvent.steps`)."""
         if settings is None:
             settings = self.settings(**overrides)
         elif overrides:
             settings = settings.replace(**overrides)
         prompt_ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt_ids]
         need = self.validate(prompt_ids, settings)
-        handle = RequestHandle(self, Sequence(prompt_ids, settings, self.config, grammar), need, buffer_tokens,
-                               client)
+        sequence = Sequence(prompt_ids, settings, self.config, grammar)
+        if step_events:
+            sequence.trace_steps()
+        handle = RequestHandle(self, sequence, need, buffer_tokens, client)
         with self._lock:
             if self._state != "running" or not self._thread.is_alive():
                 self.metrics.rejected.inc(reason="closed")
@@ -338,6 +345,8 @@ class Engine:
                 self._finish(handle, "cancelled")
                 continue
             self._running[handle.id] = handle
+            if handle.sequence.step_events is not None:
+                self._traced.add(handle.id)
             try:
                 self._decoder.add(handle.sequence, handle.client)
             except ValueError as exc:
@@ -388,10 +397,12 @@ class Engine:
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.pool_updated(self._decoder.pool.stats())
+        steps = self._take_steps() if self._traced else {}
         for event in events:
             handle = self._running.get(event.sequence.id)
             if handle is None:
                 continue
+            traced = steps.pop(handle.id, ())
             if event.tokens:
                 if handle.first_token_at is None:
                     self.metrics.ttft_seconds.observe(time.perf_counter() - handle.submitted_at)
@@ -403,11 +414,25 @@ class Engine:
                 if seq.finish_reason == "error":
                     self.metrics.step_errors.inc()
                     self._finish(handle, "error", f"internal error during decoding: {seq.error}", "internal",
-                                 tokens=event.tokens)
+                                 tokens=event.tokens, steps=traced)
                 else:
-                    self._finish(handle, seq.finish_reason or "eos", tokens=event.tokens)
-            elif event.tokens:
-                handle._push(EngineEvent(tuple(event.tokens)))
+                    self._finish(handle, seq.finish_reason or "eos", tokens=event.tokens, steps=traced)
+            elif event.tokens or traced:
+                handle._push(EngineEvent(tuple(event.tokens), steps=traced))
+        for handle_id, traced in steps.items():       # steps of requests that committed nothing this step
+            self._running[handle_id]._push(EngineEvent((), steps=traced))
+
+    def _take_steps(self) -> dict[int, tuple[dict, ...]]:
+        """The step events the last step recorded, per traced request that has some (taken out)."""
+        out = {}
+        for handle_id in list(self._traced):
+            handle = self._running.get(handle_id)
+            if handle is None:                         # finished or cancelled since
+                self._traced.discard(handle_id)
+            elif handle.sequence.step_events:
+                out[handle_id] = tuple(handle.sequence.step_events)
+                handle.sequence.step_events.clear()
+        return out
 
     def _release(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -415,10 +440,10 @@ class Engine:
             self._admit_locked()
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, code: str | None = None,
-                tokens=()) -> None:
+                tokens=(), steps=()) -> None:
         if handle.finished:
             return
-        handle._push(EngineEvent(tuple(tokens), True, reason, error, code))
+        handle._push(EngineEvent(tuple(tokens), True, reason, error, code, steps))
         stats = handle.sequence.stats
         self.metrics.request_finished(reason, stats.generated_tokens, stats.forwards,
                                       handle.finished_at - handle.submitted_at)

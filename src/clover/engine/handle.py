@@ -18,13 +18,16 @@ class EngineEvent:
     """Tokens resolved since the last event (a block, a verified run or one AR token), in order.
 
     The last event of a request has `finished=True` and a `finish_reason`: "eos", "length",
-    "cancelled" or "error" (then `error` says why and `error_code` is "shutdown" or "internal")."""
+    "cancelled" or "error" (then `error` says why and `error_code` is "shutdown" or "internal").
+    `steps`: for a request submitted with `step_events=True`, the denoising steps since the last
+    event (`Sequence._record_step`); always empty otherwise."""
 
     tokens: tuple[int, ...]
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
     error_code: str | None = None
+    steps: tuple[dict, ...] = ()
 
 
 class RequestHandle:

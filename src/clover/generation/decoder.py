@@ -428,6 +428,7 @@ class Decoder:
                     if seq.phase == "verify":          # a final one-token round, accepted without a forward
                         seq.stats.rounds += 1
                         seq.stats.accepted_lengths.append(1)
+                        seq.record_verification(1)
                     produced[seq.id] += seq.extend([seq.pending])
                     continue
                 tokens = [seq.pending]
@@ -492,6 +493,7 @@ class Decoder:
         seq.cache.rollback(start + j + 1)
         seq.stats.rounds += 1
         seq.stats.accepted_lengths.append(j + 1)
+        seq.record_verification(j + 1)
         produced[seq.id] += seq.extend(draft[: j + 1])
         if not seq.done:
             seq.pending = predictions[j]

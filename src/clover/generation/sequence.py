@@ -100,6 +100,14 @@ class Sequence:
         self.constraint = None
         if grammar is not None:
             self.constraint = BlockConstraint(grammar, self.mask_id)
+        # Opt-in (`trace_steps()`): what each denoising forward filled, for a viewer; None costs nothing.
+        self.step_events: list[dict] | None = None
+        self.blocks_started = 0
+
+    def trace_steps(self) -> None:
+        """Record every denoising step's newly filled block positions in `step_events` (see
+        `_record_step`); the engine hands them to the request's consumer and empties the list."""
+        self.step_events = []
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -153,6 +161,7 @@ class Sequence:
 
     def new_block(self) -> None:
         """Start a block of masks (LowConfidence), or a draft seeded with the known next token (§8)."""
+        self.blocks_started += 1
         if self.settings.speculative:
             length = min(self.settings.block_size, self.remaining)
             self.block = [self.pending] + [self.mask_id] * (length - 1)
@@ -275,15 +284,38 @@ class Sequence:
             fills = torch.where(fill, tokens, -1)
         self.draft_steps_done += 1
         values, = yield (fills,)                                            # read back with the batch
+        before = None if self.step_events is None else list(self.block)
         for i, t in zip(masked, values):
             if t >= 0:
                 self.block[i] = t
         if constraint is not None:
             constraint.settle(self.block, self.remaining)
+        if before is not None:
+            self._record_step(before)
         if not self.masked_positions():
             self.phase = "verify" if s.speculative else "commit"
             if s.speculative and self.constraint is not None:
                 self.constraint.shape_draft(self.block, controlled, masked)
+
+    def _record_step(self, before: list[int]) -> None:
+        """One denoising step as a step event: the block (its number from 0 and its first position
+        in the response), this request's forward count, each position whose token changed (block
+        offset, token; None where a grammar masked it again) and the mean over MoE layers of the
+        distinct experts the forward used (None without statistics). Replaying the changes of a
+        block's events over a block of masks gives the block as it is committed (LowConfidence)."""
+        distinct = [layer[-1] for layer in self.stats.distinct_experts if layer]
+        self.step_events.append({
+            "block": self.blocks_started - 1, "start": len(self.response), "size": len(self.block),
+            "forward": self.stats.forwards,
+            "filled": [[i, None if t == self.mask_id else t]
+                       for i, (t, old) in enumerate(zip(self.block, before)) if t != old],
+            "experts": round(sum(distinct) / len(distinct), 2) if distinct else None})
+
+    def record_verification(self, accepted: int) -> None:
+        """A self-speculative round's step event (when traced): how many draft tokens were committed."""
+        if self.step_events is not None:
+            self.step_events.append({"block": self.blocks_started - 1, "start": len(self.response),
+                                     "forward": self.stats.forwards, "accepted": accepted})
 
     def predict_next(self, logits: torch.Tensor, extra: list[int], seen_first: int) -> list[int]:
         """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`,

@@ -1,8 +1,8 @@
 """The HTTP server: an OpenAI-compatible FastAPI app in front of an `Engine`.
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
-block), GET /v1/models, /health, /metrics. A request is read (JSON only, size- and time-limited),
-parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
+block), GET /v1/models, /health, /metrics, and the playground page at / (page.py). A request is read
+(JSON only, size- and time-limited), parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
 reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
 sends back token ids, which `TextStream` turns into text; `logprobs` / `echo` are scored by the engine
 once the completion is written (logprobs.py). A client that disconnects cancels its
@@ -34,6 +34,8 @@ from .chat_tools import ChatOutput, prepare_chat
 from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion_top_k
 from .structured import StructuredOutput
 from .openapi import document_request_bodies
+from .page import FILES as PLAYGROUND_FILES, add_playground
+from . import step_events
 from .text import CONTENT, TextStream
 from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, sse
 
@@ -99,7 +101,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
                                        None, "internal_error"))
 
-    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts,
+                       open_paths=("/health", *PLAYGROUND_FILES))   # the page asks for the key itself
     app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)     # outermost: counts refusals
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -129,9 +132,11 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
         return settings
 
-    def submit(request, prompt_ids, settings, grammar=None, stream=False):
+    def submit(request, prompt_ids, settings, grammar=None, stream=False, steps=False):
         # the client, for fair turns: its address (behind a proxy, every request shares the proxy's)
         extra = {"client": request.client.host if request.client else None}
+        if steps:
+            extra["step_events"] = True
         if stream and stream_buffer_tokens:
             extra["buffer_tokens"] = stream_buffer_tokens
         if grammar is not None:
@@ -204,6 +209,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         skip = extra.get("skip_special_tokens", True)
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
+        steps = step_events.wanted(extra, req.stream)
         # Templating and tokenizing a large body takes a while: in a worker thread, not on the event loop.
         prompt_ids, plan = await off_loop(request, prepare_chat, tokenizer, req, thinking, kwargs)  # template, tools
         output = ChatOutput(plan)
@@ -213,7 +219,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, tool calls
         if constraint is not None:
             grammar = await off_loop(request, structured.matcher, *constraint, settings)
-        handle = submit(request, prompt_ids, settings, grammar, req.stream)
+        handle = submit(request, prompt_ids, settings, grammar, req.stream, steps)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -238,9 +244,18 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             return sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
 
+        def clover_chunk(payload: dict) -> bytes:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                        "choices": [], "clover": payload})
+
         async def stream():
             yield chunk(output.first_delta())
-            async for delta, finish, error in outputs(handle, text, drain):
+            if steps:
+                yield clover_chunk(step_events.settings_echo(settings, engine.config.block_expert_top_p,
+                                                             enable_thinking=thinking))
+            async for delta, finish, error, traced in outputs(handle, text, drain):
+                if traced:
+                    yield clover_chunk(step_events.steps_payload(traced, tokenizer))
                 d = output.feed(delta, last=bool(finish))
                 if d:
                     yield chunk(d)
@@ -272,6 +287,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         skip = extra.get("skip_special_tokens", True)
         if not isinstance(skip, bool):
             raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
+        steps = step_events.wanted(extra, req.stream)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -298,7 +314,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                                  "finish_reason": "length"}],
                     "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}, "clover": {}}
         settings = make_settings(req, extra, prompt_ids, "prompt")
-        handle = submit(request, prompt_ids, settings, stream=req.stream)
+        handle = submit(request, prompt_ids, settings, stream=req.stream, steps=steps)
         text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
 
         if not req.stream:
@@ -323,8 +339,16 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             return sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
                         "choices": [{"index": 0, "text": text_delta, "logprobs": None, "finish_reason": finish}]})
 
+        def clover_chunk(payload: dict) -> bytes:
+            return sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                        "choices": [], "clover": payload})
+
         async def stream():
-            async for delta, finish, error in outputs(handle, text, drain):
+            if steps:
+                yield clover_chunk(step_events.settings_echo(settings, engine.config.block_expert_top_p))
+            async for delta, finish, error, traced in outputs(handle, text, drain):
+                if traced:
+                    yield clover_chunk(step_events.steps_payload(traced, tokenizer))
                 if error is not None:
                     if delta[CONTENT]:
                         yield chunk(delta[CONTENT])
@@ -363,6 +387,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.registry.CONTENT_TYPE)
 
+    add_playground(app)
     document_request_bodies(app, {
         "/v1/chat/completions": (ChatRequest, {"messages": [{"role": "user", "content": "What is 17+25?"}]}),
         "/v1/completions": (CompletionRequest, {"prompt": "17+25=", "max_tokens": 8})}, model_name)

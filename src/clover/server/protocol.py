@@ -3,7 +3,8 @@
 Requests are pydantic models in strict mode (a string is not a number) that allow extra fields:
 the block-diffusion settings (`block_size`, `threshold`, `decoding`, `draft_steps`, `top_k`,
 `do_sample`, `block_expert_top_p`, every `dllm_*`), and the server switches `enable_thinking` /
-`chat_template_kwargs`, `skip_special_tokens` and `ignore_eos` (vLLM's) travel as extras. Unknown extras are an error, so a misspelt setting is never silently ignored.
+`chat_template_kwargs`, `skip_special_tokens`, `ignore_eos` (vLLM's) and `step_events` (a stream's
+denoising steps, step_events.py) travel as extras. Unknown extras are an error, so a misspelt setting is never silently ignored.
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -20,7 +21,7 @@ from ..generation.settings import GenerationSettings
 SETTING_EXTRAS = GenerationSettings.field_names() - {"max_new_tokens", "eos_token_id", "temperature", "top_p",
                                                      "seed", "max_block_size"}     # the last: the operator's
 SERVER_EXTRAS = {"enable_thinking", "chat_template_kwargs", "skip_special_tokens", "ignore_eos",
-                 "tool_call_grammar"}
+                 "tool_call_grammar", "step_events"}
 # OpenAI fields we accept and ignore when they ask for nothing we would do differently.
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                   "safety_identifier"}

@@ -56,7 +56,7 @@ class CountRequests:
 class Guard:
     """ASGI middleware in front of every route: the Host header must be one of `allowed_hosts`
     (when given: a DNS-rebinding page reaches a loopback server under its own host name), and, when
-    `api_key` is set, every path but `open_paths` (/health: for load balancers) needs
+    `api_key` is set, every path but `open_paths` (/health: for load balancers; the playground page) needs
     `Authorization: Bearer <api_key>`. Refusals are OpenAI-shaped errors (400 invalid_host, 401)."""
 
     def __init__(self, app, api_key: str | None = None, allowed_hosts=None, open_paths=("/health",)):
@@ -251,7 +251,7 @@ def parse_json(body: bytes):
 
 
 # What a request that the server ends at shutdown receives, as if the engine had sent it.
-SHUTDOWN_EVENT = SimpleNamespace(tokens=(), finished=True, finish_reason="error", error_code="shutdown",
+SHUTDOWN_EVENT = SimpleNamespace(tokens=(), steps=(), finished=True, finish_reason="error", error_code="shutdown",
                                  error="the server is shutting down: the request was stopped before it finished")
 
 
@@ -284,25 +284,25 @@ async def _events_until(handle, drain: asyncio.Event | None):
 
 
 async def outputs(handle, text: TextStream, drain: asyncio.Event | None = None):
-    """Yield (delta, finish_reason, error_event) per engine event; the last has a finish reason or
-    an error event. A stop string ends it early (finish "stop") and cancels the request; `drain`
+    """Yield (delta, finish_reason, error_event, steps) per engine event (`steps`: its denoising
+    steps, for a request that asked for them); the last has a finish reason or an error event. A stop string ends it early (finish "stop") and cancels the request; `drain`
     (set when the server's grace period is about to run out) ends it with a shutdown error event."""
     try:
         async for event in _events_until(handle, drain):
             delta = text.feed(event.tokens)
             if text.stopped:
                 handle.cancel()
-                yield delta, "stop", None
+                yield delta, "stop", None, event.steps
                 return
             if event.finished:
                 tail = text.flush()
                 delta = {k: delta[k] + tail[k] for k in delta}
                 if event.finish_reason == "error":
-                    yield delta, None, event
+                    yield delta, None, event, event.steps
                 else:
-                    yield delta, FINISH_REASONS.get(event.finish_reason, "stop"), None
+                    yield delta, FINISH_REASONS.get(event.finish_reason, "stop"), None, event.steps
                 return
-            yield delta, None, None
+            yield delta, None, None, event.steps
     finally:
         handle.cancel()            # a no-op when finished; frees the slot when the consumer left early
 
@@ -321,7 +321,7 @@ async def collect(request: Request, handle, text: TextStream, drain: asyncio.Eve
     result = {"finish": "stop", "error": None}
 
     async def run():
-        async for delta, finish, error in outputs(handle, text, drain):
+        async for delta, finish, error, _ in outputs(handle, text, drain):
             for k in parts:
                 parts[k].append(delta[k])
             if finish or error:
