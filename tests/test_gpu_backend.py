@@ -309,7 +309,7 @@ def test_steps_compile_without_graph_breaks(kind, attention_path):
     model = make_model("base", dtype=torch.bfloat16)
     model.backend = Backend("cuda")
     torch._dynamo.reset()
-    run = torch.compile(model._run, fullgraph=True, dynamic=False, backend="aot_eager")
+    run = torch.compile(model.run, fullgraph=True, dynamic=False, backend="aot_eager")
     pool = model.state_pool()
     with torch.inference_mode():
         caches = [model.make_cache() for _ in range(2)]

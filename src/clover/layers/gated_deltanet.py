@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..transfer import device_tensor
 from .delta_rule import gated_delta_rule
 from .norms import GatedRMSNorm, compute_dtype
 
@@ -80,28 +81,6 @@ class GatedDeltaNet(nn.Module):
         shifted = F.pad(u_block[:, :, 1:], (0, Kr))
         return depthwise_conv(shifted, self.conv1d_right.weight)[:, :, : u_block.shape[2]]
 
-    def _heads(self, x_conv, a, b, dtype):
-        """Post-conv channels → q, k, v, g, β per value head, in compute precision. Shapes [B, H, T, …]."""
-        B, T, _ = x_conv.shape
-        cdt = compute_dtype(dtype)
-        q, k, v = torch.split(x_conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(B, T, self.num_k_heads, self.dk).to(cdt)) * self.dk**-0.5
-        k = l2_normalize(k.reshape(B, T, self.num_k_heads, self.dk).to(cdt))
-        v = v.reshape(B, T, self.num_v_heads, self.dv).to(cdt)
-        rep = self.num_v_heads // self.num_k_heads
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        beta = torch.sigmoid(b.to(cdt))
-        g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias.to(cdt))
-        tr = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
-        return tr(q), tr(k), tr(v), tr(g), tr(beta)
-
-    def _block_readout(self, o_causal, q, end_state):
-        """Mix causal outputs with the end-of-block readout `S_endᵀ q_t`, per value head."""
-        o_block = q @ end_state                                              # [B, H, L, dv]
-        w = torch.softmax(self.block_mix_logits.to(o_causal.dtype), dim=-1)  # [H, 2]
-        return w[:, 0, None, None] * o_causal + w[:, 1, None, None] * o_block
-
     # ---- forward -------------------------------------------------------------------------------
     layer_index = 0   # this layer's place in the model (the state pool keys its slots by it)
 
@@ -120,51 +99,91 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(core(self, u, z, b, a, batch, block_len))
 
 
-def gdn_core_reference(self: GatedDeltaNet, u, z, b, a, batch, block_len: int):
-    """The mixer between its input projections and `out_proj`: causal conv (+ the right conv in the
-    block), the gated delta rule over the rows' states, the block readout, the gated norm."""
+def gdn_core_reference(mixer: GatedDeltaNet, u, z, b, a, batch, block_len: int):
+    """The mixer between its input projections and `out_proj`, in plain PyTorch: `gdn_mix` with the
+    depthwise conv and the chunked / recurrent delta rule of layers/delta_rule.py."""
+    return gdn_mix(mixer, u, z, b, a, batch, block_len, conv=lambda u, tail, full, w: depthwise_conv(full, w),
+                   delta_rule=delta_rule_reference)
+
+
+def delta_rule_reference(q, k, v, g, beta, state, scale: float):
+    """The gated delta rule on heads-last tensors: q, k [B, T, Hk, dk] (not yet normalised), v [B, T, Hv, dv],
+    g, β [B, T, Hv], state [B, Hv, dk, dv] fp32 → (o [B, T, Hv, dv], final state). Value head h reads key
+    head h // (Hv / Hk)."""
+    cdt = state.dtype
+    rep = v.shape[2] // q.shape[2]
+    qh = (l2_normalize(q.to(cdt)) * scale).repeat_interleave(rep, dim=2)
+    kh = l2_normalize(k.to(cdt)).repeat_interleave(rep, dim=2)
+    tr = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
+    o, final = gated_delta_rule(tr(qh), tr(kh), tr(v.to(cdt)), tr(g.to(cdt)), tr(beta.to(cdt)), state)
+    return o.transpose(1, 2), final
+
+
+def gdn_mix(mixer: GatedDeltaNet, u, z, b, a, batch, block_len: int, conv, delta_rule, padded_rule=None):
+    """The GDN mixer around its two replaceable parts, written once for every backend: causal conv from
+    each row's cached tail (+ the right conv in the block), the gated delta rule over the rows' states
+    (the causal part's end state and conv tail written to the rows' write slots), the block's
+    end-of-block readout mixed with its causal readout (§4), the gated norm.
+    `conv(u [B, T, C], tail [B, C, K−1], full [B, C, K−1+T], weight) → [B, C, T]`; `delta_rule` as
+    `delta_rule_reference`; right-padded rows (a backend that takes them, backend.py) run through
+    `padded_rule(q, k, v, g, β, state, scale, lens, cache)` where given, else with g = 0, β = 0 past
+    each row's length (its state passes through unchanged)."""
     B, T, _ = u.shape
     dtype = u.dtype
     cdt = compute_dtype(dtype)
-    u = u.transpose(1, 2)                                                # [B, C, T]
-    z = z.reshape(B, T, self.num_v_heads, self.dv)
-    K = self.kernel
-
+    K = mixer.kernel
+    Hk, Hv, dk, dv = mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv
+    ut = u.transpose(1, 2)                                                # [B, C, T]
     if batch is None:
-        tail = u.new_zeros(B, self.conv_dim, K - 1)
-        state0 = torch.zeros(B, self.num_v_heads, self.dk, self.dv, dtype=cdt, device=u.device)
+        tail = u.new_zeros(B, mixer.conv_dim, K - 1)
+        state0 = torch.zeros(B, Hv, dk, dv, dtype=cdt, device=u.device)
     else:
-        conv_pool, rec_pool = batch.pool.conv[self.layer_index], batch.pool.recurrent[self.layer_index]
-        slots = batch.index(u.device, T).read_slots
-        tail, state0 = conv_pool[slots], rec_pool[slots]
-    full = torch.cat([tail, u], dim=2)
-    left = depthwise_conv(full, self.conv1d.weight)                      # [B, C, T]
+        idx = batch.index(u.device, T)
+        conv_pool, rec_pool = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
+        tail, state0 = conv_pool[idx.read_slots], rec_pool[idx.read_slots]
+    full = torch.cat([tail, ut], dim=2)
+    left = conv(u, tail, full, mixer.conv1d.weight)                      # [B, C, T]
     P = T - block_len
     if block_len:
-        right = self._right_conv(u[:, :, P:])
+        right = mixer._right_conv(ut[:, :, P:])
         left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
-    x_conv = F.silu(left).transpose(1, 2)                                # [B, T, C]
-    q, k, v, g, beta = self._heads(x_conv, a, b, dtype)
+    x = F.silu(left).transpose(1, 2)                                      # [B, T, C]
+    q, k, v = torch.split(x, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    q, k, v = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv)
+    beta = torch.sigmoid(b.to(cdt))                                       # [B, T, Hv]
+    g = -mixer.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + mixer.dt_bias.to(cdt))
+    padded = batch is not None and batch.padded
+    if padded and padded_rule is None:
+        lens = device_tensor(batch.commits, u.device)
+        keep = (torch.arange(T, device=u.device)[None, :] < lens[:, None])[..., None]
+        g, beta = g * keep, beta * keep
+    scale = dk ** -0.5
 
     parts = []
     state = state0
     if P:
-        causal = tuple(t[:, :, :P] for t in (q, k, v, g, beta))
-        o_causal, state = gated_delta_rule(*causal, state)
+        if padded and padded_rule is not None:
+            o_causal, state = padded_rule(q, k, v, g, beta, state, scale, batch.commits, idx.derived)
+        else:
+            o_causal, state = delta_rule(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state, scale)
         parts.append(o_causal)
-        if batch is not None:                  # the causal part is committed to the write slots
-            for r in range(B):
-                end = batch.commits[r]
-                w = batch.write_slots[r]
-                if w is None:
-                    continue
-                conv_pool[w] = full[r, :, end:end + K - 1]
-                rec_pool[w] = state[r]
+        if batch is not None and idx.write_rows.numel():
+            rows = idx.write_rows
+            if padded:                # each row's conv tail ends at its own length
+                ends = device_tensor(batch.commits, u.device)[rows]
+                cols = ends[:, None] + torch.arange(K - 1, device=u.device)            # [W, K−1]
+                tails = full[rows].gather(2, cols[:, None, :].expand(-1, full.shape[1], -1))
+            else:
+                tails = full[rows, :, P:P + K - 1]
+            conv_pool.index_copy_(0, idx.write_slots, tails.to(conv_pool.dtype))
+            rec_pool.index_copy_(0, idx.write_slots, state[rows].to(rec_pool.dtype))
     if block_len:
-        qb = q[:, :, P:]
-        o_c, end_state = gated_delta_rule(qb, k[:, :, P:], v[:, :, P:], g[:, :, P:], beta[:, :, P:], state)
-        parts.append(self._block_readout(o_c, qb, end_state))
-    o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-
-    o = o.transpose(1, 2).to(dtype)                                      # [B, T, H, dv]
-    return self.norm(o, z).reshape(B, T, self.value_dim)
+        qb = q[:, P:]
+        o_c, end_state = delta_rule(qb, k[:, P:], v[:, P:], g[:, P:], beta[:, P:], state, scale)
+        # the end-of-block readout S_endᵀ q_t per value head, mixed with the causal readout (§4)
+        qn = (l2_normalize(qb.to(cdt)) * scale).repeat_interleave(Hv // Hk, dim=2)   # [B, L, Hv, dk]
+        o_block = (qn.transpose(1, 2) @ end_state.to(cdt)).transpose(1, 2)           # [B, L, Hv, dv]
+        w = torch.softmax(mixer.block_mix_logits.to(cdt), dim=-1)                     # [Hv, 2]
+        parts.append(w[:, 0, None] * o_c + w[:, 1, None] * o_block)
+    o = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]           # [B, T, Hv, dv]
+    return mixer.norm(o.to(dtype), z.reshape(B, T, Hv, dv)).reshape(B, T, mixer.value_dim)
