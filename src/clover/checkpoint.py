@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from .config import CloverConfig
 from .errors import CheckpointError
+from .staging import staged_directory
 from .transfer import StagedCopy
 
 IGNORED = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."), re.compile(r"^visual\."))
@@ -561,10 +562,28 @@ def _prepare_quantized(model, stored: dict, config, path) -> dict[str, torch.Ten
 
 
 # ---- writing ----------------------------------------------------------------------------------
-def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Path, *, layout: str = "fused",
-                    max_shard_bytes: int | None = None, prefix: str = "model.", dtype: torch.dtype | None = None,
-                    include_clover_params: bool = True) -> Path:
-    """Write `config.json` and safetensors weights in one of the layouts the loader accepts.
+def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Path, **options) -> Path:
+    """Write `config.json` and safetensors weights to the directory `path`, whole or not at all
+    (staging.py): the files are written into a sibling directory that replaces `path` only once
+    complete, so an interrupted save leaves the previous checkpoint (or none). Other files already in
+    `path` (a tokenizer, a README) are kept. `options`: those of `write_checkpoint`."""
+    path = Path(path)
+    with staged_directory(path, keep=lambda name: not _is_checkpoint_file(name)) as staging:
+        write_checkpoint(model_or_state, config, staging, **options)
+    return path
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """Whether a file belongs to the checkpoint `write_checkpoint` writes (replaced, not kept)."""
+    return name == "config.json" or name == INDEX_FILE or name.endswith(".safetensors")
+
+
+def write_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Path, *, layout: str = "fused",
+                     max_shard_bytes: int | None = None, prefix: str = "model.", dtype: torch.dtype | None = None,
+                     include_clover_params: bool = True) -> Path:
+    """Write `config.json` and safetensors weights into the directory `path` as it is (callers that
+    write a whole directory stage it themselves; `save_checkpoint` does) in one of the layouts the
+    loader accepts.
 
     layout: "fused" (transformers 5) or "per_expert" (hub); prefix "model." or "model.language_model.";
     `max_shard_bytes` splits into shards with an index; `include_clover_params=False` drops Clover's
