@@ -114,14 +114,29 @@ def test_the_tiny_gguf_loads(gguf_file):
     assert isinstance(model, CloverForCausalLM) and model.gguf_types["model.norm.weight"] == "F32"
 
 
-@pytest.mark.parametrize("field, offset, message", [("tensor count", 8, "the tensor count is 1099511627776"),
-                                                    ("kv count", 16, "key/value count is 1099511627776")])
-def test_a_count_of_2_40_is_refused_by_name(gguf_file, tmp_path, field, offset, message):
+@pytest.mark.parametrize("offset, count, message", [
+    (8, 1 << 40, "the tensor count is 1099511627776, more than"),
+    (16, 1 << 40, "the metadata key/value count is 1099511627776, more than"),
+    (8, 1 << 20, r"the tensor count is 1048576, but 1048576 of them take at least 25165824 bytes and the file has"),
+    (16, 1 << 20, r"the metadata key/value count is 1048576, but .* the file has"),
+])
+def test_a_count_past_the_limit_or_the_file_is_refused_by_name(gguf_file, tmp_path, offset, count, message):
+    """The tensor / key-value counts of issue #47 (2^40: once an OverflowError and a MemoryError),
+    and counts under the limit that the file is too small to hold."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(gguf_file.read_bytes())
-    patch(bad, offset, struct.pack("<Q", 1 << 40))
+    patch(bad, offset, struct.pack("<Q", count))
     with pytest.raises(GGUFError, match=message):
         load_gguf(bad)
+
+
+def test_an_array_longer_than_the_limit_is_refused(gguf_file, monkeypatch):
+    from clover.gguf import header
+
+    tokens = len(gguf.GGUFReader(gguf_file).fields["tokenizer.ggml.tokens"].data)
+    monkeypatch.setattr(header, "MAX_COUNT", tokens - 1)
+    with pytest.raises(GGUFError, match=f"metadata key 'tokenizer.ggml.tokens'.s element count is {tokens}, more than"):
+        load_gguf(gguf_file)
 
 
 def test_a_norm_retyped_to_q8_0_is_refused(gguf_file, tmp_path):

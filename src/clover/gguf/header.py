@@ -34,6 +34,11 @@ MAX_DIMS = 4                    # GGML_MAX_DIMS
 # The fewest bytes one item can take: a key/value (key length, type, a 1-byte value), a tensor's
 # index entry (name length, dimension count, type, offset), and an array element of each type.
 MIN_KV_BYTES, MIN_TENSOR_BYTES, MIN_STRING_BYTES, MIN_ARRAY_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8, 8, 4 + 8
+# Sane limits beside the file's size, since a Python value costs more than its bytes (an int in a
+# list ~36 bytes for 1 byte of file): a 250k-token vocabulary's arrays, a chat template, a model's
+# tensors stay far below them.
+MAX_COUNT = 1 << 24             # tensors, key/values, array elements
+MAX_STRING = 1 << 26            # bytes in one string
 
 
 class HeaderError(ValueError):
@@ -58,10 +63,14 @@ class _Cursor:
             if n > len(self.buf):
                 raise HeaderError(f"the file ends inside its header (at byte {self.base + len(self.buf)})")
 
-    def count(self, what: str, min_bytes: int) -> int:
-        """A u64 count of items that take at least `min_bytes` each, checked to fit in the bytes left."""
+    def count(self, what: str, min_bytes: int, limit: int | None = None) -> int:
+        """A u64 count of items that take at least `min_bytes` each, checked against `limit` (default
+        MAX_COUNT) and to fit in the bytes left."""
+        limit = MAX_COUNT if limit is None else limit
         n = self.unpack("<Q")
         left = self.size - self.offset
+        if n > limit:
+            raise HeaderError(f"{what} is {n}, more than the {limit} Clover reads (at byte {self.offset - 8})")
         if n * min_bytes > left:
             raise HeaderError(f"the file ends inside its header: {what} is {n}, but {n} of them take at least "
                               f"{n * min_bytes} bytes and the file has {left} left after byte {self.offset}")
@@ -75,7 +84,7 @@ class _Cursor:
         return value
 
     def string(self, what: str = "a string") -> str:
-        n = self.count(f"the length of {what}", 1)
+        n = self.count(f"the length of {what}", 1, MAX_STRING)
         self.need(n, what)
         raw = self.buf[self.pos:self.pos + n]
         self.pos += n
