@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from clover.checkpoint import load_model, save_checkpoint  # noqa: E402
 from clover.errors import CheckpointError  # noqa: E402
-from clover.gguf import GGUFError, load_gguf  # noqa: E402
+from clover.gguf import GGUFError, load_gguf, load_tokenizer  # noqa: E402
 from clover.model import CloverForCausalLM  # noqa: E402
 from gguf_files import qwen_tokenizer, write_gguf  # noqa: E402
 from tiny_models import make_model  # noqa: E402
@@ -343,7 +343,9 @@ def run_fuzz(kind: str, directory: Path) -> None:
         target = directory / "mutated.gguf"
 
         def load(path):
-            return load_gguf(path)
+            model = load_gguf(path)
+            load_tokenizer(path)                       # the same header's vocabulary and merges
+            return model
     else:
         source = write_tiny_safetensors(directory / "source")
         header_end = 8 + struct.unpack("<Q", source.read_bytes()[:8])[0]
@@ -385,7 +387,7 @@ def run_fuzz(kind: str, directory: Path) -> None:
 @pytest.mark.parametrize("kind", ["gguf", "safetensors"])
 def test_fuzzed_headers_give_a_named_error_or_a_model(tmp_path, kind):
     """Mutated headers (edge values in counts, lengths, types, dimensions, offsets; changed bytes; cut
-    files), each loaded by clover's loader in a child capped to its warm size + 1 GiB of address
+    files), each loaded by clover's loader (GGUF: the model and its tokenizer) in a child capped to its warm size + 1 GiB of address
     space: every outcome is a `CheckpointError`/`GGUFError` naming the file or a loaded model — never
     another exception, a MemoryError, a crash or a load slower than 5 s."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
