@@ -48,7 +48,8 @@ def read_config(f: GGUFFile) -> CloverConfig:
     except GGUFError:
         raise
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:   # a value of the wrong kind
-        raise GGUFError(f"{f.path}: the metadata gives an invalid configuration ({type(exc).__name__}: {exc})") from None
+        raise GGUFError(f"{f.path}: the metadata gives an invalid configuration "
+                        f"({type(exc).__name__}: {exc})") from None
 
 
 def _read_config(f: GGUFFile) -> CloverConfig:

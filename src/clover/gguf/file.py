@@ -158,8 +158,8 @@ def _read_header(path: Path, shard: int) -> tuple[dict, dict[str, TensorInfo]]:
     ordered = sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes))
     for before, after in zip(ordered, ordered[1:]):
         if after.offset < before.offset + before.nbytes:
-            raise GGUFError(f"{path}: tensors {before.describe()} (bytes {before.offset}..{before.offset + before.nbytes})"
-                            f" and {after.describe()} (from byte {after.offset}) overlap")
+            raise GGUFError(f"{path}: tensors {before.describe()} (bytes {before.offset}.."
+                            f"{before.offset + before.nbytes}) and {after.describe()} (from byte {after.offset}) overlap")
     return fields, tensors
 
 

@@ -12,8 +12,8 @@ bytes; an array is an element type u32, a u64 count and the elements. Then per t
 count u32, dimensions u64 (innermost first), type u32, offset u64 from the data section, which starts
 at the next multiple of `general.alignment` (32 by default) after the index.
 
-Every count and length is checked against the bytes left in the file before anything is read or
-allocated for it (a count of 2^40 is refused by name, never met with a 2^40-element allocation), and
+Every count and length is checked against a sane limit and the bytes left in the file before anything
+is read or allocated for it (a count of 2^40 is refused by name, never met with a 2^40-element allocation), and
 arrays nest at most `MAX_NESTING` deep, so a hostile header costs at most a pass over its own bytes.
 """
 
@@ -124,7 +124,8 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
             return "ARRAY[STRING]", [cur.string(f"an element of metadata key {key!r}")
                                      for _ in range(cur.count(what, MIN_STRING_BYTES))]
         if etype == ARRAY:
-            return "ARRAY[ARRAY]", [_value(cur, ARRAY, key, depth + 1)[1] for _ in range(cur.count(what, MIN_ARRAY_BYTES))]
+            count = cur.count(what, MIN_ARRAY_BYTES)
+            return "ARRAY[ARRAY]", [_value(cur, ARRAY, key, depth + 1)[1] for _ in range(count)]
         raise HeaderError(f"metadata key {key!r}: unknown array element type {etype}")
     raise HeaderError(f"metadata key {key!r}: unknown value type {vtype}")
 
@@ -159,7 +160,7 @@ def read_header(path) -> tuple[dict, list[tuple], int]:
             dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
             tensors.append((name, cur.unpack("<I"), dims, cur.unpack("<Q")))
         alignment = fields.get("general.alignment", ("UINT32", 32))[1]
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise HeaderError(f"general.alignment is {alignment!r}, not a power of two")
         start = -(-cur.offset // alignment) * alignment
     return fields, tensors, start
