@@ -196,6 +196,15 @@ def test_a_string_length_past_the_end_is_refused_before_reading(gguf_file, tmp_p
         load_gguf(bad)
 
 
+def test_split_keys_of_the_wrong_kind_or_size_are_refused(tmp_path):
+    """A split count of 2^40 would list 2^40 shard names; a string split.no would fail arithmetic."""
+    for key, value, shown in (("split.count", 1 << 40, "1099511627776"), ("split.no", "one", "'one'")):
+        add = (lambda w: w.add_uint64(key, value)) if isinstance(value, int) else (lambda w: w.add_string(key, value))
+        path = write_tiny_gguf(tmp_path / f"{key}.gguf", extra=add)
+        with pytest.raises(GGUFError, match=f"metadata key {key} is {shown}, not an integer"):
+            load_gguf(path)
+
+
 # ---- safetensors -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:

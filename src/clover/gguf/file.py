@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, MappedBytes
-from .header import HeaderError, read_header
+from .header import MAX_COUNT, HeaderError, read_header
 from .split import describe_model, group_models, parse_shard_name
 
 
@@ -120,6 +120,10 @@ class GGUFFile:
         self.close()
 
 
+# a split set's keys, bounded as its shard names are (PREFIX-0000k-of-0000n.gguf)
+SPLIT_KEYS = {"split.no": 99_998, "split.count": 99_999, "split.tensors.count": MAX_COUNT}
+
+
 def _read_header(path: Path, shard: int) -> tuple[dict, dict[str, TensorInfo]]:
     """One file's metadata fields and tensor index, each tensor checked — type known, rows of whole
     blocks, offset aligned, bytes inside the file and apart from every other tensor's — before any
@@ -129,6 +133,10 @@ def _read_header(path: Path, shard: int) -> tuple[dict, dict[str, TensorInfo]]:
         fields, index, start = read_header(path)
     except (HeaderError, OSError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from None
+    for key, limit in SPLIT_KEYS.items():
+        value = _value(fields, key)
+        if value is not None and (type(value) is not int or not 0 <= value <= limit):
+            raise GGUFError(f"{path}: metadata key {key} is {value!r}, not an integer in 0…{limit}")
     size = path.stat().st_size
     alignment = fields.get("general.alignment", ("UINT32", 32))[1]
     tensors: dict[str, TensorInfo] = {}
