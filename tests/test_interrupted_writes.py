@@ -140,3 +140,12 @@ def test_save_checkpoint_keeps_the_other_files_of_its_directory(tmp_path, source
     loaded = load_model(dst)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in models[1].state_dict().items()
                if not k.startswith("model.rotary"))
+
+
+def test_a_file_in_the_way_is_not_replaced(tmp_path, sources):
+    models, _ = sources
+    dst = tmp_path / "notes.txt"
+    dst.write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        save_checkpoint(models[0], models[0].config, dst)
+    assert dst.read_text() == "keep me" and leftovers(dst) == []

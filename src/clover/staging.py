@@ -135,6 +135,8 @@ def _carry_over(out: Path, staging: Path, keep) -> None:
 def staged_directory(out: str | Path, keep=None):
     """Yield the directory to write `out`'s files into; see the module docstring."""
     out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory: refusing to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
     staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(out)}{os.getpid()}-", dir=out.parent))
