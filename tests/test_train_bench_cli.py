@@ -141,9 +141,9 @@ def test_an_interrupted_save_leaves_the_previous_save_whole(tmp_path, monkeypatc
 
     out = tmp_path / "model"
     saves, kept = [], {}
-    real_save = train.save_checkpoint
+    real_save = train.write_checkpoint
 
-    def save_checkpoint(model, cfg, path, **kw):
+    def write_checkpoint(model, cfg, path, **kw):
         saves.append(path)
         if len(saves) == 1:
             kept.update({k: v.clone() for k, v in model.state_dict().items()})
@@ -155,7 +155,7 @@ def test_an_interrupted_save_leaves_the_previous_save_whole(tmp_path, monkeypatc
         if text.startswith("step") and int(text.split()[1].split("/")[0]) == 3:
             raise KeyboardInterrupt                  # the first Ctrl-C, after step 3
 
-    monkeypatch.setattr(train, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(train, "write_checkpoint", write_checkpoint)
     with pytest.raises(KeyboardInterrupt):
         train.train_model(out, steps=10, batch_size=4, config_size="tiny", save_every=2, log=log, log_every=1)
     assert len(saves) == 2 and all(Path(p) != out for p in saves)        # both written aside, not into --out

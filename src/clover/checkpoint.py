@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from .config import CloverConfig
 from .errors import CheckpointError
 from .progress import progress
+from .staging import staged_directory
 from .transfer import StagedCopy
 
 IGNORED = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."), re.compile(r"^visual\."))
@@ -51,8 +52,14 @@ QUANT_SUFFIXES = (".qweight", ".scales", ".mins")
 CHUNK_BYTES = 16 << 20   # bytes converted per step: bounds the temporaries of a dtype conversion
 
 
+MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit on the JSON header
+
+
 def _check_file(path: Path) -> dict:
-    """Parse a safetensors header and check every entry against the bytes the file really holds.
+    """Parse a safetensors header and check every entry against the bytes the file really holds,
+    before anything is mapped or allocated: the header's length against the file and a sane limit,
+    its JSON shape, each tensor's dtype name, shape (non-negative integers), and data offsets (inside
+    the data, spanning shape × dtype bytes, no two tensors overlapping).
 
     Returns the header with `"__data_start__"` added (the byte offset of the data section)."""
     size = path.stat().st_size
@@ -63,37 +70,67 @@ def _check_file(path: Path) -> dict:
         (n,) = struct.unpack("<Q", raw)
         if 8 + n > size:
             raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: corrupt safetensors header: its length field says {n} bytes "
+                                  f"(at most {MAX_HEADER_BYTES} are read)")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header: __metadata__ must map names to strings")
     data_size = size - 8 - n
-    entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
-    try:
-        entries.sort(key=lambda kv: kv[1]["data_offsets"])   # report the first tensor that is cut
-    except (KeyError, TypeError):
-        pass
-    for key, meta in entries:
-        try:
-            shape, tag, (begin, end) = list(meta["shape"]), meta["dtype"], meta["data_offsets"]
-            numel = math.prod(int(d) for d in shape)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {meta!r}") from None
+    spans = []
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end, shape, tag = _entry_layout(path, key, meta)
         if end > data_size:
             raise CheckpointError(
                 f"{path}: truncated safetensors file: tensor {key!r} {shape} {tag} needs data bytes "
                 f"{begin}..{end} but the file holds only {data_size} bytes of data ({size} in all)"
             )
-        if not 0 <= begin <= end or (tag in ITEMSIZE and end - begin != numel * ITEMSIZE[tag]):
-            raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {key!r} {shape} {tag} spans bytes {begin}..{end}, "
-                f"expected {numel * ITEMSIZE.get(tag, 0)} bytes"
-            )
+        spans.append((begin, end, key))
+    spans.sort()
+    for (_, end, key), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensors {key!r} (data bytes ..{end}) and "
+                                  f"{other!r} (from data byte {begin}) overlap")
     header["__data_start__"] = 8 + n
     header["__file_size__"] = size
     return header
+
+
+def _entry_layout(path: Path, key: str, meta) -> tuple[int, int, list[int], str]:
+    """(begin, end, shape, dtype name) of one header entry, each field checked for its kind and the
+    span for its length (shape × dtype bytes); raises `CheckpointError` naming the tensor and field."""
+    def bad(why: str):
+        return CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {why} ({str(meta)[:200]})")
+
+    if not isinstance(meta, dict):
+        raise bad("not a JSON object")
+    shape, tag, offsets = meta.get("shape"), meta.get("dtype"), meta.get("data_offsets")
+    if tag not in ITEMSIZE:
+        raise bad(f"dtype {tag!r} is not a safetensors dtype ({', '.join(ITEMSIZE)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad("shape must be a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad("data_offsets must be two non-negative integers")
+    begin, end = offsets
+    nbytes = math.prod(shape) * ITEMSIZE[tag]
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: tensor {key!r} {shape} {tag} spans data bytes {begin}..{end}, "
+            f"expected {nbytes} bytes"
+        )
+    return begin, end, shape, tag
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class MappedBytes:
@@ -496,7 +533,7 @@ def _prepare_quantized(model, stored: dict, config, path) -> dict[str, torch.Ten
             raise CheckpointError(f"{path}: quantized tensor {owner}.qweight belongs to no matrix of the model")
         qtag = stored[owner + ".qweight"][3]
         scales = stored.get(owner + ".scales")
-        if qtag not in ("I8", "U8") or scales is None or not scales[2] or K % scales[2][-1]:
+        if qtag not in ("I8", "U8") or scales is None or not scales[2] or not scales[2][-1] or K % scales[2][-1]:
             raise CheckpointError(
                 f"{path}: {owner}: a quantized matrix needs qweight I8 or U8 and scales whose last dimension divides "
                 f"its {K} inputs (got qweight {qtag}, scales {None if scales is None else scales[2]})")
@@ -527,10 +564,28 @@ def _prepare_quantized(model, stored: dict, config, path) -> dict[str, torch.Ten
 
 
 # ---- writing ----------------------------------------------------------------------------------
-def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Path, *, layout: str = "fused",
-                    max_shard_bytes: int | None = None, prefix: str = "model.", dtype: torch.dtype | None = None,
-                    include_clover_params: bool = True) -> Path:
-    """Write `config.json` and safetensors weights in one of the layouts the loader accepts.
+def save_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Path, **options) -> Path:
+    """Write `config.json` and safetensors weights to the directory `path`, whole or not at all
+    (staging.py): the files are written into a sibling directory that replaces `path` only once
+    complete, so an interrupted save leaves the previous checkpoint (or none). Other files already in
+    `path` (a tokenizer, a README) are kept. `options`: those of `write_checkpoint`."""
+    path = Path(path)
+    with staged_directory(path, keep=lambda name: not _is_checkpoint_file(name)) as staging:
+        write_checkpoint(model_or_state, config, staging, **options)
+    return path
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """Whether a file belongs to the checkpoint `write_checkpoint` writes (replaced, not kept)."""
+    return name == "config.json" or name == INDEX_FILE or name.endswith(".safetensors")
+
+
+def write_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Path, *, layout: str = "fused",
+                     max_shard_bytes: int | None = None, prefix: str = "model.", dtype: torch.dtype | None = None,
+                     include_clover_params: bool = True) -> Path:
+    """Write `config.json` and safetensors weights into the directory `path` as it is (callers that
+    write a whole directory stage it themselves; `save_checkpoint` does) in one of the layouts the
+    loader accepts.
 
     layout: "fused" (transformers 5) or "per_expert" (hub); prefix "model." or "model.language_model.";
     `max_shard_bytes` splits into shards with an index; `include_clover_params=False` drops Clover's

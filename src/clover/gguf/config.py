@@ -38,10 +38,21 @@ from .file import GGUFError, GGUFFile
 from .names import ARCH, EXTRA_TENSORS
 
 MASK, THINK, THINK_END = "<|mask|>", "<think>", "</think>"
+MAX_SIZE = 1 << 24       # bound on a size key (heads, widths, experts): shapes the tensors must then match
 
 
 def read_config(f: GGUFFile) -> CloverConfig:
     """The model configuration a GGUF file describes (raises `GGUFError` naming the key)."""
+    try:
+        return _read_config(f)
+    except GGUFError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:   # a value of the wrong kind
+        raise GGUFError(f"{f.path}: the metadata gives an invalid configuration "
+                        f"({type(exc).__name__}: {exc})") from None
+
+
+def _read_config(f: GGUFFile) -> CloverConfig:
     arch = f.get("general.architecture")
     if arch != ARCH:
         raise GGUFError(f"{f.path}: general.architecture is {arch!r}; Clover reads {ARCH!r} "
@@ -56,22 +67,40 @@ def read_config(f: GGUFFile) -> CloverConfig:
             return default
         return value
 
-    blocks = int(key("block_count"))
-    layers = blocks - int(key("nextn_predict_layers", False, 0))
-    interval = int(key("full_attention_interval"))
+    def count(name, required=True, default=None, limit=MAX_SIZE):
+        """An integer key that sizes something: checked to be one, within 0…`limit`, before use."""
+        value = key(name, required, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+            raise GGUFError(f"{f.path}: metadata key {a}.{name} is {value!r}, not an integer in 0…{limit}")
+        return value
+
+    def real(name, required=True, default=None):
+        value = key(name, required, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise GGUFError(f"{f.path}: metadata key {a}.{name} is {value!r}, not a number")
+        return float(value)
+
+    # every layer stores tensors, so the file's tensor count bounds the layer count
+    blocks = count("block_count", limit=len(f.tensors))
+    layers = blocks - count("nextn_predict_layers", False, 0, limit=blocks)
+    interval = count("full_attention_interval")
     if interval < 1:
         raise GGUFError(f"{f.path}: {a}.full_attention_interval must be positive, got {interval}")
     layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
     attention_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
     heads = _per_layer(f, f"{a}.attention.head_count", key("attention.head_count"), attention_layers)
+    if heads == 0:
+        raise GGUFError(f"{f.path}: {a}.attention.head_count is 0")
     kv_heads = _per_layer(f, f"{a}.attention.head_count_kv", key("attention.head_count_kv", False, heads),
                           attention_layers)
-    hidden = int(key("embedding_length"))
-    head_dim = int(key("attention.key_length", False, hidden // heads))
-    rope_dim = int(key("rope.dimension_count", False, head_dim))
-    v_heads = int(key("ssm.time_step_rank"))
-    inner = int(key("ssm.inner_size"))
-    if inner % v_heads:
+    hidden = count("embedding_length")
+    head_dim = count("attention.key_length", False, hidden // max(heads, 1))
+    rope_dim = count("rope.dimension_count", False, head_dim)
+    v_heads = count("ssm.time_step_rank")
+    inner = count("ssm.inner_size")
+    if v_heads == 0 or inner % v_heads:
         raise GGUFError(f"{f.path}: {a}.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {v_heads}")
 
     tensors = f.tensors
@@ -93,18 +122,18 @@ def read_config(f: GGUFFile) -> CloverConfig:
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         layer_types=layer_types,
-        linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
-        linear_value_head_dim=inner // v_heads, linear_num_key_heads=int(key("ssm.group_count")),
+        linear_conv_kernel_dim=count("ssm.conv_kernel"), linear_key_head_dim=count("ssm.state_size"),
+        linear_value_head_dim=inner // v_heads, linear_num_key_heads=count("ssm.group_count"),
         linear_num_value_heads=v_heads,
-        moe_intermediate_size=int(key("expert_feed_forward_length")),
-        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", False, 0)),
-        num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", False, 10_000_000.0)),
+        moe_intermediate_size=count("expert_feed_forward_length"),
+        shared_expert_intermediate_size=count("expert_shared_feed_forward_length", False, 0),
+        num_experts=count("expert_count"), num_experts_per_tok=count("expert_used_count"),
+        rms_norm_eps=real("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": real("rope.freq_base", False, 10_000_000.0),
                          "partial_rotary_factor": rope_dim / head_dim},
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=any(n.endswith(".attn_q.bias") for n in tensors),
-        max_position_embeddings=int(key("context_length")),
+        max_position_embeddings=count("context_length"),
         eos_token_id=list(dict.fromkeys(int(e) for e in eos if e is not None)),
         pad_token_id=_opt_int(f.get("tokenizer.ggml.padding_token_id")),
     )

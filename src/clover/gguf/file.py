@@ -16,6 +16,7 @@ Shapes are given in PyTorch order (GGUF lists `ne` innermost first; we reverse i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, MappedBytes
-from .header import HeaderError, read_header
+from .header import MAX_COUNT, HeaderError, read_header
 from .split import describe_model, group_models, parse_shard_name
 
 
@@ -119,33 +120,54 @@ class GGUFFile:
         self.close()
 
 
+# a split set's keys, bounded as its shard names are (PREFIX-0000k-of-0000n.gguf)
+SPLIT_KEYS = {"split.no": 99_998, "split.count": 99_999, "split.tensors.count": MAX_COUNT}
+
+
 def _read_header(path: Path, shard: int) -> tuple[dict, dict[str, TensorInfo]]:
-    """One file's metadata fields and tensor index, each tensor checked to lie inside the file."""
+    """One file's metadata fields and tensor index, each tensor checked — type known, rows of whole
+    blocks, offset aligned, bytes inside the file and apart from every other tensor's — before any
+    byte of it is mapped."""
     gguf = import_gguf()
     try:
         fields, index, start = read_header(path)
     except (HeaderError, OSError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from None
+    for key, limit in SPLIT_KEYS.items():
+        value = _value(fields, key)
+        if value is not None and (type(value) is not int or not 0 <= value <= limit):
+            raise GGUFError(f"{path}: metadata key {key} is {value!r}, not an integer in 0…{limit}")
     size = path.stat().st_size
+    alignment = fields.get("general.alignment", ("UINT32", 32))[1]
     tensors: dict[str, TensorInfo] = {}
     for name, type_id, dims, offset in index:
         try:
             kind = gguf.GGMLQuantizationType(type_id)
         except ValueError:
             raise GGUFError(f"{path}: tensor {name!r} has unknown GGML type {type_id}") from None
+        if kind not in gguf.GGML_QUANT_SIZES:
+            raise GGUFError(f"{path}: tensor {name!r} has GGML type {kind.name}, which has no block size")
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-        count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        shape = [int(d) for d in reversed(dims)]
         if dims and dims[0] % block:
-            raise GGUFError(f"{path}: tensor {name!r} {list(reversed(dims))} {kind.name}: rows of {dims[0]} are not "
+            raise GGUFError(f"{path}: tensor {name!r} {shape} {kind.name}: rows of {dims[0]} are not "
                             f"whole blocks of {block}")
-        info = TensorInfo(name, kind.name, tuple(int(d) for d in reversed(dims)), start + offset,
-                          count // block * block_bytes, shard)
+        if offset % alignment:
+            raise GGUFError(f"{path}: tensor {name!r}: offset {offset} is not a multiple of general.alignment "
+                            f"{alignment}")
+        nbytes = math.prod(dims) // block * block_bytes     # (Python integers: no overflow)
+        info = TensorInfo(name, kind.name, tuple(shape), start + offset, nbytes, shard)
         if info.offset + info.nbytes > size:
             raise GGUFError(f"{path}: truncated file: tensor {info.describe()} needs bytes "
                             f"{info.offset}..{info.offset + info.nbytes}, the file has {size}")
         if info.name in tensors:
             raise GGUFError(f"{path}: tensor {info.name!r} is stored twice")
         tensors[info.name] = info
+    ordered = sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes))
+    for before, after in zip(ordered, ordered[1:]):
+        if after.offset < before.offset + before.nbytes:
+            raise GGUFError(f"{path}: tensors {before.describe()} (bytes {before.offset}.."
+                            f"{before.offset + before.nbytes}) and {after.describe()} (from byte {after.offset}) overlap")
     return fields, tensors
 
 

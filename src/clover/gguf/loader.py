@@ -127,6 +127,8 @@ def _check(f: GGUFFile, config, entries: list[Entry]) -> set[str]:
             fmt = FORMATS.get(info.type_name)
             if fmt is None:
                 unsupported.append(f"{info.describe()} (Clover reads {', '.join(FORMATS)})")
+            elif fmt.quantized and not _may_be_quantized(entry.param, src.shape):
+                unsupported.append(f"{info.describe()} (a norm, bias or vector: {', '.join(FLOAT_TYPES)} only)")
             elif info.shape and info.shape[-1] % fmt.block:
                 wrong.append(f"{src.name}: {info.shape[-1]} columns are not whole {fmt.name} blocks of {fmt.block}")
     unexpected = sorted(n for n in f.tensors if n not in used and not skipped(n, config.num_hidden_layers))
@@ -140,6 +142,16 @@ def _check(f: GGUFFile, config, entries: list[Entry]) -> set[str]:
     if problems:
         raise GGUFError(f"{f.path}: the GGUF file does not match its own metadata — " + " | ".join(problems))
     return defaults
+
+
+FLOAT_TYPES = tuple(name for name, fmt in FORMATS.items() if not fmt.quantized)
+
+
+def _may_be_quantized(param: str, shape) -> bool:
+    """Whether a stored tensor for Clover parameter `param` may hold a quantized GGML type: matrices
+    may (llama.cpp quantizes them); norms, biases and other vectors are float in every file llama.cpp
+    writes, so a quantized one is a corrupt or hostile file (its blocks would load as garbage)."""
+    return len(squeezed(shape)) >= 2 and not param.endswith(("norm.weight", ".bias"))
 
 
 def _default_dtype(f: GGUFFile, entries: list[Entry]) -> torch.dtype:

@@ -36,16 +36,20 @@ def build_tokenizer(f: GGUFFile) -> Tokenizer:
     """The file's tokenizer (raises `GGUFError` naming the key it cannot use)."""
     embedded = f.get("tokenizer.huggingface.json")
     if embedded:
-        return Tokenizer.from_str(embedded)
+        try:
+            return Tokenizer.from_str(embedded)
+        except Exception as exc:                  # (tokenizers raises plain Exception)
+            raise GGUFError(f"{f.path}: tokenizer.huggingface.json is not a tokenizer ({exc})") from None
     kind = f.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFError(f"{f.path}: tokenizer.ggml.model is {kind!r}; Clover builds byte-level BPE ('gpt2') "
                         "tokenizers (Qwen's)")
-    tokens = f.require("tokenizer.ggml.tokens")
-    types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = _list_of(f, "tokenizer.ggml.tokens", str, f.require("tokenizer.ggml.tokens"))
+    types = _list_of(f, "tokenizer.ggml.token_type", int, f.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = f.get("tokenizer.ggml.merges")
     if not merges:
         raise GGUFError(f"{f.path}: tokenizer.ggml.merges is missing (a byte-level BPE needs its merges)")
+    merges = _list_of(f, "tokenizer.ggml.merges", str, merges)
     if len(types) != len(tokens):
         raise GGUFError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     vocab: dict[str, int] = {}
@@ -56,6 +60,9 @@ def build_tokenizer(f: GGUFFile) -> Tokenizer:
         a, sep, b = m.partition(" ")
         if not sep:
             raise GGUFError(f"{f.path}: tokenizer.ggml.merges entry {m!r} is not 'left right'")
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise GGUFError(f"{f.path}: tokenizer.ggml.merges entry {m!r} merges tokens that are not all in "
+                            "tokenizer.ggml.tokens")
         pairs.append((a, b))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                                ignore_merges=False))
@@ -79,6 +86,13 @@ def build_tokenizer(f: GGUFFile) -> Tokenizer:
     return tok
 
 
+def _list_of(f: GGUFFile, key: str, kind: type, value) -> list:
+    """`value` checked to be a list of `kind` (a header whose type bytes were changed holds other kinds)."""
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise GGUFError(f"{f.path}: {key} is not a list of {kind.__name__}")
+    return value
+
+
 def load_tokenizer(f: GGUFFile):
     """`CloverTokenizer` with the file's chat template (`tokenizer.chat_template`) and the special
     tokens' text for templates (bos/eos/pad/unk)."""
@@ -90,6 +104,6 @@ def load_tokenizer(f: GGUFFile):
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
                       ("unk_token", "unknown")):
         i = f.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None and 0 <= int(i) < len(tokens):
-            named[name] = tokens[int(i)]
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            named[name] = tokens[i]
     return CloverTokenizer(tok, f.get("tokenizer.chat_template"), named)

@@ -282,36 +282,41 @@ def export(src: str | Path, dst: str | Path, dtype=None, max_shard_bytes: int | 
     dtype: None/"auto" keeps the stored dtype; torch.bfloat16/float32/float16 or their names convert.
     max_shard_bytes: weights larger than this are sharded with an index (None: one file).
     tokenizer: where the tokenizer files come from (default: `src`).
-    overwrite: allow a non-empty `dst` (never `src` itself). Returns `dst`."""
-    from clover.checkpoint import load_model, save_checkpoint, weights_nbytes
+    overwrite: replace an existing model directory `dst` (never `src` itself).
+    `dst` appears complete or not at all (staging.py): an interrupted export leaves the old one. Returns `dst`."""
+    from clover.checkpoint import load_model, weights_nbytes, write_checkpoint
     from clover.config import CloverConfig
+    from clover.staging import staged_directory
 
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise ExportError(f"{src}: not a model directory (no config.json)")
     if dst.exists() and dst.resolve() == src.resolve():
         raise ExportError("DST must differ from SRC (exporting rewrites the weights files)")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise ExportError(f"{dst} exists and is not empty (pass overwrite=True / --force to replace its contents)")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not overwrite:
+            raise ExportError(f"{dst} exists and is not empty (pass overwrite=True / --force to replace it)")
+        if not (dst / "config.json").is_file():
+            raise ExportError(f"{dst} is not empty and not a model directory (no config.json): refusing to replace it")
     torch_dtype = _parse_dtype(dtype)
     config = CloverConfig.from_file(src)
     if config.extra.get("quantization_config") is not None:
         raise ExportError(f"{src} is quantized ({config.extra['quantization_config']}); the transformers "
                           "remote-code path reads bf16/fp32 weights: export the model before `clover quantize`")
     model = load_model(src, dtype=torch_dtype, config=config)
-    dst.mkdir(parents=True, exist_ok=True)
     total = weights_nbytes(model)
     shard = max_shard_bytes if max_shard_bytes and total > max_shard_bytes else None
-    save_checkpoint(model, hf_config_dict(config, model.dtype), dst, layout="fused", max_shard_bytes=shard,
-                    include_clover_params=True)
-    del model
-
-    gen_src = src / "generation_config.json"
-    source_gen = json.loads(gen_src.read_text()) if gen_src.is_file() else None
-    (dst / "generation_config.json").write_text(json.dumps(generation_config_dict(config, source_gen), indent=2) + "\n")
-    tok_dir = Path(tokenizer) if tokenizer is not None else src
-    copy_tokenizer(tok_dir, dst)
-    write_remote_code(dst)
+    with staged_directory(dst) as out:             # DST appears complete or not at all
+        write_checkpoint(model, hf_config_dict(config, model.dtype), out, layout="fused", max_shard_bytes=shard,
+                         include_clover_params=True)
+        del model
+        gen_src = src / "generation_config.json"
+        source_gen = json.loads(gen_src.read_text()) if gen_src.is_file() else None
+        (out / "generation_config.json").write_text(json.dumps(generation_config_dict(config, source_gen), indent=2)
+                                                    + "\n")
+        tok_dir = Path(tokenizer) if tokenizer is not None else src
+        copy_tokenizer(tok_dir, out)
+        write_remote_code(out)
     return dst
 
 
@@ -334,7 +339,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", type=_parse_size,
                    help="shard weights larger than this (default 5GB)")
     p.add_argument("--tokenizer", metavar="DIR", default=None, help="take the tokenizer files from DIR (default SRC)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty DST")
+    p.add_argument("--force", action="store_true", help="replace an existing model directory DST")
     return p
 
 

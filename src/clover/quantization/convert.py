@@ -111,8 +111,11 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
         raise QuantizeError(f"{src} is not a model directory")
     if dst.exists() and dst.resolve() == src.resolve():
         raise QuantizeError("the destination is the source directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
-        raise QuantizeError(f"{dst} exists and is not empty (pass --force to replace it)")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not overwrite:
+            raise QuantizeError(f"{dst} exists and is not empty (pass --force to replace it)")
+        if not (dst / "config.json").is_file():
+            raise QuantizeError(f"{dst} is not empty and not a model directory (no config.json): refusing to replace it")
     config = CloverConfig.from_file(src)
     if config.extra.get("quantization_config") is not None:
         raise QuantizeError(f"{src} is already quantized ({config.extra['quantization_config']})")

@@ -97,9 +97,10 @@ def extend_model(src: str | Path, out: str | Path, merges: list[tuple[str, str]]
     """Write `src`'s model directory to `out` with the new tokens: tokenizer, config vocab_size,
     embedding and lm_head rows (see the module docstring)."""
     from clover import load
-    from clover.checkpoint import save_checkpoint
+    from clover.checkpoint import write_checkpoint
     from clover.config import CloverConfig
     from clover.model import CloverForCausalLM
+    from clover.staging import staged_directory
 
     src, out = Path(src), Path(out)
     tok_json = json.loads((src / "tokenizer.json").read_text())
@@ -121,12 +122,14 @@ def extend_model(src: str | Path, out: str | Path, merges: list[tuple[str, str]]
         new_emb[vocab[a + b]] = (new_emb[vocab[a]] + new_emb[vocab[b]]) / 2
     state["model.embed_tokens.weight"], state["lm_head.weight"] = new_emb, new_head
     model.load_state_dict(state)
-    out.mkdir(parents=True, exist_ok=False)
-    save_checkpoint(model, {**cfg, "dtype": "float32"}, out, dtype=torch.float32)
-    for name in src.iterdir():
-        if name.name not in ("model.safetensors", "config.json", "tokenizer.json") and name.is_file():
-            shutil.copyfile(name, out / name.name)
-    (out / "tokenizer.json").write_text(json.dumps(new_json, ensure_ascii=False))
+    if out.exists():
+        raise FileExistsError(f"{out} exists")
+    with staged_directory(out) as staging:
+        write_checkpoint(model, {**cfg, "dtype": "float32"}, staging, dtype=torch.float32)
+        for name in src.iterdir():
+            if name.name not in ("model.safetensors", "config.json", "tokenizer.json") and name.is_file():
+                shutil.copyfile(name, staging / name.name)
+        (staging / "tokenizer.json").write_text(json.dumps(new_json, ensure_ascii=False))
     return out
 
 

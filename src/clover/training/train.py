@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from clover.checkpoint import save_checkpoint
+from clover.checkpoint import write_checkpoint
 from clover.config import CloverConfig
 from clover.model import CloverForCausalLM
 from clover.staging import staged_directory
@@ -308,7 +308,7 @@ def _write_model_files(model: CloverForCausalLM, out: Path, tokenizer_seed: int,
     dtype = torch.float32 if fp32_bytes < MAX_DIR_BYTES - 512 * 1024 else torch.bfloat16
     cfg = model.config.to_dict()
     cfg["dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
-    save_checkpoint(model, cfg, out, dtype=dtype)
+    write_checkpoint(model, cfg, out, dtype=dtype)
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     if tokenizer_from is not None:
         for name in TOKENIZER_FILES:
