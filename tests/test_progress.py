@@ -13,11 +13,15 @@ import termios
 import clover
 
 WORK = f"""
+import tempfile
 import clover
+from clover.quantization.convert import quantize_checkpoint
 from clover.training.evaluate import evaluate
 model = clover.load({str(clover.DEMO_MODEL_DIR)!r})
 tokenizer = clover.load_tokenizer()
 evaluate(model, tokenizer, per_task=1, tasks=["addition"], modes=["autoregressive"], max_new_tokens=8)
+with tempfile.TemporaryDirectory() as tmp:
+    quantize_checkpoint({str(clover.DEMO_MODEL_DIR)!r}, tmp + "/int4")
 print("done")
 """
 
@@ -51,6 +55,7 @@ def test_bars_on_a_terminal_only():
     assert stdout.strip() == "done"
     assert "loading model" in terminal and "tensor" in terminal          # the checkpoint's tensors
     assert "autoregressive" in terminal and "prompt" in terminal        # the evaluation's prompts
+    assert "quantizing" in terminal                                      # clover quantize's tensors
     assert "100%" in terminal
     stdout, piped = run(False)
     assert stdout.strip() == "done"

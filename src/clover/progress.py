@@ -17,10 +17,12 @@ def shown() -> bool:
         return False
 
 
-def progress(iterable=None, *, total: int | None = None, desc: str | None = None, unit: str = "it"):
+def progress(iterable=None, *, total: int | None = None, desc: str | None = None, unit: str = "it",
+             enabled: bool = True):
     """`iterable` wrapped in a progress bar where one is shown, else `iterable` itself. Without an
-    iterable: a bar to `update(n)` by hand and `close()` (a no-op object where none is shown)."""
-    if not shown():
+    iterable: a bar to `update(n)` by hand and `close()` (a no-op object where none is shown).
+    `enabled=False` (a command's --quiet): never a bar."""
+    if not (enabled and shown()):
         return iterable if iterable is not None else _NoBar()
     from tqdm import tqdm
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from ..progress import progress as progress_bar
 from ..staging import staged_directory
 from .format import QuantSpec, quantize
 from .modules import quantizable
@@ -126,7 +126,7 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
         dtype = torch.float32
     with staged_directory(dst) as tmp:
         writer = _ShardWriter(tmp, max_shard_bytes)
-        bar = _progress(len(plan.sources), progress)
+        bar = progress_bar(total=len(plan.sources), desc="quantizing", unit="tensor", enabled=progress)
         for name, tensor in read_tensors(plan, dtype):
             owner = targets.get(name)
             if owner is None:
@@ -145,24 +145,6 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
             if f.is_file() and f.name != "config.json" and f.name != INDEX_NAME and not f.name.endswith(WEIGHT_FILES):
                 shutil.copy2(f, tmp / f.name)
     return dst
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, unit="tensor", desc="quantizing", file=sys.stderr)
 
 
 def main(argv=None) -> int:
