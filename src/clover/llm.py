@@ -56,7 +56,7 @@ class LLM:
     options: dtype, device, backend, …); `LLM.from_parts(model, tokenizer)` wraps ones already loaded."""
 
     def __init__(self, path=None, **load_options):
-        from . import load, load_tokenizer
+        from .loading import load, load_tokenizer
 
         self.tokenizer = load_tokenizer(path)       # (first: a path without one fails before the weights load)
         self.model = load(path, **load_options)

@@ -1,7 +1,8 @@
 """Serving engine: continuous batching over `clover.generation.Decoder`, a bounded queue, metrics."""
 
+from ..generation.decoder import RequestTooLarge
 from .budget import cache_bytes
-from .engine import Engine, EngineClosed, EngineOptions, QueueFull, RequestTooLarge
+from .engine import Engine, EngineClosed, EngineOptions, QueueFull
 from .handle import EngineEvent, RequestHandle
 from .metrics import EngineMetrics
 

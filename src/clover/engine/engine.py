@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from ..cache import PoolFull
 from ..generation.api import validate as validate_request
-from ..generation.decoder import Decoder, reserved_tokens
+from ..generation.decoder import Decoder, check_fits
 from ..generation.scoring import causal_logprobs
 from ..generation.sequence import Sequence
-from ..generation.settings import GenerationSettings, GenerationSettingsError
+from ..generation.settings import GenerationSettings, GenerationSettingsError, check_token_ids
 from .budget import default_cache_bytes
 from .handle import EngineEvent, RequestHandle
 from .metrics import EngineMetrics
@@ -52,10 +52,6 @@ class QueueFull(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down or stopped and takes no new requests (HTTP 503)."""
-
-
-class RequestTooLarge(GenerationSettingsError):
-    """The request's cache alone exceeds the engine's cache budget: it could never run (HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -158,18 +154,8 @@ class Engine:
     def validate(self, prompt_ids, settings: GenerationSettings) -> int:
         """SPEC §9 checks, token ids, and the pool's size; returns the tokens of cache the request reserves."""
         validate_request(self.model, len(prompt_ids), settings)       # the context first: cheap for any length
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
-        need = reserved_tokens(self.config, len(prompt_ids), settings.max_new_tokens, settings.block_size)
-        pool = self.pool
-        if pool.pages_for(need) > pool.num_pages:
-            raise RequestTooLarge(
-                f"this request needs {need} tokens of cache (prompt {len(prompt_ids)} + {settings.max_new_tokens} "
-                f"new tokens in blocks of {settings.block_size}), more than the engine's whole state pool of "
-                f"{pool.num_pages * pool.page_size} tokens ({pool.nbytes()} bytes): raise the cache memory"
-            )
-        return need
+        check_token_ids(prompt_ids, self.vocab_size)
+        return check_fits(self.pool, self.config, len(prompt_ids), settings)
 
     def submit(self, prompt_ids, settings: GenerationSettings | None = None, grammar=None,
                buffer_tokens: int | None = None, client=None, step_events: bool = False,
@@ -183,7 +169,7 @@ class Engine:
             settings = self.settings(**overrides)
         elif overrides:
             settings = settings.replace(**overrides)
-        prompt_ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in prompt_ids]
+        prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         need = self.validate(prompt_ids, settings)
         sequence = Sequence(prompt_ids, settings, self.config, grammar)
         if step_events:
@@ -208,12 +194,9 @@ class Engine:
 
     def check_scored(self, token_ids) -> list[int]:
         """The ids as a list, if a scoring job can take them (GenerationSettingsError if not)."""
-        ids = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in token_ids]
+        ids = check_token_ids(token_ids, self.vocab_size)
         if not ids:
             raise GenerationSettingsError("prompt is empty: at least one token is needed")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {self.vocab_size}")
         if len(ids) > self.context_limit:
             raise GenerationSettingsError(f"prompt of {len(ids)} tokens exceeds the {self.context_limit}-token context")
         return ids

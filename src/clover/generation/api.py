@@ -12,7 +12,7 @@ import torch
 
 from .decoder import Decoder, reserved_tokens, step_digest
 from .sequence import GenerationStats, Sequence
-from .settings import GenerationSettings, GenerationSettingsError
+from .settings import GenerationSettings, GenerationSettingsError, check_token_ids
 
 
 @dataclass
@@ -64,10 +64,7 @@ def make_sequences(model, prompts, settings, grammars=None) -> list[Sequence]:
         raise ValueError(f"{len(prompts)} prompts but {len(grammars)} grammars")
     seqs = []
     for prompt, s, grammar in zip(prompts, settings, grammars):
-        prompt = prompt.tolist() if torch.is_tensor(prompt) else list(prompt)
-        for t in prompt:
-            if not isinstance(t, int) or not 0 <= t < model.config.vocab_size:
-                raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {model.config.vocab_size}")
+        prompt = check_token_ids(prompt.tolist() if torch.is_tensor(prompt) else prompt, model.config.vocab_size)
         validate(model, len(prompt), s)
         seqs.append(Sequence(prompt, s, model.config, grammar))
     return seqs

@@ -198,3 +198,13 @@ class GenerationSettings:
             for e in self.eos_token_id:
                 if not 0 <= e < vocab_size:
                     raise GenerationSettingsError(f"eos_token_id {e} is outside the vocabulary (size {vocab_size})")
+
+
+def check_token_ids(ids, vocab_size: int) -> list[int]:
+    """`ids` (ints, numpy or tensor integers) as a list of ints below `vocab_size`, else
+    GenerationSettingsError naming the first that is not."""
+    out = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in ids]
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {vocab_size}")
+    return out
