@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import checkpoints
+from clover.progress import progress
 from benchmarks.common import make_input_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
                    "working tree": clover.load(path, dtype=torch.bfloat16, pack=True)}
         results: dict = {name: {} for name in engines}
         with torch.inference_mode():
-            for rnd in range(args.rounds):
+            for rnd in progress(range(args.rounds), desc="rounds", unit="round"):
                 for name, model in engines.items():
                     for key, value in measure(model, config, rnd).items():
                         results[name].setdefault(key, []).append(value)

@@ -51,6 +51,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from clover.progress import progress
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "small"
 GROUP_SIZE = 32
@@ -534,7 +536,7 @@ def main(argv=None) -> int:
     logits_dir = cache / "logits"               # each engine's prompt logits, per round (overwritten)
     logits_dir.mkdir(exist_ok=True)
     rounds = []
-    for i in range(args.rounds):
+    for i in progress(range(args.rounds), desc="rounds", unit="round"):
         log(f"round {i + 1}/{args.rounds}: read bandwidth")
         bw = json.loads(_run(_python("-c", "import json, sys; from benchmarks.llama_cpp import read_bandwidth; "
                                            f"print(json.dumps(read_bandwidth({args.threads})))"),
