@@ -14,6 +14,7 @@ import clover
 from clover.generation import generate_batch
 from clover.generation.api import resolve_settings
 from clover.generation.constrained import BlockConstraint
+from clover.generation.sequence import Sequence
 from clover.tokenization import CloverTokenizer
 
 pytest.importorskip("llguidance")
@@ -49,12 +50,54 @@ def test_refused_token_is_masked_again_and_later_ones_wait(grammars, tok):
     block = [MASK] * 16
     c.settle(block, budget=200)                  # '{"name":' forced (the vocabulary's '",', '":' … can open
     k = c.valid                                  # the string too, so its quote is not)
-    inside, later = tok.encode('"ab'), tok.encode("xyz")
-    block[k:k + len(inside) + 1 + len(later)] = inside + tok.encode("\n") + later   # a raw newline: refused
+    later = tok.encode("xyz")
+    block[k:k + 1 + len(later)] = tok.encode("\n") + later      # a raw newline where a string must open
     c.settle(block, budget=200)
-    assert c.valid == k + len(inside) and block[c.valid] == MASK
-    assert block[c.valid + 1:c.valid + 1 + len(later)] == later      # tentative, validated once reached
+    assert c.valid == k and block[k] == MASK
+    assert block[k + 1:k + 1 + len(later)] == later                  # tentative, decided once reached
+
+
+def test_inside_a_structure_tokens_past_the_frontier_wait_their_turn(grammars, tok):
+    """In JSON the frontier's token is taken and the next model token, proposed before it was known, is
+    masked again; in free text (the thinking) every token the grammar accepts is taken at once."""
+    c = BlockConstraint(matcher(grammars), MASK)
+    block = [MASK] * 16
+    c.settle(block, budget=200)
+    k = c.valid
+    inside = tok.encode('"ab')
+    assert len(inside) >= 2 and c.ordered()
+    block[k:k + len(inside)] = inside
+    c.settle(block, budget=200)
+    assert c.valid == k + 1 and block[k] == inside[0] and block[k + 1] == MASK
+    assert block[k + 2:k + len(inside)] == inside[2:]               # left for the walk to reach
     assert accepted(grammars, block[:c.valid]) == c.valid
+
+    c = BlockConstraint(matcher(grammars, thinking=True), MASK)
+    thought = tok.encode("let me think")
+    block = thought + [MASK] * 4
+    assert not c.ordered()
+    c.settle(block, budget=200)
+    assert c.valid == len(thought) and block[:c.valid] == thought
+
+
+def test_a_structured_step_fills_only_the_frontier(grammars, tok):
+    """A LowConfidence step whose every position is confident fills them all in free text, but inside a
+    structure only the frontier (then what the grammar forces)."""
+    model = clover.load(clover.DEMO_MODEL_DIR)
+    settings = resolve_settings(model, max_new_tokens=64, block_size=16)
+    x = tok.encode("x")[0]
+    for thinking in (False, True):
+        seq = Sequence([1, 2, 3], settings, model.config, grammar=matcher(grammars, thinking))
+        seq.new_block()
+        logits = torch.full((16, grammars.vocab_size), -10.0)
+        logits[:, x] = 10.0                      # every position sure of 'x'
+        logits[0, tok.encode("{")[0]] = 20.0
+        seq.denoise(logits)
+        filled = [t for t in seq.block if t != MASK]
+        if thinking:                             # free text: all 16 taken, valid as thinking
+            assert filled == tok.encode("{") + [x] * 15
+        else:                                    # '{' at the frontier, the forced '"name":', nothing else
+            assert tok.decode(filled) == '{"name":' and seq.block[len(filled):] == [MASK] * (16 - len(filled))
 
 
 def test_forced_tokens_are_written_without_the_model(grammars, tok):
@@ -68,8 +111,10 @@ def test_forced_tokens_are_written_without_the_model(grammars, tok):
 def test_the_end_token_fills_the_rest_of_the_block(grammars, tok):
     c = BlockConstraint(matcher(grammars), MASK)
     text = tok.encode('{"name":"a","n":7}')
-    block = text + [MASK] * 6
-    c.settle(block, budget=200)
+    block = [MASK] * (len(text) + 6)
+    while c.valid < len(text):                   # JSON is decided in order: one model token a step
+        block[c.valid] = text[c.valid]
+        c.settle(block, budget=200)
     assert block == text + [2] * 6 and c.valid == len(block)
 
 

@@ -269,6 +269,8 @@ class Sequence:
                 fill = positions_to_fill(confidence, s.threshold)
             else:                                   # none confident: the frontier (row 0), valid by its mask
                 fill = confidence > s.threshold
+                if constraint.ordered():            # inside a structure: the frontier alone, in order
+                    fill = torch.zeros_like(fill)
                 fill[0] |= not bool(fill.any())
             if self.draft_completes():
                 fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
