@@ -20,7 +20,7 @@ from clover.config import CloverConfig
 from clover.generation import GenerationSettings
 from clover.generation.sequence import Sequence
 from clover.server.protocol import APIError
-from clover.server.structured import auto_lark
+from clover.server.structured import auto_lark, call_lark
 from clover.server.tool_calls import parse_tool_calls
 from clover.tokenization import CloverTokenizer
 from reference_generation import CONTROLS_OFF
@@ -97,6 +97,23 @@ def test_one_call_unless_parallel(grammars, tok):
     lark = compiled(grammars, tok, parallel=False)
     assert accepts(grammars, lark, tok.encode("a " + CALL + " b") + [EOS])
     assert not accepts(grammars, lark, tok.encode(CALL + CALL) + [EOS])
+
+
+def test_required_calls_are_several_only_when_parallel(grammars, tok):
+    """Under tool_choice "required" the prompt opens the first call; with parallel_tool_calls more
+    calls may follow (joined as the template joins them), without it the answer ends after one."""
+    prefill = "<tool_call>\n<function="
+    rest = CALL[len(prefill):]
+
+    def complete(lark, text):                   # every token taken, then the end (or nothing left but it)
+        m = grammars.matcher(lark)
+        return all(m.consume(t) for t in tok.encode(text)) and (m.finished or m.consume(EOS))
+
+    for parallel in (True, False):
+        lark = grammars.compile(call_lark(TOOLS, prefill, parallel))
+        assert complete(lark, rest)
+        assert complete(lark, rest + "\n" + CONVERT_CALL) == parallel
+        assert not complete(lark, rest + "\n" + BAD_CALL)
 
 
 # ---- decoding with a scripted model -----------------------------------------------------------------

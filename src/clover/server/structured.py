@@ -60,14 +60,16 @@ def answer_schema(response_format: dict | None) -> dict | None:
     return schema
 
 
-def call_lark(tools: list[dict], prefill: str) -> str:
+def call_lark(tools: list[dict], prefill: str, parallel: bool = False) -> str:
     """Lark for the rest of a call the prompt opened (`prefill`): to the named function, or to any of
-    `tools` under "required" — strict or not, the call follows the parameters' schemas."""
+    `tools` under "required" (and, when `parallel`, more calls after it, as the template joins them)
+    — strict or not, each call follows the parameters' schemas."""
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if prefill.endswith(">\n"):                      # named: "<tool_call>\n<function=NAME>\n"
         return "start: " + _body_rules(functions[prefill[len("<tool_call>\n<function="):-2]], "f0")
     alts, rules = _function_rules(tools)
-    return "start: " + " | ".join(alts) + "\n" + "\n".join(rules)
+    more = ' ("\\n<tool_call>\\n<function=" call)*' if parallel else ""
+    return "\n".join(["start: call" + more, "call: " + " | ".join(alts), *rules])
 
 
 def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> str:
@@ -174,7 +176,7 @@ class StructuredOutput:
             raise bad_request("response_format other than text cannot be combined with tools that may be called: "
                               'use tool_choice "none"', "response_format", "unsupported")
         if plan.prefill and plan.tools:            # the prompt opened the call with thinking off
-            return call_lark(plan.tools, plan.prefill), "tools", False, plan.tools
+            return call_lark(plan.tools, plan.prefill, plan.parallel), "tools", False, plan.tools
         if plan.parse and _auto_grammar(req, plan.tools):   # "auto": the thinking is in its grammar
             think_end = self.tokenizer.think_end_token_id if thinking else None
             if thinking and think_end is None:
