@@ -78,12 +78,15 @@ def test_tools_that_are_not_strict_get_the_grammar_too(grammars, tok):
 def test_text_and_valid_calls_are_accepted_invalid_calls_refused(grammars, tok, thinking):
     lark = compiled(grammars, tok, thinking)
     head = tok.encode("Let me think.") + [tok.think_end_token_id] if thinking else []
-    ok = ["Plain text, with <b>markup</b>, a <function=x> and 5 < 7.", "Checking.\n" + CALL + "\nDone.",
+    ok = ["Plain text, with <b>markup</b>, a <tab> and 5 < 7.", "Checking.\n" + CALL + "\nDone.",
           CALL + "\n" + CALL, CONVERT_CALL + " then text", ""]
     for text in ok:
         assert accepts(grammars, lark, head + tok.encode(text) + [EOS]), text
     bad = ["Checking.\n" + BAD_CALL, "a <tool_call> in prose", "<tool_call>\n<function=other>\n",
-           CALL.replace("abc", "a\nb"), CALL[:-len("</tool_call>")]]
+           CALL.replace("abc", "a\nb"), CALL[:-len("</tool_call>")],
+           # the call format's tags outside a call: what a call written out of order leaves as text
+           CALL.replace("<tool_call>", "<toolcall>"), CALL.replace("<tool_call>\n", ""), "a <function=x> b",
+           "done </parameter>", "<tool_call>" + CALL]
     for text in bad:
         assert not accepts(grammars, lark, head + tok.encode(text) + [EOS]), text
     if thinking:
@@ -143,7 +146,7 @@ def scripted_decode(tok, grammars, lark, script: str, max_new_tokens: int = 200)
         seq.pending = seq.predict_next(logits(), [], 0)[0]
 
 
-@pytest.mark.parametrize("script", ["Plain text, with <b>markup</b>, a <function=x> and 5 < 7.",
+@pytest.mark.parametrize("script", ["Plain text, with <b>markup</b>, a <tab> and 5 < 7.",
                                     "Let me check.\n" + CALL, CONVERT_CALL + "\nConverted."])
 def test_valid_output_passes_unchanged(tok, grammars, script):
     tokens, finish = scripted_decode(tok, grammars, compiled(grammars, tok), script)

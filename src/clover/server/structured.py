@@ -27,6 +27,10 @@ from .protocol import bad_request
 FORMATS = ("text", "json_object", "json_schema")
 # Raw string values of strict tool parameters: one line, no '<' (so no markup can start inside one).
 _RAW_STRING = r"/[^\n<]*/"
+# The call format's tags, which free text under "auto" may not hold: a `<tool` there is a call's
+# opening (`<tool_call>`, then the call by its schema), so a call written out of order by block
+# decoding (`<toolcall>`, a `<function=` without its opening) cannot come back as text.
+_TAGS = "|".join(["<tool", "<function", "<parameter", "<\\/tool_call", "<\\/function", "<\\/parameter"])
 _WALK_LIMIT = 4096          # the longest closing path looked for when the budget cannot hold one
 
 
@@ -83,9 +87,9 @@ def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> st
     return "\n".join([
         start,
         f"answer: (call_open call){more} TEXT",
-        "call_open[lazy]: /(.|\\n)*<tool_call>/",      # any text up to the first <tool_call>
+        f"call_open[lazy]: /(.|\\n)*<tool_call>/ & ~/(.|\\n)*({_TAGS})(.|\\n)*<tool_call>/",   # text, then <tool_call>
         'call: "\\n<function=" (' + " | ".join(alts) + ")",
-        "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({_TAGS})(.|\\n)*/",
         *rules])
 
 
