@@ -19,6 +19,8 @@ Blocks resolve out of order, but a grammar reads left to right, so the grammar a
   tokens, then closers such as `"`, `}`, `]`) still fits in what is left of `max_new_tokens` after
   it; otherwise the closing path is written, whole. Thinking ends the same way (`</think>` is the first closer
   inside thinking), so a constrained request ends with a complete answer within its budget.
+- A block starts with what the grammar forces already written (`upcoming`: the forward that commits
+  the previous block feeds it), so a forced run across a block boundary costs no forward either.
 - Once the grammar has consumed its end token, the block's remaining masks are filled with it (they
   are never returned), which saves the forwards that would resolve them.
 Causal decoding (autoregressive, and self-speculative verification) takes one token per position
@@ -48,6 +50,16 @@ class BlockConstraint:
 
     def new_block(self) -> None:
         self.valid = 0
+
+    def upcoming(self, length: int, budget: int) -> list[int]:
+        """The block of `length` masks that `new_block` then `settle` would start (what the grammar
+        forces first written in), without moving this constraint: what the forward that commits the
+        current block feeds as the next block."""
+        ahead = BlockConstraint(self.m.copy(), self.mask_id)
+        ahead._closing = list(self._closing)
+        block = [self.mask_id] * length
+        ahead.settle(block, budget)
+        return block
 
     def mask_frontier(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of the block's masked positions in order: row 0, the frontier, limited to the
