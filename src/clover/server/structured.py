@@ -5,9 +5,10 @@
 Tools, strict or not (clients rarely mark them), become a Lark grammar: under tool_choice "required"
 or a named function for the rest of the call the prompt opened
 (`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each value written as the template writes it
-(strings raw, other types as JSON of their schema). Under tool_choice "auto" the answer is free text,
-but a call it opens (`<tool_call>`) must be written whole to a declared function, by its schema —
-unless the request sets `tool_call_grammar: false`. With `strict`, what the grammar cannot promise
+(strings raw, other types as JSON of their schema), more calls after it when `parallel_tool_calls`.
+Under tool_choice "auto" the answer is free text without the call format's tags, and a call it opens
+(`<tool_call>`) must be written whole to a declared function, by its schema — unless the request
+sets `tool_call_grammar: false`. With `strict`, what the grammar cannot promise
 (pattern, format, lengths of a raw string; a string-or-other union) is a 400; without, it is not enforced. When the prompt leaves the
 model thinking, the grammar lets it think first and governs what follows `</think>` (under "auto", a
 call written inside the thinking ends it, as the tool-call parser reads it, and is constrained too).
