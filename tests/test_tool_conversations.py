@@ -143,9 +143,10 @@ MODES = {"low_confidence": {}, "low_confidence_0.8": {"threshold": 0.8}, "autore
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_streamed_calls_assemble_to_the_whole_answer(client, mode):
-    """The same request (sampled with one seed; self-speculative: greedy) streamed and whole: the SDK's assembly of the deltas is the
-    whole answer; the deltas' reasoning is the message's `reasoning_content`, found in neither the
-    content nor the arguments; with thinking off there is none."""
+    """The same request (sampled with one seed; self-speculative: greedy) streamed and whole: the SDK's
+    assembly of the deltas is the whole answer; the deltas' reasoning is the message's
+    `reasoning_content`, found in neither the content nor the arguments; with thinking off there is
+    none."""
     cases = [("required", "Book Paris for 2 and 3 on day 4.", True), ("auto", "What is 17+25?", True),
              ("auto", "Look up the key gamma.", True), ("required", "Add 3 and 4.", False)]
     for seed, (choice, prompt, thinking) in enumerate(cases):
