@@ -67,8 +67,10 @@ def test_agents_sdk_runs_a_tool_through_clover(server):
     assert Converter.tool_to_openai(convert)["function"]["strict"] is True     # what the server enforced
 
 
-def test_agents_sdk_agent_loop_on_the_demo_tools(server):
-    """The whole agent loop, the model deciding (tool_choice auto): the SDK offers `convert` as its
+@pytest.mark.parametrize("decoding", [{}, {"decoding": "self_speculative"}])
+def test_agents_sdk_agent_loop_on_the_demo_tools(server, decoding):
+    """The whole agent loop, the model deciding (tool_choice auto), with the server's default decoding
+    (LowConfidence) and self-speculative: the SDK offers `convert` as its
     function tool (pydantic-built, strict), the model calls it with the question's arguments, the SDK
     runs it and sends the result back, and the model's final answer reads it."""
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
@@ -89,7 +91,7 @@ def test_agents_sdk_agent_loop_on_the_demo_tools(server):
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         agent = Agent(name="converter", instructions="Use the tools when they help.", tools=[convert],
                       model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(max_tokens=128, extra_body={"decoding": "self_speculative"}))
+                      model_settings=ModelSettings(max_tokens=128, extra_body=decoding))
         return await Runner.run(agent, question, max_turns=3)
 
     result = asyncio.run(run("Convert 25 km to m."))

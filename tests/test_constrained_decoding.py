@@ -14,6 +14,7 @@ import clover
 from clover.generation import generate_batch
 from clover.generation.api import resolve_settings
 from clover.generation.constrained import BlockConstraint
+from clover.generation.sequence import Sequence
 from clover.tokenization import CloverTokenizer
 
 pytest.importorskip("llguidance")
@@ -49,43 +50,76 @@ def test_refused_token_is_masked_again_and_later_ones_wait(grammars, tok):
     block = [MASK] * 16
     c.settle(block, budget=200)                  # '{"name":' forced (the vocabulary's '",', '":' … can open
     k = c.valid                                  # the string too, so its quote is not)
-    inside, later = tok.encode('"ab'), tok.encode("xyz")
-    block[k:k + len(inside) + 1 + len(later)] = inside + tok.encode("\n") + later   # a raw newline: refused
+    later = tok.encode("xyz")
+    block[k:k + 1 + len(later)] = tok.encode("\n") + later      # a raw newline where a string must open
     c.settle(block, budget=200)
-    assert c.valid == k + len(inside) and block[c.valid] == MASK
-    assert block[c.valid + 1:c.valid + 1 + len(later)] == later      # tentative, validated once reached
+    assert c.valid == k and block[k] == MASK
+    assert block[k + 1:k + 1 + len(later)] == later                  # tentative, decided once reached
+
+
+def test_inside_a_structure_tokens_past_the_frontier_wait_their_turn(grammars, tok):
+    """In JSON the frontier's token is taken and the next model token, proposed before it was known, is
+    masked again; in free text (the thinking) every token the grammar accepts is taken at once."""
+    c = BlockConstraint(matcher(grammars), MASK)
+    block = [MASK] * 16
+    c.settle(block, budget=200)
+    k = c.valid
+    inside = tok.encode('"ab')
+    assert len(inside) >= 2 and c.ordered()
+    block[k:k + len(inside)] = inside
+    c.settle(block, budget=200)
+    assert c.valid == k + 1 and block[k] == inside[0] and block[k + 1] == MASK
+    assert block[k + 2:k + len(inside)] == inside[2:]               # left for the walk to reach
     assert accepted(grammars, block[:c.valid]) == c.valid
 
-
-def test_forced_tokens_are_written_without_the_model(grammars, tok):
-    c = BlockConstraint(matcher(grammars), MASK)
-    block = [MASK] * 12
+    c = BlockConstraint(matcher(grammars, thinking=True), MASK)
+    thought = tok.encode("let me think")
+    block = thought + [MASK] * 4
+    assert not c.ordered()
     c.settle(block, budget=200)
-    assert tok.decode(block[:c.valid]) == '{"name":' and block[c.valid] == MASK
-    assert c.forced_tokens == c.valid
+    assert c.valid == len(thought) and block[:c.valid] == thought
 
 
-def test_the_end_token_fills_the_rest_of_the_block(grammars, tok):
-    c = BlockConstraint(matcher(grammars), MASK)
-    text = tok.encode('{"name":"a","n":7}')
-    block = text + [MASK] * 6
-    c.settle(block, budget=200)
-    assert block == text + [2] * 6 and c.valid == len(block)
+def test_a_structured_step_fills_only_the_frontier(grammars, tok):
+    """A block starts with what the grammar forces written in; then a LowConfidence step whose every
+    position is confident fills them all in free text, but inside a structure only the frontier."""
+    model = clover.load(clover.DEMO_MODEL_DIR)
+    settings = resolve_settings(model, max_new_tokens=64, block_size=16)
+    x = tok.encode("x")[0]
+    for thinking in (False, True):
+        seq = Sequence([1, 2, 3], settings, model.config, grammar=matcher(grammars, thinking))
+        seq.new_block()
+        k = len(seq.block) - len(seq.masked_positions())
+        assert tok.decode(seq.block[:k]) == ("" if thinking else '{"name":')      # forced: no forward needed
+        logits = torch.full((16 - k, grammars.vocab_size), -10.0)
+        logits[:, x] = 10.0                      # every position sure of 'x'
+        logits[0, tok.encode("{")[0]] = 20.0
+        seq.denoise(logits)
+        filled = [t for t in seq.block if t != MASK]
+        if thinking:                             # free text: all 16 taken, valid as thinking
+            assert filled == tok.encode("{") + [x] * 15
+        else:                                    # the string's opening at the frontier, nothing after it
+            valid = seq.constraint.valid
+            assert valid == k + 1 and seq.block[valid:] == [MASK] * (16 - valid)
+            assert accepted(grammars, seq.block[:valid]) == valid
 
 
-def test_budget_writes_the_closing_path(grammars, tok):
-    """Thinking tokens past the point where the answer could still fit are replaced by `</think>` and
-    the shortest answer, ending exactly at the budget."""
-    m = matcher(grammars, thinking=True)
-    shortest = m.closing(1000)
-    c = BlockConstraint(m, MASK)
-    block = tok.encode("let me think about this for a long while, yes indeed.")
-    budget = len(shortest) + 5
-    c.settle(block, budget=budget)
-    text = tok.decode(block[:budget], skip_special_tokens=False)
-    assert text.startswith(tok.decode(block[:5])) and block[budget - 1] == 2
-    answer = text.split("</think>")[1].replace("<|im_end|>", "")
-    assert json.loads(answer) == {"name": "", "n": 0}
+@pytest.mark.parametrize("block_size", [32, 8])
+def test_a_forced_answer_costs_no_denoising_forward(grammars, tok, block_size):
+    """An answer the grammar fixes whole (a const) is written block by block without the model: each
+    block starts forced whole, so the only forwards are the commits that carry it into the cache."""
+    model = clover.load(clover.DEMO_MODEL_DIR)
+    fixed = "the same words every time, whatever the model would say"
+    schema = {"type": "object", "properties": {"a": {"const": fixed}}, "required": ["a"],
+              "additionalProperties": False}
+    m = grammars.matcher(grammars.compile("start: " + grammars.json_rule(schema)))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                     enable_thinking=False)
+    r = generate_batch(model, [prompt], resolve_settings(model, max_new_tokens=96, block_size=block_size),
+                       grammars=[m])[0]
+    assert json.loads(answer_text(tok, r.tokens)) == {"a": fixed} and r.finish_reason == "eos"
+    blocks = -(-len(r.tokens) // block_size)
+    assert r.stats.block_forwards == blocks - 1 and r.stats.forwards == blocks - 1
 
 
 @pytest.mark.parametrize("block_size", [32, 8, 1])

@@ -20,7 +20,7 @@ from clover.config import CloverConfig
 from clover.generation import GenerationSettings
 from clover.generation.sequence import Sequence
 from clover.server.protocol import APIError
-from clover.server.structured import auto_lark
+from clover.server.structured import auto_lark, call_lark
 from clover.server.tool_calls import parse_tool_calls
 from clover.tokenization import CloverTokenizer
 from reference_generation import CONTROLS_OFF
@@ -78,12 +78,15 @@ def test_tools_that_are_not_strict_get_the_grammar_too(grammars, tok):
 def test_text_and_valid_calls_are_accepted_invalid_calls_refused(grammars, tok, thinking):
     lark = compiled(grammars, tok, thinking)
     head = tok.encode("Let me think.") + [tok.think_end_token_id] if thinking else []
-    ok = ["Plain text, with <b>markup</b>, a <function=x> and 5 < 7.", "Checking.\n" + CALL + "\nDone.",
+    ok = ["Plain text, with <b>markup</b>, a <tab> and 5 < 7.", "Checking.\n" + CALL + "\nDone.",
           CALL + "\n" + CALL, CONVERT_CALL + " then text", ""]
     for text in ok:
         assert accepts(grammars, lark, head + tok.encode(text) + [EOS]), text
     bad = ["Checking.\n" + BAD_CALL, "a <tool_call> in prose", "<tool_call>\n<function=other>\n",
-           CALL.replace("abc", "a\nb"), CALL[:-len("</tool_call>")]]
+           CALL.replace("abc", "a\nb"), CALL[:-len("</tool_call>")],
+           # the call format's tags outside a call: what a call written out of order leaves as text
+           CALL.replace("<tool_call>", "<toolcall>"), CALL.replace("<tool_call>\n", ""), "a <function=x> b",
+           "done </parameter>", "<tool_call>" + CALL]
     for text in bad:
         assert not accepts(grammars, lark, head + tok.encode(text) + [EOS]), text
     if thinking:
@@ -97,6 +100,23 @@ def test_one_call_unless_parallel(grammars, tok):
     lark = compiled(grammars, tok, parallel=False)
     assert accepts(grammars, lark, tok.encode("a " + CALL + " b") + [EOS])
     assert not accepts(grammars, lark, tok.encode(CALL + CALL) + [EOS])
+
+
+def test_required_calls_are_several_only_when_parallel(grammars, tok):
+    """Under tool_choice "required" the prompt opens the first call; with parallel_tool_calls more
+    calls may follow (joined as the template joins them), without it the answer ends after one."""
+    prefill = "<tool_call>\n<function="
+    rest = CALL[len(prefill):]
+
+    def complete(lark, text):                   # every token taken, then the end (or nothing left but it)
+        m = grammars.matcher(lark)
+        return all(m.consume(t) for t in tok.encode(text)) and (m.finished or m.consume(EOS))
+
+    for parallel in (True, False):
+        lark = grammars.compile(call_lark(TOOLS, prefill, parallel))
+        assert complete(lark, rest)
+        assert complete(lark, rest + "\n" + CONVERT_CALL) == parallel
+        assert not complete(lark, rest + "\n" + BAD_CALL)
 
 
 # ---- decoding with a scripted model -----------------------------------------------------------------
@@ -126,7 +146,7 @@ def scripted_decode(tok, grammars, lark, script: str, max_new_tokens: int = 200)
         seq.pending = seq.predict_next(logits(), [], 0)[0]
 
 
-@pytest.mark.parametrize("script", ["Plain text, with <b>markup</b>, a <function=x> and 5 < 7.",
+@pytest.mark.parametrize("script", ["Plain text, with <b>markup</b>, a <tab> and 5 < 7.",
                                     "Let me check.\n" + CALL, CONVERT_CALL + "\nConverted."])
 def test_valid_output_passes_unchanged(tok, grammars, script):
     tokens, finish = scripted_decode(tok, grammars, compiled(grammars, tok), script)

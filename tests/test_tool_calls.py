@@ -315,6 +315,11 @@ def test_prefilled_calls():
     _, content, calls = run_stream([("", "get_weather>\n<parameter=city>\nLima\n</parameter>\n</function>")],
                                    prefill="<tool_call>\n<function=")
     assert (content, [(c["function"]["name"], args(c)) for c in calls]) == ("", [("get_weather", {"city": "Lima"})])
+    # ... and, with parallel_tool_calls, more calls after it (the grammar lets them follow).
+    _, content, calls = run_stream([("", "get_weather>\n<parameter=city>\nLima\n</parameter>\n</function>\n"
+                                         "</tool_call>\n" + xml("add", a="4"))], prefill="<tool_call>\n<function=")
+    assert (content, [(c["function"]["name"], args(c)) for c in calls]) == (
+        "", [("get_weather", {"city": "Lima"}), ("add", {"a": 4})])
     # ... and names none: the text is returned, prefill included, as the call was malformed.
     _, content, calls = run_stream([("", "nothing>\n</function>")], prefill="<tool_call>\n<function=")
     assert (content, calls) == ("<tool_call>\n<function=nothing>\n</function>", [])

@@ -41,6 +41,7 @@ class Grammars:
         self.eos_ids = [int(t) for t in eos_ids]
         self.think_end_id = think_end_id
         self._tok = llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=self.eos_ids)
+        self._free_bits = None         # `free_text`'s reference: the text tokens, as a bitmask
         self._closers = []
         for text in _CLOSERS:
             ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -69,6 +70,17 @@ class Grammars:
     def compile(self, lark: str) -> str:
         """Check a Lark grammar against the tokenizer; returns it ready for `matcher`."""
         return _compile(self, lark)
+
+    def free_bits(self) -> torch.Tensor:
+        """The bitmask (uint8) of every token free text may hold: what any text grammar allows
+        (special tokens and the end tokens are not text)."""
+        if self._free_bits is None:
+            m = self.matcher(self.compile("start: /(.|\\n)*/"))._m
+            bits = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.uint8).clone()
+            for t in self.eos_ids:
+                bits[t // 8] &= ~(1 << (t % 8)) & 0xFF
+            self._free_bits = bits
+        return self._free_bits
 
     def matcher(self, compiled: str) -> "GrammarMatcher":
         llg = _llguidance()
@@ -112,6 +124,13 @@ class GrammarMatcher:
     def allowed(self) -> torch.Tensor:
         """Bool[vocab_size]: the tokens the grammar accepts next."""
         return self._bits(self._m)
+
+    def free_text(self) -> bool:
+        """Whether the grammar allows any text token next (free text, thinking), as opposed to being
+        inside a structure — a call's tags and values, JSON — where it refuses some."""
+        bits = torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.uint8)
+        free = self._g.free_bits()
+        return not bool((free & ~bits[: free.shape[0]]).any())
 
     def consume(self, token: int) -> bool:
         """Advance by `token` if the grammar accepts it (True); otherwise change nothing (False)."""

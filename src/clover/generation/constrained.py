@@ -4,6 +4,11 @@ Blocks resolve out of order, but a grammar reads left to right, so the grammar a
 *frontier*: the first undecided position after the block's contiguous run of validated tokens.
 - Each denoising step, the frontier's logits are masked to the tokens the grammar accepts there
   (its confidence is taken under that mask); positions past the frontier are proposed freely.
+- Inside a structure (`ordered`: the grammar refuses some text token at the frontier — a tool call's
+  tags and values, JSON) the block resolves left to right: only the frontier is filled, and a token
+  proposed past the frontier earlier is masked again when the walk reaches it there (it was placed
+  before the length of the value left of it was known). What the grammar forces is still written at
+  once, so a call's tags, names and braces cost no forwards.
 - After the step, `settle` walks the block from the frontier: filled tokens the grammar accepts are
   consumed (the run grows), the first one it refuses is masked again and becomes the frontier, and
   tokens the grammar forces (an object's fixed keys, `</think>` at the thinking bound) are written
@@ -14,6 +19,8 @@ Blocks resolve out of order, but a grammar reads left to right, so the grammar a
   tokens, then closers such as `"`, `}`, `]`) still fits in what is left of `max_new_tokens` after
   it; otherwise the closing path is written, whole. Thinking ends the same way (`</think>` is the first closer
   inside thinking), so a constrained request ends with a complete answer within its budget.
+- A block starts with what the grammar forces already written (`upcoming`: the forward that commits
+  the previous block feeds it), so a forced run across a block boundary costs no forward either.
 - Once the grammar has consumed its end token, the block's remaining masks are filled with it (they
   are never returned), which saves the forwards that would resolve them.
 Causal decoding (autoregressive, and self-speculative verification) takes one token per position
@@ -44,6 +51,16 @@ class BlockConstraint:
     def new_block(self) -> None:
         self.valid = 0
 
+    def upcoming(self, length: int, budget: int) -> list[int]:
+        """The block of `length` masks that `new_block` then `settle` would start (what the grammar
+        forces first written in), without moving this constraint: what the forward that commits the
+        current block feeds as the next block."""
+        ahead = BlockConstraint(self.m.copy(), self.mask_id)
+        ahead._closing = list(self._closing)
+        block = [self.mask_id] * length
+        ahead.settle(block, budget)
+        return block
+
     def mask_frontier(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of the block's masked positions in order: row 0, the frontier, limited to the
         tokens the grammar accepts (the rest unchanged)."""
@@ -55,10 +72,15 @@ class BlockConstraint:
         logits[0, allowed.shape[0]:] = float("-inf")
         return logits
 
+    def ordered(self) -> bool:
+        """Whether the frontier is inside a structure (the grammar refuses some text token there: a
+        call's tags and values, JSON): then only the frontier is filled, left to right."""
+        return not self.m.finished and not self.m.free_text()
+
     def settle(self, block: list[int], budget: int) -> None:
         """Validate `block` (in place) from the frontier on; `budget`: tokens the response may still
         take from block[0] (max_new_tokens − response so far)."""
-        i = self.valid
+        start = i = self.valid
         while i < len(block):
             if self.m.finished:                 # the end token is consumed: the rest is never returned
                 block[i:] = [self.m.end_token] * (len(block) - i)
@@ -70,6 +92,9 @@ class BlockConstraint:
                 forced = self.m.forced()
                 token = forced[0] if forced else block[i]
                 if token == self.mask_id and not forced:
+                    break
+                if not forced and i > start and not self.m.free_text():
+                    block[i] = self.mask_id     # proposed before the structure left of it was known
                     break
                 token = self._within_budget(token, budget - i)
             if token is None or not self.m.consume(token):

@@ -96,6 +96,12 @@ def reserved_tokens(config, prompt_len: int, max_new_tokens: int, block_size: in
     return min(prompt_len + (blocks + 1) * block_size, config.max_position_embeddings + block_size)
 
 
+def _masked_rows(logits, block: list[int], mask_id: int):
+    """The rows of a block's logits [L, V] at its masked positions (all of them: no copy)."""
+    rows = [i for i, t in enumerate(block) if t == mask_id]
+    return logits if len(rows) == len(block) else logits[rows]
+
+
 def _per_row(stats: list, rows: int) -> list:
     """Per row, the distinct experts of each MoE layer as a device tensor (`stats`: per layer a [rows]
     tensor), or None per row without statistics; read back with the rows' decisions."""
@@ -472,9 +478,10 @@ class Decoder:
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
         """Commit each row's resolved block and denoise its next block of masks in the same forward."""
         L = chunk[0].settings.block_size
+        upcoming = {s.id: s.upcoming_block() for s in chunk}      # masks, or a grammar's forced start
 
         def forward(rows):
-            ids = device_tensor([s.block + [s.mask_id] * L for s in rows], self.model.device, torch.long)
+            ids = device_tensor([s.block + upcoming[s.id] for s in rows], self.model.device, torch.long)
             stats: list = []
             logits = self.model.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
                                      logits_at="block", stats=stats)
@@ -483,8 +490,11 @@ class Decoder:
         ran = list(self._rows(chunk, forward))
         for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
-            seq.new_block()
-        self._denoise(ran)
+            seq.new_block()                    # the block the forward fed: `upcoming_block`'s
+        # forced whole: nothing to decide; otherwise the logits of the positions left masked
+        self._decide([(seq, self._record_block_forward(seq, out[1])) for seq, out in ran if seq.phase == "commit"])
+        self._denoise([(seq, (_masked_rows(logits, upcoming[seq.id], seq.mask_id), distinct))
+                       for seq, (logits, distinct) in ran if seq.phase != "commit"])
 
     def _after_ar(self, seq: Sequence, logits, produced, tokens=None):
         """The next token after the one this forward fed (already in the response)."""

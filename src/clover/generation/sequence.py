@@ -173,9 +173,18 @@ class Sequence:
         else:
             self.block = [self.mask_id] * self.settings.block_size
             self._seed_is_mask = False
-            self.phase = "denoise"
             if self.constraint is not None:
                 self.constraint.new_block()
+                self.constraint.settle(self.block, self.remaining)     # what the grammar forces first
+            self.phase = "denoise" if self.masked_positions() else "commit"
+
+    def upcoming_block(self) -> list[int]:
+        """While the current LowConfidence block awaits its commit: the block `new_block` will start
+        after it (masks, what the grammar forces first written in), for the forward that commits it."""
+        L = self.settings.block_size
+        if self.constraint is None:
+            return [self.mask_id] * L
+        return self.constraint.upcoming(L, self.remaining - len(self.block))
 
     # ---- controls ------------------------------------------------------------------------------
     def _think_distance(self, query_pos: int, extra: list[int]) -> int:
@@ -278,6 +287,8 @@ class Sequence:
                 fill = positions_to_fill(confidence, s.threshold)
             else:                                   # none confident: the frontier (row 0), valid by its mask
                 fill = confidence > s.threshold
+                if constraint.ordered():            # inside a structure: the frontier alone, in order
+                    fill = torch.zeros_like(fill)
                 fill[0] |= not bool(fill.any())
             if self.draft_completes():
                 fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax

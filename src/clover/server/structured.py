@@ -5,9 +5,10 @@
 Tools, strict or not (clients rarely mark them), become a Lark grammar: under tool_choice "required"
 or a named function for the rest of the call the prompt opened
 (`NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n…`), each value written as the template writes it
-(strings raw, other types as JSON of their schema). Under tool_choice "auto" the answer is free text,
-but a call it opens (`<tool_call>`) must be written whole to a declared function, by its schema —
-unless the request sets `tool_call_grammar: false`. With `strict`, what the grammar cannot promise
+(strings raw, other types as JSON of their schema), more calls after it when `parallel_tool_calls`.
+Under tool_choice "auto" the answer is free text without the call format's tags, and a call it opens
+(`<tool_call>`) must be written whole to a declared function, by its schema — unless the request
+sets `tool_call_grammar: false`. With `strict`, what the grammar cannot promise
 (pattern, format, lengths of a raw string; a string-or-other union) is a 400; without, it is not enforced. When the prompt leaves the
 model thinking, the grammar lets it think first and governs what follows `</think>` (under "auto", a
 call written inside the thinking ends it, as the tool-call parser reads it, and is constrained too).
@@ -27,6 +28,10 @@ from .protocol import bad_request
 FORMATS = ("text", "json_object", "json_schema")
 # Raw string values of strict tool parameters: one line, no '<' (so no markup can start inside one).
 _RAW_STRING = r"/[^\n<]*/"
+# The call format's tags, which free text under "auto" may not hold: a `<tool` there is a call's
+# opening (`<tool_call>`, then the call by its schema), so a call written out of order by block
+# decoding (`<toolcall>`, a `<function=` without its opening) cannot come back as text.
+_TAGS = "|".join(["<tool", "<function", "<parameter", "<\\/tool_call", "<\\/function", "<\\/parameter"])
 _WALK_LIMIT = 4096          # the longest closing path looked for when the budget cannot hold one
 
 
@@ -60,14 +65,16 @@ def answer_schema(response_format: dict | None) -> dict | None:
     return schema
 
 
-def call_lark(tools: list[dict], prefill: str) -> str:
+def call_lark(tools: list[dict], prefill: str, parallel: bool = False) -> str:
     """Lark for the rest of a call the prompt opened (`prefill`): to the named function, or to any of
-    `tools` under "required" — strict or not, the call follows the parameters' schemas."""
+    `tools` under "required" (and, when `parallel`, more calls after it, as the template joins them)
+    — strict or not, each call follows the parameters' schemas."""
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if prefill.endswith(">\n"):                      # named: "<tool_call>\n<function=NAME>\n"
         return "start: " + _body_rules(functions[prefill[len("<tool_call>\n<function="):-2]], "f0")
     alts, rules = _function_rules(tools)
-    return "start: " + " | ".join(alts) + "\n" + "\n".join(rules)
+    more = ' ("\\n<tool_call>\\n<function=" call)*' if parallel else ""
+    return "\n".join(["start: call" + more, "call: " + " | ".join(alts), *rules])
 
 
 def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> str:
@@ -81,9 +88,9 @@ def auto_lark(tools: list[dict], parallel: bool, think_end_id: int | None) -> st
     return "\n".join([
         start,
         f"answer: (call_open call){more} TEXT",
-        "call_open[lazy]: /(.|\\n)*<tool_call>/",      # any text up to the first <tool_call>
+        f"call_open[lazy]: /(.|\\n)*<tool_call>/ & ~/(.|\\n)*({_TAGS})(.|\\n)*<tool_call>/",   # text, then <tool_call>
         'call: "\\n<function=" (' + " | ".join(alts) + ")",
-        "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*({_TAGS})(.|\\n)*/",
         *rules])
 
 
@@ -174,7 +181,7 @@ class StructuredOutput:
             raise bad_request("response_format other than text cannot be combined with tools that may be called: "
                               'use tool_choice "none"', "response_format", "unsupported")
         if plan.prefill and plan.tools:            # the prompt opened the call with thinking off
-            return call_lark(plan.tools, plan.prefill), "tools", False, plan.tools
+            return call_lark(plan.tools, plan.prefill, plan.parallel), "tools", False, plan.tools
         if plan.parse and _auto_grammar(req, plan.tools):   # "auto": the thinking is in its grammar
             think_end = self.tokenizer.think_end_token_id if thinking else None
             if thinking and think_end is None:
