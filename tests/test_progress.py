@@ -56,7 +56,6 @@ def test_bars_on_a_terminal_only():
     assert "loading model" in terminal and "tensor" in terminal          # the checkpoint's tensors
     assert "autoregressive" in terminal and "prompt" in terminal        # the evaluation's prompts
     assert "quantizing" in terminal                                      # clover quantize's tensors
-    assert "100%" in terminal
     stdout, piped = run(False)
     assert stdout.strip() == "done"
     assert piped == ""
