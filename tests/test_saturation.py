@@ -156,6 +156,32 @@ def test_unread_streams_are_held_and_a_short_request_is_served(live):
                "closed streams were not cancelled")
 
 
+def test_unread_streams_whose_tokens_make_no_text_are_held(live):
+    """ignore_eos with special tokens skipped: past its answer each stream's tokens make no text, so it
+    would write nothing and never meet its unread socket. They are held all the same (an SSE comment
+    stands for the silent tokens), then closed: no tokens for nobody."""
+    url, port = live
+    before = generated_tokens(url)
+    socks = [unread_stream(port, chat(f"What is {i}+{i}?", stream=True, max_tokens=20000, ignore_eos=True))
+             for i in range(4)]
+    try:
+        wait_until(lambda: json.loads(httpx.get(url + "/health").text)["batch_size"] == 4, 30, "streams not admitted")
+        last, still = generated_tokens(url), 0
+        deadline = time.time() + 60
+        while still < 3:
+            time.sleep(0.5)
+            now = generated_tokens(url)
+            still = still + 1 if now == last else 0
+            last = now
+            assert time.time() < deadline, f"silent unread streams kept generating ({now - before:.0f} tokens)"
+        assert (last - before) / 4 < 3000
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_until(lambda: json.loads(httpx.get(url + "/health").text)["batch_size"] == 0, 30,
+               "closed streams were not cancelled")
+
+
 def test_held_streams_resume_and_finish_as_if_read(live):
     """Streams whose clients read nothing for a while are held, then read to their end: each one's text
     is what the same request gives when answered at once (greedy), and it ran to max_tokens."""

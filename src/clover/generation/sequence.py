@@ -176,6 +176,8 @@ class Sequence:
             if self.constraint is not None:
                 self.constraint.new_block()
                 self.constraint.settle(self.block, self.remaining)     # what the grammar forces first
+                if self.step_events is not None and any(t != self.mask_id for t in self.block):
+                    self._record_step([self.mask_id] * len(self.block), forced=True)
             self.phase = "denoise" if self.masked_positions() else "commit"
 
     def upcoming_block(self) -> list[int]:
@@ -308,19 +310,22 @@ class Sequence:
             if s.speculative and self.constraint is not None:
                 self.constraint.shape_draft(self.block, controlled, masked)
 
-    def _record_step(self, before: list[int]) -> None:
+    def _record_step(self, before: list[int], forced: bool = False) -> None:
         """One denoising step as a step event: the block (its number from 0 and its first position
         in the response), this request's forward count, each position whose token changed (block
         offset, token; None where a grammar masked it again) and the mean over MoE layers of the
-        distinct experts the forward used (None without statistics). Replaying the changes of a
-        block's events over a block of masks gives the block as it is committed (LowConfidence)."""
+        distinct experts the forward used (None without statistics). `forced`: what a grammar wrote
+        into a new block before any forward (no experts). Replaying the changes of a block's events
+        over a block of masks gives the block as it is committed (LowConfidence)."""
         distinct = [layer[-1] for layer in self.stats.distinct_experts if layer]
-        self.step_events.append({
-            "block": self.blocks_started - 1, "start": len(self.response), "size": len(self.block),
-            "forward": self.stats.forwards,
-            "filled": [[i, None if t == self.mask_id else t]
-                       for i, (t, old) in enumerate(zip(self.block, before)) if t != old],
-            "experts": round(sum(distinct) / len(distinct), 2) if distinct else None})
+        event = {"block": self.blocks_started - 1, "start": len(self.response), "size": len(self.block),
+                 "forward": self.stats.forwards,
+                 "filled": [[i, None if t == self.mask_id else t]
+                            for i, (t, old) in enumerate(zip(self.block, before)) if t != old],
+                 "experts": None if forced or not distinct else round(sum(distinct) / len(distinct), 2)}
+        if forced:
+            event["forced"] = True
+        self.step_events.append(event)
 
     def record_verification(self, accepted: int) -> None:
         """A self-speculative round's step event (when traced): how many draft tokens were committed."""

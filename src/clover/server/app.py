@@ -37,7 +37,7 @@ from .openapi import document_request_bodies
 from .page import FILES as PLAYGROUND_FILES, add_playground
 from . import step_events
 from .text import CONTENT, TextStream
-from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, sse
+from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, silence, sse
 
 log = logging.getLogger("clover.server")
 
@@ -253,12 +253,16 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if steps:
                 yield clover_chunk(step_events.settings_echo(settings, engine.config.block_expert_top_p,
                                                              enable_thinking=thinking))
+            written = 0                          # tokens the bytes sent so far stand for
             async for delta, finish, error, traced in outputs(handle, text, drain):
                 if traced:
                     yield clover_chunk(step_events.steps_payload(traced, tokenizer))
                 d = output.feed(delta, last=bool(finish))
                 if d:
                     yield chunk(d)
+                elif text.n_tokens > written and not (finish or error):
+                    yield silence(text.n_tokens - written)
+                written = text.n_tokens
                 if error is not None:
                     yield sse(engine_error(error).body())
                     break
@@ -346,6 +350,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         async def stream():
             if steps:
                 yield clover_chunk(step_events.settings_echo(settings, engine.config.block_expert_top_p))
+            written = 0                          # tokens the bytes sent so far stand for
             async for delta, finish, error, traced in outputs(handle, text, drain):
                 if traced:
                     yield clover_chunk(step_events.steps_payload(traced, tokenizer))
@@ -356,6 +361,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                     break
                 if delta[CONTENT] or finish:
                     yield chunk(delta[CONTENT], finish)
+                elif text.n_tokens > written:
+                    yield silence(text.n_tokens - written)
+                written = text.n_tokens
             if include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
                            "choices": [], "usage": usage(handle, text)})

@@ -132,6 +132,17 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
+SILENT_TOKEN_BYTES = 16
+
+
+def silence(tokens: int) -> bytes:
+    """An SSE comment (clients skip it) standing for `tokens` tokens that made no text. A stream whose
+    tokens are all hidden (special tokens skipped under `ignore_eos`) would otherwise write nothing, so
+    a client that does not read would never fill its socket and the engine would keep generating for
+    it; sized like the text the tokens would have made, it meets the same backpressure."""
+    return b":" + b" " * min(SILENT_TOKEN_BYTES * tokens, 1 << 16) + b"\n\n"
+
+
 def sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 

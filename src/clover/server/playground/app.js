@@ -87,7 +87,7 @@ const blocks = new Map();        // block number → {size, cells, steps, filled
 let queue = [], timer = null;
 
 function colour(step) {
-  return `hsl(${(step - 1) * 47 % 360}, 70%, 78%)`;
+  return step === 0 ? "#c9d7c9" : `hsl(${(step - 1) * 47 % 360}, 70%, 78%)`;   // 0: forced by the grammar
 }
 
 function visible(text) {
@@ -134,10 +134,11 @@ function drawBlock(number) {
   $("block-title").textContent = `block ${number} · ${b.steps} step${b.steps === 1 ? "" : "s"}`;
   const legend = $("legend");
   legend.replaceChildren();
-  for (let s = 1; s <= b.steps; s++) {
+  const forced = b.cells.some((cell) => cell && cell.step === 0);
+  for (let s = forced ? 0 : 1; s <= b.steps; s++) {
     const span = document.createElement("span");
     span.style.backgroundColor = colour(s);
-    span.textContent = "step " + s;
+    span.textContent = s === 0 ? "forced" : "step " + s;
     legend.appendChild(span);
   }
 }
@@ -160,14 +161,14 @@ function applyStep(step) {
   if (step.accepted !== undefined) {          // a self-speculative round: the draft past `accepted` is dropped
     b.cells.forEach((cell, i) => { if (cell && i >= step.accepted) cell.rejected = true; });
   } else {
-    b.steps += 1;
+    if (!step.forced) b.steps += 1;            // forced: written by the grammar before any forward (step 0)
     let n = 0;
     for (const [i, id, text] of step.filled) {
-      b.cells[i] = id === null ? null : { id, text, step: b.steps };
+      b.cells[i] = id === null ? null : { id, text, step: step.forced ? 0 : b.steps };
       if (id !== null) n += 1;
     }
     b.filled += n;
-    b.most = Math.max(b.most, n);
+    if (!step.forced) b.most = Math.max(b.most, n);
     if (step.experts !== null && step.experts !== undefined) b.experts.push(step.experts);
     live.resolved += n;
   }
