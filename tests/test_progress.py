@@ -22,6 +22,8 @@ tokenizer = clover.load_tokenizer()
 evaluate(model, tokenizer, per_task=1, tasks=["addition"], modes=["autoregressive"], max_new_tokens=8)
 with tempfile.TemporaryDirectory() as tmp:
     quantize_checkpoint({str(clover.DEMO_MODEL_DIR)!r}, tmp + "/int4")
+from clover.training.train import train_model
+train_model(None, steps=3, batch_size=2, config_size="tiny", log=lambda line: None)
 print("done")
 """
 
@@ -56,6 +58,7 @@ def test_bars_on_a_terminal_only():
     assert "loading model" in terminal and "tensor" in terminal          # the checkpoint's tensors
     assert "autoregressive" in terminal and "prompt" in terminal        # the evaluation's prompts
     assert "quantizing" in terminal                                      # clover quantize's tensors
+    assert "training" in terminal and "step" in terminal                 # clover train's steps
     stdout, piped = run(False)
     assert stdout.strip() == "done"
     assert piped == ""

@@ -30,6 +30,19 @@ def progress(iterable=None, *, total: int | None = None, desc: str | None = None
                 dynamic_ncols=True, file=sys.stderr)
 
 
+def beside(bar, log):
+    """`log` for lines printed while `bar` is drawn: the bar is cleared first and drawn again after."""
+    if isinstance(bar, _NoBar):
+        return log
+
+    def write(line):
+        bar.clear()
+        log(line)
+        bar.refresh()
+
+    return write
+
+
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass

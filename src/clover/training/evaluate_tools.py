@@ -18,6 +18,7 @@ import random
 import time
 
 from ..generation.api import generate_batch, resolve_settings
+from ..progress import progress as progress_bar
 from ..server.tool_calls import parse_tool_calls
 from ..tokenization import THINK_END, CloverTokenizer
 from .evaluate import MODES
@@ -82,10 +83,12 @@ def evaluate_tools(model, tokenizer: CloverTokenizer, per_task: int = 20, seed: 
     for mode, mode_settings in modes.items():
         settings = resolve_settings(model, max_new_tokens=max_new_tokens, **mode_settings)
         results, start = [], time.perf_counter()
-        for i in range(0, len(prompts), batch_size):
-            batch = prompts[i : i + batch_size]
-            grammars = [_call_matcher(tokenizer, model, settings, enable_thinking) for _ in batch] if call_grammar else None
-            results += generate_batch(model, batch, settings, grammars=grammars)
+        with progress_bar(total=len(prompts), desc=mode, unit="prompt") as bar:
+            for i in range(0, len(prompts), batch_size):
+                batch = prompts[i : i + batch_size]
+                grammars = [_call_matcher(tokenizer, model, settings, enable_thinking) for _ in batch] if call_grammar else None
+                results += generate_batch(model, batch, settings, grammars=grammars)
+                bar.update(len(batch))
         seconds = time.perf_counter() - start
         texts = [tokenizer.decode(r.tokens) for r in results]
         per: dict = {}

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from clover.checkpoint import write_checkpoint
 from clover.config import CloverConfig
 from clover.model import CloverForCausalLM
+from clover.progress import beside
+from clover.progress import progress as progress_bar
 from clover.staging import staged_directory
 from clover.tokenization import CloverTokenizer
 from clover.training.build_tokenizer import build_tokenizer
@@ -407,6 +409,9 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
         tokens_seen, t_log = 0, time.time()
 
         step = 0
+        bar = progress_bar(total=steps, desc="training", unit="step")
+        cleanup.callback(bar.close)
+        log = beside(bar, log)
         try:
             while step < steps:
                 elapsed = time.time() - t_start
@@ -435,6 +440,7 @@ def train_model(out: str | Path | None = None, *, steps: int = 1000, seed: int =
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 step += 1
+                bar.update(1)
 
                 rec = {"step": step, "causal": loss_c.item(), "diffusion": loss_d.item(), "balance": loss_b.item(),
                        "lr": cur_lr}
