@@ -298,7 +298,7 @@ def test_bad_chat_fields(served, change, param, words):
     assert engine.metrics.steps.value() == steps          # nothing reached the engine
 
 
-def test_bad_requests_and_the_server_keeps_serving(served):
+def test_bad_requests_and_the_server_keeps_serving(served, tokenizer):
     server, engine = served
     client = server.client()
     check_error(post(server, "/v1/chat/completions", dict(CHAT, model="gpt-5")), 404, "model", ["gpt-5"])
@@ -324,6 +324,11 @@ def test_bad_requests_and_the_server_keeps_serving(served):
     long_prompt = " ".join(str(i % 10) for i in range(600))
     err = check_error(post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}), 400,
                       "prompt", ["exceeds the 512-token context"])
+    assert err["code"] == "context_length_exceeded"
+    # too long by its length alone: refused before templating or tokenizing, naming the bound
+    longest = tokenizer.max_token_bytes
+    err = check_error(post(server, "/v1/chat/completions", dict(CHAT, messages=[
+        {"role": "user", "content": "z" * (longest * 513)}])), 400, "messages", ["at least 513 tokens", "512-token"])
     assert err["code"] == "context_length_exceeded"
     check_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}), 400, "prompt", ["vocab"])
     check_error(post(server, "/v1/completions", {"model": MODEL, "prompt": ""}), 400, "prompt", ["empty"])

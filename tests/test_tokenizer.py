@@ -4,7 +4,10 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from clover import load_tokenizer
 from clover.tokenization import (CHAT_TEMPLATE, SPECIAL_TOKENS, CloverTokenizer, IncrementalDecoder,
                                  render_chat)
 from clover.training.build_tokenizer import build_tokenizer
@@ -139,3 +142,14 @@ def test_examples_short_and_split_cleanly_at_the_prompt(tok):
                 assert p + c == tok.encode(prompt + completion)  # training = inference tokenization
                 assert len(p) + len(c) <= 100, (task, len(p), len(c))
                 assert c[-1] == tok.token_to_id("<|im_end|>")
+
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(text=st.text(min_size=1, max_size=400))
+def test_no_text_takes_fewer_tokens_than_its_length_over_the_longest_token(tok, text):
+    """The bound the server refuses long prompts by, before tokenizing them: a text of n characters
+    needs at least n / max_token_bytes tokens (against the real encodings of this and the demo tokenizer)."""
+    for tokenizer in (tok, load_tokenizer()):
+        assert len(tokenizer.encode(text)) >= len(text) // tokenizer.max_token_bytes
+    assert len(tok.encode("a" * 10_000)) >= 10_000 // tok.max_token_bytes

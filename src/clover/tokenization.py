@@ -10,6 +10,7 @@ tools or foreign templates) so the engine does not need transformers to run.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 import re
@@ -132,6 +133,12 @@ class CloverTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for (the longest vocabulary entry's
+        UTF-8 length): a text of n characters needs at least n / max_token_bytes tokens."""
+        return max(len(t.encode("utf-8")) for t in self.tokenizer.get_vocab(with_added_tokens=True))
 
     @property
     def eos_token_ids(self) -> list[int]:

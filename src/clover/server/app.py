@@ -111,6 +111,18 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
                            "invalid_request_error", "model", "model_not_found")
 
+    max_token_bytes = tokenizer.max_token_bytes        # (computed once, before the first request)
+
+    def refuse_by_length(chars: int, param: str) -> None:
+        """Refuse at once, before templating or tokenizing, a prompt that cannot fit by its length
+        alone: a token stands for at most `max_token_bytes` bytes, so it needs at least
+        chars / max_token_bytes tokens."""
+        least = chars // max_token_bytes
+        if least > engine.context_limit:
+            raise bad_request(f"the prompt's {chars} characters need at least {least} tokens (a token stands for "
+                              f"at most {max_token_bytes} bytes), which exceeds the {engine.context_limit}-token "
+                              "context", param, "context_length_exceeded")
+
     def make_settings(req, extra: dict, prompt_ids: list[int], prompt_param: str):
         over, asked = settings_overrides(req, extra)
         if max_block_size is not None:
@@ -198,6 +210,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         for i, m in enumerate(req.messages):
             if m.content is None and m.role != "assistant":
                 raise bad_request(f"messages.{i}.content is required for role {m.role}", f"messages.{i}.content")
+        refuse_by_length(sum(m.chars() for m in req.messages), "messages")
         thinking = extra.get("enable_thinking")
         kwargs = extra.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
@@ -297,6 +310,8 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
             prompt = prompt[0]
+        if isinstance(prompt, str):
+            refuse_by_length(len(prompt), "prompt")
         prompt_ids = await off_loop(request, tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("the prompt is empty: at least one token is needed", "prompt")

@@ -80,6 +80,12 @@ class ChatMessage(_Strict):
             return self.content
         return "\n".join(part.text for part in self.content)
 
+    def chars(self) -> int:
+        """The length of `text()`, without joining it."""
+        if self.content is None or isinstance(self.content, str):
+            return len(self.content or "")
+        return sum(len(part.text) for part in self.content) + max(len(self.content) - 1, 0)
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
