@@ -17,15 +17,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-import clover
-from clover.engine import Engine, EngineOptions
-from clover.server.app import create_app
-from clover.tokenization import CloverTokenizer
 from clover.training.evaluate_tools import heldout_tool_problems
 from clover.training.tool_tasks import DEMO_TOOLS, TOOL_TASK_NAMES, run_tool
-from test_server import Server
+from test_server import demo_client
 
 openai = pytest.importorskip("openai")
 
@@ -35,13 +30,8 @@ PER_TOOL = 8
 
 @pytest.fixture(scope="module")
 def client():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine(clover.load(), EngineOptions(max_batch=4, max_queue=16))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    assert srv.stop()
-    torch.set_num_threads(threads)
+    with demo_client(MODEL, max_batch=4, max_queue=16) as c:
+        yield c
 
 
 def _ask(client, messages, stream: bool):

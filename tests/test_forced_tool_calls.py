@@ -9,13 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-import clover
-from clover.engine import Engine, EngineOptions
-from clover.server.app import create_app
-from clover.tokenization import CloverTokenizer
-from test_server import Server
+from test_server import demo_client
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -44,13 +39,8 @@ MODES = {"low_confidence": {}, "low_confidence_0.8": {"threshold": 0.8}, "autore
 
 @pytest.fixture(scope="module")
 def client():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine(clover.load(), EngineOptions(max_batch=2, max_queue=8))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    assert srv.stop()
-    torch.set_num_threads(threads)
+    with demo_client(MODEL, max_batch=2, max_queue=8) as c:
+        yield c
 
 
 def valid_calls(calls, names):

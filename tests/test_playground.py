@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import launch
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
@@ -26,7 +23,6 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (th
 from selenium.webdriver.common.by import By                   # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait   # noqa: E402
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 KEY = "playground-test-key"
 TIMEOUT = 120
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -35,26 +31,9 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 
 @pytest.fixture(scope="module")
 def server():
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--port", str(port), "--threads", "1",
-                             "--api-key", KEY, "--allowed-host", "127.0.0.1", "--log-level", "warning"],
-                            env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = launch(["--threads", "1", "--api-key", KEY, "--allowed-host", "127.0.0.1", "--log-level", "warning"],
+                          timeout=TIMEOUT)
     try:
-        deadline = time.time() + TIMEOUT
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "clover serve did not come up"
-            time.sleep(0.2)
         yield url
     finally:
         proc.terminate()

@@ -81,7 +81,7 @@ def test_ci_installs_chromium_before_the_quick_start():
     """The playground's browser test needs Debian's chromium + chromium-driver: .ci/run installs them
     when missing, before the Quick start's suite runs."""
     ci = (ROOT / ".ci" / "run").read_text()
-    guard = "command -v chromium || (apt-get update && apt-get install -y chromium chromium-driver)"
+    guard = "command -v chromium || (apt-get update -q && apt-get install -y -q chromium chromium-driver)"
     assert guard in ci and ci.index(guard) < ci.index('bash -e -c "$quick_start"')
 
 

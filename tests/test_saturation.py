@@ -6,43 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import launch
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 MODEL = "clover-demo"
 BUFFER = 64                      # --stream-buffer-tokens
 
 
 def start_server(*options):
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    proc = subprocess.Popen([sys.executable, "-m", "clover.server", "--port", str(port), "--threads", "1",
-                             "--log-level", "warning", *options],
-                            env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, port
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not come up"
-        time.sleep(0.2)
+    return launch(["--threads", "1", "--log-level", "warning", *options])
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +39,19 @@ def live():
 def generated_tokens(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     return float(re.search(r"^clover_generation_tokens_total (\S+)$", text, re.M).group(1))
+
+
+def wait_until_held(url: str, before: float) -> float:
+    """Wait until the count of generated tokens stops moving (the streams are held); returns it."""
+    last, still = generated_tokens(url), 0
+    deadline = time.time() + 60
+    while still < 3:
+        time.sleep(0.5)
+        now = generated_tokens(url)
+        still = still + 1 if now == last else 0
+        last = now
+        assert time.time() < deadline, f"unread streams kept generating ({now - before:.0f} tokens)"
+    return last
 
 
 def wait_until(check, timeout, what):
@@ -131,14 +123,7 @@ def test_unread_streams_are_held_and_a_short_request_is_served(live):
     try:
         wait_until(lambda: json.loads(httpx.get(url + "/health").text)["batch_size"] == 16, 30, "streams not admitted")
         # held: the count of generated tokens stops moving
-        last, still = generated_tokens(url), 0
-        deadline = time.time() + 60
-        while still < 3:
-            time.sleep(0.5)
-            now = generated_tokens(url)
-            still = still + 1 if now == last else 0
-            last = now
-            assert time.time() < deadline, f"unread streams kept generating ({now - before:.0f} tokens)"
+        last = wait_until_held(url, before)
         per_stream = (last - before) / 16
         print(f"tokens generated per unread stream: {per_stream:.0f}")
         # ~13 bytes a token ("<|endoftext|>") + ~200 per event: what the client's 8 KiB receive buffer, the
@@ -166,14 +151,7 @@ def test_unread_streams_whose_tokens_make_no_text_are_held(live):
              for i in range(4)]
     try:
         wait_until(lambda: json.loads(httpx.get(url + "/health").text)["batch_size"] == 4, 30, "streams not admitted")
-        last, still = generated_tokens(url), 0
-        deadline = time.time() + 60
-        while still < 3:
-            time.sleep(0.5)
-            now = generated_tokens(url)
-            still = still + 1 if now == last else 0
-            last = now
-            assert time.time() < deadline, f"silent unread streams kept generating ({now - before:.0f} tokens)"
+        last = wait_until_held(url, before)
         assert (last - before) / 4 < 3000
     finally:
         for sock in socks:

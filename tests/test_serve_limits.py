@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from serve_process import launch
 
 from clover.engine import Engine, EngineOptions
 from clover.server import cli as serve_cli
@@ -299,26 +300,9 @@ def test_clover_serve_port_99999_from_the_command_line():
 def test_clover_serve_end_to_end_with_api_key_from_the_environment(model_dir):
     """The real command: CLOVER_API_KEY guards /v1 and /metrics, /health stays open, and the served
     name is the model directory's name (or --served-model-name)."""
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    env = dict(os.environ, PYTHONPATH=SRC, CLOVER_API_KEY="k-123")
-    proc = subprocess.Popen([sys.executable, "-m", "clover.server", "--model", str(model_dir), "--port", str(port),
-                             "--served-model-name", "my-model", "--log-level", "info", "--threads", "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, port = launch(["--model", str(model_dir), "--served-model-name", "my-model", "--log-level", "info",
+                              "--threads", "1"], env={"CLOVER_API_KEY": "k-123"}, command=("-m", "clover.server"))
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
         check_error(httpx.get(url + "/v1/models"), 401)
         banner = proc.stdout.readline()                       # the first line: where to connect
         assert f"serving 'my-model' on http://127.0.0.1:{port}/v1 (API key required)" in banner, banner

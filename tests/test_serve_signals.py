@@ -6,19 +6,14 @@ period plus a few seconds, and it prints no traceback on the way out."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import launch
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 GRACE = 2.0
 # The demo model at block size 1: thousands of forwards, far longer than the grace period.
 LONG = {"model": "clover-demo", "prompt": "Long", "max_tokens": 4000, "block_size": 1, "ignore_eos": True}
@@ -26,15 +21,7 @@ LONG = {"model": "clover-demo", "prompt": "Long", "max_tokens": 4000, "block_siz
 
 @pytest.mark.parametrize("sig, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
 def test_a_signal_past_the_grace_period_ends_requests_cleanly_and_quickly(sig, exit_code):
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    proc = subprocess.Popen([sys.executable, "-m", "clover", "serve", "--port", str(port), "--threads", "1",
-                             "--graceful-timeout", str(GRACE), "--log-level", "warning"],
-                            env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = launch(["--threads", "1", "--graceful-timeout", str(GRACE), "--log-level", "warning"])
     lines, results, streaming = [], {}, threading.Event()
 
     def stream():
@@ -48,16 +35,6 @@ def test_a_signal_past_the_grace_period_ends_requests_cleanly_and_quickly(sig, e
         results["whole"] = httpx.post(url + "/v1/completions", json=LONG, timeout=60)
 
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
         readers = [threading.Thread(target=stream), threading.Thread(target=whole)]
         for t in readers:
             t.start()

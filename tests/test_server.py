@@ -3,6 +3,7 @@ and a real tokenizer, driven by the official `openai` client and raw httpx."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -82,6 +83,20 @@ class Server:
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+
+
+@contextlib.contextmanager
+def demo_client(model_name: str, **options):
+    """The bundled demo model served in-process (one thread, `EngineOptions(**options)`), as an openai client."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(clover.load(), EngineOptions(**options))
+    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), model_name))
+    try:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    finally:
+        assert srv.stop()
+        torch.set_num_threads(threads)
 
 
 def start(model, tokenizer, **options) -> tuple[Server, Engine]:

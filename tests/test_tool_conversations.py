@@ -17,14 +17,10 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 import clover
-from clover.engine import Engine, EngineOptions
-from clover.server.app import create_app
-from clover.tokenization import CloverTokenizer
 from test_forced_tool_calls import SCHEMAS, TOOLS
-from test_server import Server
+from test_server import demo_client
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -37,13 +33,8 @@ MARKUP = ("<tool_call", "</tool_call", "<function=", "</function", "<parameter="
 
 @pytest.fixture(scope="module")
 def client():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine(clover.load(), EngineOptions(max_batch=4, max_queue=16))
-    srv = Server(create_app(engine, CloverTokenizer.from_dir(clover.DEMO_MODEL_DIR), MODEL))
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    assert srv.stop()
-    torch.set_num_threads(threads)
+    with demo_client(MODEL, max_batch=4, max_queue=16) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -648,7 +648,7 @@ def write_checkpoint(model_or_state, config: CloverConfig | dict, path: str | Pa
         shards[-1][name] = t
         size += nbytes
     weight_map = {}
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(progress(shards, desc=f"writing {path.name}", unit="shard")):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         weight_map.update({name: fname for name in shard})
