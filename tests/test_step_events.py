@@ -15,8 +15,8 @@ from clover.engine import Engine, EngineOptions
 from clover.generation import GenerationSettings
 from clover.server.app import create_app
 from clover.tokenization import CloverTokenizer
+from test_engine import model  # noqa: F401  (the same tiny model fixture)
 from test_server import Server
-from tiny_models import make_model
 
 TIMEOUT = 60
 
@@ -35,12 +35,6 @@ def replay(steps) -> dict[int, list]:
     return blocks
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = make_model(vocab_size=512, mask_token_id=5, think_token_id=3, think_end_token_id=4, eos_token_id=[2, 0],
-                   max_position_embeddings=256)
-    m.generation_defaults = {"block_size": 4, "threshold": 0.9, "max_new_tokens": 16}
-    return m
 
 
 @pytest.mark.parametrize("block_size, threshold, max_new", [(4, 0.3, 16), (8, 0.05, 21), (3, 1.0, 9)])
