@@ -19,6 +19,7 @@ from typing import Iterator
 
 from .generation.api import make_sequences, run_sequences
 from .generation.sequence import GenerationStats
+from .server.text import inside_thinking
 
 
 @dataclass
@@ -87,7 +88,7 @@ class LLM:
         conversations = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
         ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, enable_thinking=thinking,
                                                   tools=tools) for c in conversations]
-        return self._run(ids, [_inside_thinking(p, self.tokenizer) for p in ids], one, stream, stop,
+        return self._run(ids, [inside_thinking(p, self.tokenizer) for p in ids], one, stream, stop,
                          tools, settings, chat=True)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -172,13 +173,3 @@ class _Output:
         tokens = seq.response[: self.text.n_tokens] if self.text.stopped else list(seq.response)
         return Completion("".join(self.parts["text"]), reason, tokens, seq.stats,
                           "".join(self.parts["reasoning"]), calls)
-
-
-def _inside_thinking(prompt_ids: list[int], tokenizer) -> bool:
-    """Whether the prompt leaves the model inside a thinking span (its last marker is `<think>`)."""
-    for t in reversed(prompt_ids):
-        if t == tokenizer.think_token_id:
-            return True
-        if t == tokenizer.think_end_token_id:
-            return False
-    return False

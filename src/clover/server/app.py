@@ -37,6 +37,7 @@ from .openapi import document_request_bodies
 from .page import FILES as PLAYGROUND_FILES, add_playground
 from . import step_events
 from .text import CONTENT, TextStream
+from .text import inside_thinking as prompt_ends_thinking
 from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, silence, sse
 
 log = logging.getLogger("clover.server")
@@ -227,7 +228,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         prompt_ids, plan = await off_loop(request, prepare_chat, tokenizer, req, thinking, kwargs)  # template, tools
         output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
-        inside_thinking = _inside_thinking(prompt_ids, tokenizer)
+        inside_thinking = prompt_ends_thinking(prompt_ids, tokenizer)
         grammar = None
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, tool calls
         if constraint is not None:
@@ -415,14 +416,3 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
         "/v1/chat/completions": (ChatRequest, {"messages": [{"role": "user", "content": "What is 17+25?"}]}),
         "/v1/completions": (CompletionRequest, {"prompt": "17+25=", "max_tokens": 8})}, model_name)
     return app
-
-
-def _inside_thinking(prompt_ids: list[int], tokenizer: CloverTokenizer) -> bool:
-    """Whether the prompt leaves the model inside a thinking span (its last marker is `<think>`)."""
-    think_id, think_end_id = tokenizer.think_token_id, tokenizer.think_end_token_id
-    for t in reversed(prompt_ids):
-        if t == think_id:
-            return True
-        if t == think_end_id:
-            return False
-    return False

@@ -131,3 +131,14 @@ class TextStream:
         body = text.rstrip("\n")
         self._newlines = text[len(body):]
         out[REASONING] += body
+
+
+def inside_thinking(prompt_ids: list[int], tokenizer: CloverTokenizer) -> bool:
+    """Whether the prompt leaves the model inside a thinking span (its last marker is `<think>`)."""
+    think_id, think_end_id = tokenizer.think_token_id, tokenizer.think_end_token_id
+    for t in reversed(prompt_ids):
+        if t == think_id:
+            return True
+        if t == think_end_id:
+            return False
+    return False
