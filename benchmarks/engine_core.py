@@ -111,7 +111,7 @@ def reuse(model, prefix_len=4096, rounds=3, new=32) -> dict:
         turn1 = prefix + ids(40, 200 + r, vocab)
         turn2 = turn1 + ids(60, 300 + r, vocab)
         for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-            model.state_pool().prefix.clear()
+            model.runner.state_pool().prefix.clear()
             with Engine(model, EngineOptions(max_batch=4, prefix_cache=mode == "on")) as engine:
                 first_block_seconds(engine, turn1, max_new_tokens=new, block_size=32, eos_token_id=[])
                 first, _, handle = first_block_seconds(engine, turn2, max_new_tokens=new, block_size=32, eos_token_id=[])
@@ -134,11 +134,11 @@ def main(argv=None) -> int:
     model = clover.load(path, dtype=torch.bfloat16, pack=True)
     weights = checkpoints.checkpoint_weight_bytes(path)
     results = {"variant": args.variant, "weight_bytes": weights, "threads": torch.get_num_threads()}
-    if args.what in ("concurrent", "all") and hasattr(model, "configure_state_pool"):
+    if args.what in ("concurrent", "all") and hasattr(model, "runner"):
         results["concurrent"] = concurrent(model)
     if args.what in ("ttfb", "all"):
         results["ttfb"] = ttfb(model, long_len=args.long)
-    if args.what in ("reuse", "all") and hasattr(model, "configure_state_pool"):
+    if args.what in ("reuse", "all") and hasattr(model, "runner"):
         results["reuse"] = reuse(model)
     print(json.dumps(results, indent=1))
     if args.json:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from clover.backend import Backend, reference_backend  # noqa: E402
 from clover.config import CloverConfig  # noqa: E402
 from clover.model import CloverForCausalLM  # noqa: E402
+from clover.runner import ModelRunner  # noqa: E402
 
 REAL = dict(
     vocab_size=248320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -131,7 +132,7 @@ class Forward:
         self.batch = pool.prepare(caches, T, block_len)
         idx = self.batch.index(ids.device, T)
         self.args = (ids, idx.starts[:, None] + torch.arange(T, device=ids.device), self.batch, block_len,
-                     model._top_p(block_top_p, ids.shape[0]) if block_len else None, logits_at, None)
+                     model.runner.block_top_p(block_top_p, ids.shape[0]) if block_len else None, logits_at, None)
         self.graph = None
 
     def __call__(self):
@@ -237,12 +238,9 @@ def check_step_graphs(fast, config, args, device, report):
     """The product's step graphs (clover/gpu/graphs.py) through `model.step`, as the decoder runs them:
     graphed against eager forwards of the same backend (logits of every graphed kind at 2 rows padded
     to a bucket, greedy generation), and step times with graphs on and off at 1 and 4 rows."""
-    from clover.gpu import graphs
-
-    graphed = CloverForCausalLM.__new__(CloverForCausalLM)    # the same weights, its own pool and graphs
-    graphed.__dict__.update({k: v for k, v in fast.__dict__.items() if k not in ("_state_pool", "_step_graphs")})
-    graphed.configure_state_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
-    graphs.enable(graphed, "cuda" if device.type == "cuda" else "eager")
+    graphed = sibling(fast, fast.backend.name)              # the same weights, its own pool and graphs
+    graphed.runner.configure_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
+    graphed.runner.use_graphs("cuda" if device.type == "cuda" else "eager")
     mask, L = config.mask_token_id, args.block
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(5, config.vocab_size - 8, (args.prompt // 4,), generator=g).tolist()
@@ -294,7 +292,7 @@ def check_step_graphs(fast, config, args, device, report):
                 out = generate_batch(model, prompts, settings)
                 sync(device)
                 res[f"generate_{mode}_{name}_tok_s"] = sum(len(r.tokens) for r in out) / (time.perf_counter() - t)
-    runner = graphed.state_pool().__dict__.get("_step_graphs")
+    runner = graphed.runner._graphs
     res["graphs"] = len(runner.graphs) if runner else 0
     res["failed"] = [str(k) for k in runner.failed] if runner else []
     report["step_graphs"] = res
@@ -307,8 +305,8 @@ def model_bytes(model) -> int:
 def sibling(model, backend: str) -> CloverForCausalLM:
     """The same weights (shared modules) on another backend, with a state pool of its own."""
     other = CloverForCausalLM.__new__(CloverForCausalLM)
-    other.__dict__.update({k: v for k, v in model.__dict__.items() if k not in ("_state_pool", "_step_graphs")})
-    other.backend = Backend(backend) if backend != "reference" else reference_backend()
+    other.__dict__.update({k: v for k, v in model.__dict__.items() if k != "runner"})
+    other.__dict__["runner"] = ModelRunner(other, Backend(backend) if backend != "reference" else reference_backend())
     return other
 
 
@@ -331,9 +329,7 @@ def step_outputs(model, prompt, committed, device, block_len: int) -> dict:
 def graphed_step_times(model, prompt, device, args) -> dict:
     """Decode and block step (0.7) times at 1 row with step graphs on (eager replay on CPU), and the
     graph keys whose capture failed."""
-    from clover.gpu import graphs
-
-    graphs.enable(model, "cuda" if device.type == "cuda" and args.graphs else "eager")
+    model.runner.use_graphs("cuda" if device.type == "cuda" and args.graphs else "eager")
     with torch.inference_mode():
         caches = prefilled(model, prompt, 1)
         tok = torch.full((1, 1), 7, device=device)
@@ -343,9 +339,9 @@ def graphed_step_times(model, prompt, device, args) -> dict:
                                                         logits_at="block"), device, 2, args.iters)}
         for c in caches:
             c.release()
-    runner = model.state_pool().__dict__.get("_step_graphs")
+    runner = model.runner._graphs
     res["graphs_failed"] = [str(k) for k in runner.failed] if runner else []
-    graphs.enable(model, None)
+    model.runner.use_graphs(None)
     return res
 
 
@@ -404,7 +400,7 @@ def check_quantized(ref, config, args, device, report):
     committed = torch.randint(5, 100, (1, args.block), generator=g).to(device)
     pool_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
     bf16 = sibling(ref, "cuda")
-    bf16.configure_state_pool(pool_bytes, max_sequences=4)
+    bf16.runner.configure_pool(pool_bytes, max_sequences=4)
     res = {"bytes_bf16": model_bytes(ref), "bf16": graphed_step_times(bf16, prompt, device, args)}
     with torch.inference_mode():
         bf16_out = step_outputs(bf16, prompt, committed, device, args.block)
@@ -412,7 +408,7 @@ def check_quantized(ref, config, args, device, report):
         model = build()
         fast, slow = sibling(model, "cuda"), sibling(model, "reference")
         for m in (fast, slow):
-            m.configure_state_pool(pool_bytes, max_sequences=4)
+            m.runner.configure_pool(pool_bytes, max_sequences=4)
         with torch.inference_mode():
             got = step_outputs(fast, prompt, committed, device, args.block)
             want = step_outputs(slow, prompt, committed, device, args.block)
@@ -640,13 +636,11 @@ def main(argv=None) -> int:
     report["grouped_mm"] = GROUPED_MM is not None
     ref = random_model(config, device, torch.bfloat16)
     ref.backend = reference_backend()
-    fast = CloverForCausalLM.__new__(CloverForCausalLM)     # the same weights, another backend and pool
-    fast.__dict__.update({k: v for k, v in ref.__dict__.items() if k != "_state_pool"})
-    fast.backend = Backend("cuda")
+    fast = sibling(ref, "cuda")                             # the same weights, another backend and pool
     if device.type == "cuda":
         report["memory_after_build_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
     for model in (ref, fast):
-        model.configure_state_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
+        model.runner.configure_pool(8 << 30 if device.type == "cuda" else 64 << 20, max_sequences=4)
 
     section(report, "correctness", check_correctness, fast, ref, config, args, device, report)
     section(report, "paged_attention", check_paged_attention, config, args, device, report)

@@ -109,7 +109,7 @@ def test_each_rank_reads_only_its_slices(tmp_path, layout, prefix, variant):
     for rank in range(2):
         parallel = ParallelGroup(rank=rank, world_size=2)          # loading alone runs no collective
         shard = load_tensor_parallel(path, parallel, dtype=torch.float32)
-        plan = shard.shard_plan
+        plan = shard.runner.plan
         held = 0
         for name, p in shard.named_parameters():
             cut = plan.slicing(name)
@@ -160,7 +160,7 @@ def test_quantized_shards_hold_their_slices(tmp_path, bits):
     assert len(quantized) > 20 and "lm_head" in quantized
     for rank in range(2):
         shard = load_tensor_parallel(path, ParallelGroup(rank=rank, world_size=2), dtype=torch.float32)
-        plan, held = shard.shard_plan, 0
+        plan, held = shard.runner.plan, 0
         for name, m in shard.named_modules():
             if not isinstance(m, QuantizedWeight):
                 continue

@@ -169,7 +169,7 @@ def test_cancel_frees_the_slot_and_spares_the_others(model):
 
 
 def test_a_failing_step_fails_only_the_running_requests(model, monkeypatch):
-    real = type(model).step
+    real = type(model.runner).step
     calls = {"n": 0}
 
     def flaky(self, *args, **kwargs):
@@ -178,7 +178,7 @@ def test_a_failing_step_fails_only_the_running_requests(model, monkeypatch):
             raise RuntimeError("boom")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(model), "step", flaky)
+    monkeypatch.setattr(type(model.runner), "step", flaky)
     with Engine(model) as engine:
         h = engine.submit([60, 61, 62], max_new_tokens=16)
         h.result(TIMEOUT)
@@ -261,10 +261,10 @@ def test_on_a_gpu_the_pool_takes_most_of_the_free_memory(caplog):
     model = make_model("base")
     assert default_cache_bytes(model, 4) is None
     from types import SimpleNamespace                  # tensor-parallel ranks: sized alike, never by free memory
-    assert default_cache_bytes(SimpleNamespace(parallel=object()), 4) is None
+    assert default_cache_bytes(SimpleNamespace(runner=SimpleNamespace(ranks=2)), 4) is None
     engine = Engine(model, EngineOptions(max_batch=4), start=False)
     try:
-        assert engine.pool.nbytes() <= max(model.default_pool_bytes, model.pool_floor_bytes(engine.max_sequences))
+        assert engine.pool.nbytes() <= max(model.runner.default_pool_bytes, model.runner.pool_floor_bytes(engine.max_sequences))
     finally:
         engine.shutdown()
 

@@ -565,7 +565,7 @@ def test_k_quant_model_on_cuda_equals_the_cpu_reference(tmp_path):
                types={"ffn_down_exps.weight": T.Q6_K, "output.weight": T.Q6_K, "attn_v.weight": T.Q5_K})
     on_gpu = clover.load(path, dtype=torch.float32, device="cuda")
     on_cpu = clover.load(path, dtype=torch.float32, backend="reference")
-    assert on_gpu.backend.name == "cuda" and on_gpu.graph_replay == "cuda"
+    assert on_gpu.backend.name == "cuda" and on_gpu.runner.graph_replay == "cuda"
     assert on_gpu.model.layers[0].mlp.experts.gate_up_proj.qweight.is_cuda
     ids = inputs(model)
     want = on_cpu(ids)

@@ -310,7 +310,7 @@ def test_steps_compile_without_graph_breaks(kind, attention_path):
     model.backend = Backend("cuda")
     torch._dynamo.reset()
     run = torch.compile(model.run, fullgraph=True, dynamic=False, backend="aot_eager")
-    pool = model.state_pool()
+    pool = model.runner.state_pool()
     with torch.inference_mode():
         caches = [model.make_cache() for _ in range(2)]
         model.prefill_batch([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]], caches)
@@ -334,12 +334,11 @@ def test_the_engine_serves_greedy_and_sampled_requests_on_cuda():
     a seeded request's tokens repeat when it runs again beside other requests."""
     from clover.engine import Engine, EngineOptions
     from clover.engine.budget import default_cache_bytes
-    from clover.gpu import graphs
 
     model = make_model("base", dtype=torch.float32).to("cuda")     # (float32: row order moves no token)
     model.backend = Backend("cuda")
-    graphs.enable(model, "cuda")
-    assert default_cache_bytes(model, 4) > model.pool_floor_bytes(4)
+    model.runner.use_graphs("cuda")
+    assert default_cache_bytes(model, 4) > model.runner.pool_floor_bytes(4)
     reqs = [([5, 6, 7, 8], dict(max_new_tokens=16, block_size=4, threshold=0.8)),
             ([9, 10, 11], dict(max_new_tokens=12, block_size=1)),
             ([12, 13], dict(max_new_tokens=16, block_size=4, do_sample=True, temperature=0.9, seed=1)),

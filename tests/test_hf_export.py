@@ -302,7 +302,7 @@ def test_the_wrapper_runs_the_cuda_backend_with_graphs_on_a_gpu(dirs):
     hf = AutoModelForCausalLM.from_pretrained(str(dirs.dst), trust_remote_code=True, dtype=torch.bfloat16,
                                               device_map="cuda:0").eval()
     rt = hf.clover_model()
-    assert rt.backend.name == "cuda" and rt.graph_replay == "cuda"
+    assert rt.backend.name == "cuda" and rt.runner.graph_replay == "cuda"
 
 
 # ---- (b) HF generate == clover generate, float32 --------------------------------------------------

@@ -238,7 +238,7 @@ def test_gdn_short_kernel_matches_the_pytorch_path(variant, overrides):
     H = model.config.hidden_size
     B = 3
 
-    pool = model.state_pool()
+    pool = model.runner.state_pool()
     layer = mixer.layer_index
     cpu = Backend("cpu")
     assert cpu.implements("gdn_core")

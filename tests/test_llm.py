@@ -74,7 +74,7 @@ def test_streamed_deltas_add_up_to_the_answer(llm):
 
 
 def free_state(llm):
-    pool = llm.model.state_pool()           # (pages only the prefix cache keeps count as available)
+    pool = llm.model.runner.state_pool()           # (pages only the prefix cache keeps count as available)
     return pool.available_pages(), pool.available_slots()
 
 

@@ -262,7 +262,7 @@ def test_scoring_in_chunks_equals_one_pass(model):
 
     ids = [int(t) for t in torch.randint(10, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))]
     want = causal(model, ids)
-    pool = model.state_pool()
+    pool = model.runner.state_pool()
     free = pool.stats()["free_pages"] if "free_pages" in pool.stats() else None
     for chunk in (7, 1, 512):
         got = causal_logprobs(model, ids, top_k=2, chunk=chunk)

@@ -664,7 +664,7 @@ def test_chunked_prefill_equals_one_pass():
     ids = torch.randint(6, 90, (1, 150), generator=torch.Generator().manual_seed(4))
     whole = model.make_cache()
     expected = model.step(ids, [whole])
-    model.prefill_chunk = 64
+    model.runner.prefill_chunk = 64
     try:
         chunked = model.make_cache()
         got = model.step(ids, [chunked])
@@ -681,7 +681,7 @@ def test_chunked_prefill_equals_one_pass():
         nxt = torch.tensor([[7]])
         assert (model.step(nxt, [chunked]) - model.step(nxt, [whole])).abs().max() < 1e-10
     finally:
-        del model.prefill_chunk
+        del model.runner.prefill_chunk
 
 
 def test_batched_padded_prefill_equals_each_alone():

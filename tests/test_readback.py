@@ -47,9 +47,9 @@ def test_a_batch_reads_back_once_per_forward(monkeypatch, settings):
     one read-back, so there are no more read-backs than forwards (per row, there were ~4× as many)."""
     model = make_model("base")
     reads, forwards = [], []
-    real_read, real_forward = readback.read_back, model._forward_cached
+    real_read, real_forward = readback.read_back, model.runner._forward_cached
     monkeypatch.setattr(readback, "read_back", lambda tensors: reads.append(len(tensors)) or real_read(tensors))
-    monkeypatch.setattr(model, "_forward_cached", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
+    monkeypatch.setattr(model.runner, "_forward_cached", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
     prompts = [[5, 9, 13, 2 + i] * (i + 1) for i in range(4)]
     results = generate_batch(model, prompts, resolve_settings(model, max_new_tokens=16, eos_token_id=[], **settings))
     assert all(len(r.tokens) == 16 for r in results)

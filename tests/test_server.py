@@ -406,7 +406,7 @@ def test_a_failing_forward_is_an_error_response_and_the_server_recovers(served, 
     def broken(self, *args, **kwargs):
         raise RuntimeError("simulated device fault")
 
-    monkeypatch.setattr(type(model), "step", broken)
+    monkeypatch.setattr(type(model.runner), "step", broken)
     err = check_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4}), 500)
     assert err["type"] == "server_error" and "simulated device fault" in err["message"]
     body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}

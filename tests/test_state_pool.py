@@ -54,7 +54,7 @@ def pool_counts(pool):
 
 def test_pages_and_slots_come_back_after_forwards_snapshots_and_speculation():
     model = fresh()
-    pool = model.configure_state_pool(1 << 24, max_sequences=4)
+    pool = model.runner.configure_pool(1 << 24, max_sequences=4)
     start = pool_counts(pool)
     ids = torch.randint(5, 90, (1, 45), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -91,8 +91,8 @@ def test_full_pool_makes_admission_wait_and_refuses_what_never_fits():
     slot = StatePool.bytes_per_slot(model.config, model.dtype)
     page = StatePool.bytes_per_page(model.config, model.dtype)
     # three pages: each request below reserves 2 (20 + (8/4 + 1)·4 = 32 positions... plus the prompt's)
-    model.configure_state_pool((1 + 2 * 4 + 4) * slot + 3 * page, max_sequences=4)
-    pool = model.state_pool()
+    model.runner.configure_pool((1 + 2 * 4 + 4) * slot + 3 * page, max_sequences=4)
+    pool = model.runner.state_pool()
     assert pool.num_pages == 3
     prompts = [[10 + i] * 30 for i in range(3)]                           # 30 + 3·4 = 42 positions: 2 pages
     s = settings(model, max_new_tokens=8, block_size=4, threshold=0.9)
@@ -118,7 +118,7 @@ def test_full_pool_makes_admission_wait_and_refuses_what_never_fits():
 @pytest.mark.parametrize("decoding", ["low_confidence", "self_speculative", "ar"])
 def test_prefix_reuse_gives_the_same_tokens(decoding):
     model = fresh()
-    model.configure_state_pool(1 << 24, max_sequences=4)
+    model.runner.configure_pool(1 << 24, max_sequences=4)
     g = torch.Generator().manual_seed(3)
     system = torch.randint(5, 90, (70,), generator=g).tolist()            # a shared 70-token prefix
     turns = [system + torch.randint(5, 90, (n,), generator=g).tolist() for n in (9, 30)]
@@ -127,25 +127,25 @@ def test_prefix_reuse_gives_the_same_tokens(decoding):
         kw["decoding"] = decoding
     s = settings(model, **kw)
     reference = fresh()                                                   # no pool history at all
-    reference.configure_state_pool(1 << 24, max_sequences=4)
+    reference.runner.configure_pool(1 << 24, max_sequences=4)
     want = [generate_batch(reference, [t], s)[0].tokens for t in turns]
     # without reuse, in one batch
     off = [Sequence(t, s, model.config) for t in turns]
     run(Decoder(model, prefix_cache=False), off)
     first = Sequence(system + [33], s, model.config)                      # fills the cache: 64 of 71 tokens
     run(Decoder(model), [first])
-    assert first.stats.reused_tokens == 0 and len(model.state_pool().prefix) == 1
+    assert first.stats.reused_tokens == 0 and len(model.runner.state_pool().prefix) == 1
     on = [Sequence(t, s, model.config) for t in turns]
     run(Decoder(model), on)
     assert [q.stats.reused_tokens for q in on] == [64, 64]
     assert [q.response for q in on] == [q.response for q in off] == want
-    stats = model.state_pool().stats()
+    stats = model.runner.state_pool().stats()
     assert stats["prefix_hits"] >= 2 and stats["prefix_reused_tokens"] >= 128
 
 
 def test_reused_state_at_a_page_boundary_equals_recomputation():
     model = fresh()
-    pool = model.configure_state_pool(1 << 24, max_sequences=4)
+    pool = model.runner.configure_pool(1 << 24, max_sequences=4)
     prompt = torch.randint(5, 90, (100,), generator=torch.Generator().manual_seed(5)).tolist()
     s = settings(model, max_new_tokens=4, block_size=4, threshold=0.9)
     run(Decoder(model), [Sequence(prompt, s, model.config)])
@@ -173,7 +173,7 @@ def test_eviction_frees_cached_prefixes_under_pressure():
     model = fresh()
     slot = StatePool.bytes_per_slot(model.config, model.dtype)
     page = StatePool.bytes_per_page(model.config, model.dtype)
-    pool = model.configure_state_pool((1 + 2 * 2 + 2) * slot + 6 * page, max_sequences=2)
+    pool = model.runner.configure_pool((1 + 2 * 2 + 2) * slot + 6 * page, max_sequences=2)
     s = settings(model, max_new_tokens=4, block_size=4, threshold=0.9)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(5, 90, (70,), generator=g).tolist() for _ in range(4)]
@@ -193,7 +193,7 @@ def test_eviction_frees_cached_prefixes_under_pressure():
 
 def test_short_request_during_a_long_prefill_finishes_first():
     model = fresh(dtype=torch.float32)
-    model.configure_state_pool(1 << 26, max_sequences=4)
+    model.runner.configure_pool(1 << 26, max_sequences=4)
     g = torch.Generator().manual_seed(9)
     long_prompt = torch.randint(5, 90, (1500,), generator=g).tolist()
     short_prompt = torch.randint(5, 90, (6,), generator=g).tolist()
@@ -216,7 +216,7 @@ def test_short_request_during_a_long_prefill_finishes_first():
 
 def test_a_failing_decision_ends_only_its_own_request():
     model = fresh()
-    model.configure_state_pool(1 << 24, max_sequences=4)
+    model.runner.configure_pool(1 << 24, max_sequences=4)
     s = settings(model, max_new_tokens=10, block_size=4, threshold=0.9)
     prompts = [[20 + i, 21, 22, 23, 24] for i in range(3)]
     seqs = [Sequence(p, s, model.config) for p in prompts]
@@ -248,7 +248,7 @@ def test_engine_reports_prefix_reuse_in_metrics_and_stats():
 
 def test_fork_shares_pages_until_a_write_and_equals_recomputation():
     model = fresh()
-    pool = model.configure_state_pool(1 << 24, max_sequences=4)
+    pool = model.runner.configure_pool(1 << 24, max_sequences=4)
     ids = torch.randint(5, 90, (1, 40), generator=torch.Generator().manual_seed(13))
     with torch.no_grad():
         a = model.make_cache()
@@ -271,7 +271,7 @@ def test_admission_holds_over_many_rounds_in_a_tight_pool(decoding):
     and drops the old one; a speculation keeps its start): more sequences than the pool can hold at once,
     over many rounds, all finish with the tokens they get alone, and the pool ends where it began."""
     model = fresh()
-    pool = model.configure_state_pool(1 << 24, max_sequences=2, prefix_slots=1)     # 1 + 2·2 + 1 slots
+    pool = model.runner.configure_pool(1 << 24, max_sequences=2, prefix_slots=1)     # 1 + 2·2 + 1 slots
     start = pool_counts(pool)
     s = settings(model, max_new_tokens=40, block_size=4, threshold=0.7, eos_token_id=[], decoding=decoding)
     prompts = [[30 + i] * (35 + i) for i in range(5)]
@@ -281,7 +281,7 @@ def test_admission_holds_over_many_rounds_in_a_tight_pool(decoding):
     pool.prefix.clear()
     assert pool_counts(pool) == start
     alone = fresh()
-    alone.configure_state_pool(1 << 24, max_sequences=2, prefix_slots=1)
+    alone.runner.configure_pool(1 << 24, max_sequences=2, prefix_slots=1)
     assert [q.response for q in seqs] == [generate_batch(alone, [p], s)[0].tokens for p in prompts]
 
 
@@ -299,7 +299,7 @@ def test_a_shared_system_prompt_is_reused_up_to_the_last_chunk_end_inside_it():
     reuses the first's state at 96 (the last page boundary inside the shared part) and decodes the
     tokens it decodes without reuse."""
     model = fresh()
-    model.configure_state_pool(1 << 24, max_sequences=4)
+    model.runner.configure_pool(1 << 24, max_sequences=4)
     g = torch.Generator().manual_seed(14)
     system = torch.randint(5, 90, (100,), generator=g).tolist()
     a, b = system + [40, 41, 42, 43, 44], system + [50, 51]
@@ -327,7 +327,7 @@ def test_the_default_pool_holds_the_real_model_shape():
                        max_position_embeddings=131072, mask_token_id=248319, model_type="clover")
     with torch.device("meta"):
         model = CloverForCausalLM(cfg).to(torch.bfloat16)
-    pool = model.state_pool()
+    pool = model.runner.state_pool()
     assert pool.num_slots == 49 and pool.num_pages == 2048
     assert pool.nbytes() == 49 * 64389120 + 2048 * 655360
 
@@ -341,17 +341,17 @@ def test_generate_grows_a_pool_too_small_for_its_request():
     model = make_model("base")
     prompt = [(7 * i) % 90 + 3 for i in range(200)]
     settings = resolve_settings(model, max_new_tokens=16, block_size=4, threshold=0.7, eos_token_id=[])
-    model.configure_state_pool(1 << 26)
+    model.runner.configure_pool(1 << 26)
     want = generate_batch(model, [prompt], settings)[0].tokens
-    small = model.configure_state_pool(_pool_bytes(model, pages=4, max_sequences=16), 16)
+    small = model.runner.configure_pool(_pool_bytes(model, pages=4, max_sequences=16), 16)
     assert small.num_pages == 4
     held = model.make_cache()
     model.prefill_batch([[5, 6, 7]], [held])
     got = generate_batch(model, [prompt], settings)[0].tokens
-    grown = model.state_pool()
+    grown = model.runner.state_pool()
     assert got == want and grown is not small
     assert grown.num_slots == small.num_slots and grown.num_pages >= grown.pages_for(200 + 5 * 4)
-    assert generate_batch(model, [prompt[:20]], settings) and model.state_pool() is grown
+    assert generate_batch(model, [prompt[:20]], settings) and model.runner.state_pool() is grown
     model.step(torch.tensor([[8]]), [held])                     # the old pool still serves its sequence
     assert held.length == 4 and held.pool is small
 

@@ -26,12 +26,12 @@ def _pair(dtype=torch.float32, replay="eager", device="cpu", quantized=False):
         quantize_model(eager, QuantSpec(4, 16))
     eager.backend = Backend("cuda")
     graphed = copy.deepcopy(eager)
-    graphs.enable(graphed, replay)
+    graphed.runner.use_graphs(replay)
     return eager, graphed
 
 
 def _runner(model):
-    return model.state_pool().__dict__["_step_graphs"]
+    return model.runner._graphs
 
 
 def _close(a, b, dtype=torch.float32):
@@ -111,7 +111,7 @@ def test_padding_rows_touch_only_the_scratch_state():
     with torch.inference_mode():
         idle = model.make_cache()
         model.prefill_batch([[5, 6, 7, 8, 9, 10]], [idle])
-        pool = model.state_pool()
+        pool = model.runner.state_pool()
         before = {layer: [t.clone() for t in (idle.gdn_state(layer) if kind == "linear_attention" else idle.kv(layer))]
                   for layer, kind in enumerate(model.config.layer_types)}
         zero = [pool.conv[0][0].clone(), pool.recurrent[0][0].clone()]
@@ -134,7 +134,7 @@ def test_padding_rows_touch_only_the_scratch_state():
 
 def test_the_runner_holds_its_scratch_state_until_turned_off():
     _, model = _pair()
-    pool = model.state_pool()
+    pool = model.runner.state_pool()
     pages, slots = pool.free_pages, pool.free_slots
     with torch.inference_mode():
         c = model.make_cache()
@@ -143,9 +143,9 @@ def test_the_runner_holds_its_scratch_state_until_turned_off():
         c.release()
     runner = _runner(model)
     assert pool.free_pages == pages - len(runner.scratch_pages) and pool.free_slots == slots - 1
-    graphs.enable(model, None)
+    model.runner.use_graphs(None)
     assert pool.free_pages == pages and pool.free_slots == slots
-    assert "_step_graphs" not in pool.__dict__ and model.graph_replay is None
+    assert model.runner._graphs is None and model.runner.graph_replay is None
 
 
 def test_generation_with_graphs_equals_generation_without():
@@ -194,13 +194,13 @@ def test_a_failed_capture_falls_back_to_the_eager_forward(monkeypatch, caplog):
 
 def test_a_full_pool_turns_the_graphs_off_for_it(caplog):
     _, model = _pair()
-    pool = model.configure_state_pool(memory_bytes=None, max_sequences=1)
+    pool = model.runner.configure_pool(memory_bytes=None, max_sequences=1)
     with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="clover.gpu.graphs"):
         held = [pool.new_sequence(reserve_tokens=(pool.available_pages() - 1) * pool.page_size)]
         c = held[0]
         model.prefill_batch([[3, 4, 5]], [c])
         model.step(torch.tensor([[6]]), [c])
-    assert pool.__dict__["_step_graphs"] is False
+    assert model.runner._graphs is False
     assert any("no room" in r.message for r in caplog.records)
 
 
@@ -244,7 +244,7 @@ def test_outputs_belong_to_the_caller():
 def test_load_turns_graphs_on_only_on_a_cuda_device():
     import clover
 
-    assert clover.load(backend="cuda").graph_replay is None          # the cuda backend on the CPU: eager
+    assert clover.load(backend="cuda").runner.graph_replay is None          # the cuda backend on the CPU: eager
 
 
 @pytest.mark.gpu
@@ -252,10 +252,10 @@ def test_load_turns_graphs_on_only_on_a_cuda_device():
 def test_load_on_cuda_turns_graphs_on_unless_asked_not_to(monkeypatch, setenv):
     import clover
 
-    assert clover.load(device="cuda").graph_replay == "cuda"
-    assert clover.load(device="cuda", cuda_graphs=False).graph_replay is None
+    assert clover.load(device="cuda").runner.graph_replay == "cuda"
+    assert clover.load(device="cuda", cuda_graphs=False).runner.graph_replay is None
     setenv("CLOVER_CUDA_GRAPHS", "0")
-    assert clover.load(device="cuda").graph_replay is None
+    assert clover.load(device="cuda").runner.graph_replay is None
 
 
 class HostReads(TorchFunctionMode):

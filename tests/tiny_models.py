@@ -102,14 +102,14 @@ def layer_call(module, x, seqs, block_len, *before, backend=None):
 
 
 def slow_steps(monkeypatch, model, seconds: float) -> None:
-    """Make every cached forward of `model`'s class take at least `seconds` longer (tests that must act
+    """Make every cached forward of `model`'s runner class take at least `seconds` longer (tests that must act
     while a request is surely still running)."""
     import time
 
-    real = type(model).step
+    real = type(model.runner).step
 
     def step(self, *args, **kwargs):
         time.sleep(seconds)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(model), "step", step)
+    monkeypatch.setattr(type(model.runner), "step", step)

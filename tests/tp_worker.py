@@ -92,25 +92,23 @@ def main(model_dir: str, out_path: str, new_tokens: int = 20, backend: str = "re
     dtype = torch.bfloat16 if backend == "cpu" else torch.float32
     model = clover.load(model_dir, dtype=dtype, backend=backend, tensor_parallel=True)
     if os.environ.get("CLOVER_TEST_STEP_GRAPHS") == "eager":      # the graphs' static buffers, replayed eagerly
-        from clover.gpu import graphs
-
-        graphs.enable(model, "eager")
+        model.runner.use_graphs("eager")
     with torch.inference_mode():
         out = (kernel_outputs if backend == "cpu" else model_outputs)(model, new_tokens)
     out["backend_name"] = model.backend.name
-    runner = model.state_pool().__dict__.get("_step_graphs")
+    runner = model.runner._graphs
     out["graphs"] = len(runner.graphs) if runner else 0
     sizes = {"bytes_read": model.shard_bytes_read,
              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-             "plan": repr(model.shard_plan)}
-    everyone = model.parallel.gather_objects(sizes)
+             "plan": repr(model.runner.plan)}
+    everyone = model.runner.parallel.gather_objects(sizes)
     # every rank must have decided the same tokens (the logits it received are the same bytes)
-    same = model.parallel.gather_objects({k: v for k, v in out.items() if k.startswith("gen_")})
-    if model.parallel.rank == 0:
+    same = model.runner.parallel.gather_objects({k: v for k, v in out.items() if k.startswith("gen_")})
+    if model.runner.parallel.rank == 0:
         out["ranks"] = everyone
         out["ranks_agree"] = all(s == same[0] for s in same)
         torch.save(out, out_path)
-    model.parallel.barrier()
+    model.runner.parallel.barrier()
     torch.distributed.destroy_process_group()
 
 
@@ -179,18 +177,18 @@ def fault_main(model_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     model = clover.load(model_dir, dtype=torch.float32, backend="reference", tensor_parallel=True)
     if mode == "diverge":
-        if model.parallel.rank == 1:
+        if model.runner.parallel.rank == 1:
             diverge_in_this_rank()
         start = time.monotonic()
         try:
             model.generate(torch.tensor([[7, 8, 9, 10]]), max_new_tokens=24, block_size=8, eos_token_id=[])
         except RuntimeError as exc:
-            if model.parallel.rank == 0:
+            if model.runner.parallel.rank == 0:
                 print(f"FAILED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}", flush=True)
             os._exit(1)
         print("NO ERROR", flush=True)
         return
-    if model.parallel.rank != 0:
+    if model.runner.parallel.rank != 0:
         if mode == "die":
             os._exit(3)
         time.sleep(300)

@@ -3,7 +3,7 @@
 An op has a reference implementation in PyTorch (the definition, next to its module in `layers/`) and
 optionally faster ones per backend, each with a `qualifies(*args)` test that lives next to its kernel
 (shape limits, dtypes, what the kernel cannot do), listed in the table its package exports. A model
-gets one `Backend` when it loads (`model.backend`); a call whose arguments do not qualify runs the
+gets one `Backend` when it loads (held by its runner, `model.runner.backend`); a call whose arguments do not qualify runs the
 reference. Layers call `backend.<op>(...)` — no dispatch flags on modules — and never import this
 module: imports run backend → layers, and a backend's own package is imported when one is built.
 

@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     leader = launch.launched_rank() == 0
     prompt = _read_prompt(args.prompt) if leader else None
     model, tokenizer, _ = _load(args)
-    parallel = getattr(model, "parallel", None)
+    parallel = getattr(model.runner, "parallel", None)   # a tensor-parallel rank's group (distributed/runner.py)
     ok = False
     try:
         code = _generate(args, model, tokenizer, prompt, parallel, leader)

@@ -104,11 +104,9 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     elif backend == "cuda" or (backend == "auto" and torch.device(device).type == "cuda"):
         from .backend import Backend
 
-        model.backend = Backend("cuda")
+        model.runner.backend = Backend("cuda")
         if _graphs_wanted(cuda_graphs, device):
-            from .gpu.graphs import enable
-
-            enable(model, "cuda")
+            model.runner.use_graphs("cuda")
     _read_generation_defaults(model, path)
     return model
 
@@ -148,13 +146,11 @@ def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, te
         if backend == "cuda" or (backend == "auto" and parallel.device.type == "cuda"):
             from .backend import Backend
 
-            model.backend = Backend("cuda")
+            model.runner.backend = Backend("cuda")
             # Step graphs would capture NCCL's collectives: not yet run anywhere (one GPU cannot hold two
             # NCCL ranks), so only on request; the same forwards replayed eagerly are tested on CPU.
             if _graphs_wanted(cuda_graphs, parallel.device) and runtime_options().tp_cuda_graphs:
-                from .gpu.graphs import enable
-
-                enable(model, "cuda")
+                model.runner.use_graphs("cuda")
         return model
     from .layers.packed import pack_for_cpu
     from .runtime import release_free_memory

@@ -19,6 +19,7 @@ from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.moe import Experts, SparseMoE
 from .plan import ShardPlan
 from .process_group import ParallelGroup
+from .runner import ShardRunner
 
 
 class RowParallelLinear(nn.Linear):
@@ -115,7 +116,7 @@ class ShardedMoE(SparseMoE):
 
 def shard_model(model, plan: ShardPlan, parallel: ParallelGroup) -> None:
     """Replace `model`'s modules (built from the full config, normally on the meta device) by this
-    rank's shards. The state pool is then sized from `model.shard_config` (this rank's heads)."""
+    rank's shards. The state pool is then run by a `ShardRunner` (its pool sized from this rank's heads)."""
     cfg, local = plan.config, plan.local_config
     H = cfg.hidden_size
     for i, layer in enumerate(model.model.layers):
@@ -135,6 +136,4 @@ def shard_model(model, plan: ShardPlan, parallel: ParallelGroup) -> None:
     model.lm_head = VocabParallelHead(rows, H, cfg.vocab_size, parallel)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.shard_config = local
-    model.shard_plan = plan
-    model.parallel = parallel
+    model.runner = ShardRunner(model, plan, parallel, model.runner.backend)

@@ -161,7 +161,7 @@ class LeaderEngine(Engine):
         self._stop_if_lost()
 
     def _stop_if_lost(self) -> None:
-        failed = self.model.parallel.failed or (self._channel.diverged if self._channel is not None else None)
+        failed = self.model.runner.parallel.failed or (self._channel.diverged if self._channel is not None else None)
         if failed is not None and self._state == "running":
             log.error("a tensor-parallel rank is lost; the engine takes no more requests: %s", failed)
             with self._lock:
@@ -182,7 +182,7 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
     """A follower rank's serving loop: the decoder operations rank 0 sends, applied in order, until
     it says stop (or goes away). SIGTERM is ignored: rank 0 shuts the group down gracefully."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    model.configure_state_pool(options.max_cache_bytes, options.max_sequences or 4 * options.max_batch)  # as Engine
+    model.runner.configure_pool(options.max_cache_bytes, options.max_sequences or 4 * options.max_batch)  # as Engine
 
     def new_decoder():
         return Decoder(model, max_batch=options.max_batch, step_tokens=options.step_tokens,

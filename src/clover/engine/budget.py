@@ -57,7 +57,7 @@ def default_cache_bytes(model, max_sequences: int) -> int | None:
     stays virtual, so the pool is a ceiling rather than memory spent). Under tensor parallelism also
     None: the other ranks replay the leader's admissions, so every rank's pool must be the same size
     (`--max-cache-gb` sets it)."""
-    if getattr(model, "parallel", None) is not None:
+    if model.runner.ranks > 1:
         return None
     devices = {layer.input_layernorm.weight.device for layer in model.model.layers}
     if len(devices) != 1:
@@ -66,4 +66,4 @@ def default_cache_bytes(model, max_sequences: int) -> int | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return device_cache_bytes(free, model.pool_floor_bytes(max_sequences), device)
+    return device_cache_bytes(free, model.runner.pool_floor_bytes(max_sequences), device)

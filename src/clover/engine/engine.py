@@ -97,7 +97,7 @@ class Engine:
                             "worth); set --max-sequences / --max-cache-gb to choose", self.max_sequences, o.max_batch)
                 self.max_sequences = o.max_batch
                 budget = default_cache_bytes(model, self.max_sequences)
-        self.pool = model.configure_state_pool(budget, self.max_sequences)
+        self.pool = model.runner.configure_pool(budget, self.max_sequences)
         self._decoder = self._new_decoder()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

@@ -80,7 +80,7 @@ def run_sequences(model, seqs: list[Sequence], max_batch: int | None = None, can
     decoder = Decoder(model, max_batch=max_batch)
     for seq in seqs:
         decoder.add(seq)
-    parallel = getattr(model, "parallel", None)       # a tensor-parallel shard: its ranks check each step agrees
+    runner = model.runner                            # (several ranks of one model confirm each step agrees)
     steps = 0
     try:
         while not decoder.idle:
@@ -92,11 +92,9 @@ def run_sequences(model, seqs: list[Sequence], max_batch: int | None = None, can
             try:
                 events = decoder.step()
             except Exception:
-                if parallel is not None:             # the others must hear of it, not wait for this rank
-                    parallel.check_agreement(None, f"generation step {steps}")
+                runner.agree(None, f"generation step {steps}")   # the others hear of it rather than wait
                 raise
-            if parallel is not None:
-                parallel.check_agreement(step_digest(events, decoder.running), f"generation step {steps}")
+            runner.agree(lambda: step_digest(events, decoder.running), f"generation step {steps}")
             for event in events:
                 yield index[event.sequence.id], event.tokens, event.finished
     finally:                                         # stopped early (a stream left, an error): free their state
@@ -141,20 +139,21 @@ def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
 def fit_pool(model, seqs: list[Sequence]) -> None:
     """Grow the model's state pool when it cannot hold the largest of these requests even alone: the
     library's default pool holds 64K tokens of the real model's K/V (beside its GDN slots), and a
-    128K-token request through `generate()` should not need `configure_state_pool` first. The new pool
+    128K-token request through `generate()` should not need `runner.configure_pool` first. The new pool
     keeps the old one's slots; sequences still on the old pool keep it alive, others let it go."""
-    pool = model.state_pool()
+    runner = model.runner
+    pool = runner.state_pool()
     config = model.config
     need = max(pool.pages_for(reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens,
                                               seq.settings.block_size)) for seq in seqs)
     if need <= pool.num_pages:
         return
     max_sequences = max(1, (pool.num_slots - 1) // 3)
-    memory = model.pool_floor_bytes(max_sequences, pages=need + 1)
-    model.__dict__.pop("_state_pool", None)           # (its memory goes before the larger pool's comes)
+    memory = runner.pool_floor_bytes(max_sequences, pages=need + 1)
+    runner.adopt_pool(None)                           # (its memory goes before the larger pool's comes)
     try:
-        model.configure_state_pool(memory, max_sequences)
+        runner.configure_pool(memory, max_sequences)
     except torch.OutOfMemoryError:
-        model.__dict__["_state_pool"] = pool
+        runner.adopt_pool(pool)
         raise RuntimeError(f"a request of {need * pool.page_size} tokens needs a state pool of "
                            f"{memory / 2**30:.1f} GiB, more than the device has free") from None

@@ -118,7 +118,7 @@ class Decoder:
     def __init__(self, model, max_batch: int | None = None, step_tokens: int | None = None,
                  prefix_cache: bool = True, decode_prefill_tokens: int | None = None):
         self.model = model
-        self.pool = model.state_pool()
+        self.pool = model.runner.state_pool()
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []
         self.max_batch = max_batch
@@ -294,7 +294,7 @@ class Decoder:
             if share <= 0:
                 continue
             start, n = seq.prefilled, len(seq.prompt)
-            end = min(n, start + min(share, self.model.prefill_chunk))
+            end = min(n, start + min(share, self.model.runner.prefill_chunk))
             if end < n:
                 end = max(start + 1, end // P * P)    # chunks end on page boundaries
             boundary = (n - 1) // P * P               # the prefix-cache point: the last boundary before the end
@@ -317,7 +317,7 @@ class Decoder:
         spans = {seq.id: (s, e) for seq, s, e in chunks}
         for group in groups:
             def forward(rows):
-                return self.model.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
+                return self.model.runner.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
                                                 [seq.cache for seq in rows])
             decisions = []
             ran = list(self._rows([seq for seq, _, _ in group], forward))
@@ -355,7 +355,7 @@ class Decoder:
                     stats: list = []
                     # which positions get logits, decided on the host (a device mask would be read back)
                     wanted = torch.tensor([[t == s.mask_id for t in s.block] for s in rows])
-                    logits = self.model.step(ids, [s.cache for s in rows], block=True, block_top_p=self._top_p(rows),
+                    logits = self.model.runner.step(ids, [s.cache for s in rows], block=True, block_top_p=self._top_p(rows),
                                              logits_at=wanted, stats=stats)
                     per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
                     distinct = _per_row(stats, len(rows))
@@ -461,7 +461,7 @@ class Decoder:
                     if phase == "verify":
                         for s in rows:
                             s.cache.begin_speculation()
-                    return self.model.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
+                    return self.model.runner.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
                 ran = list(self._rows(chunk, forward))
                 for seq, _ in ran:
                     seq.stats.forwards += 1
@@ -483,7 +483,7 @@ class Decoder:
         def forward(rows):
             ids = device_tensor([s.block + upcoming[s.id] for s in rows], self.model.device, torch.long)
             stats: list = []
-            logits = self.model.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
+            logits = self.model.runner.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
                                      logits_at="block", stats=stats)
             distinct = _per_row(stats, len(rows))
             return [(logits[b], distinct[b]) for b in range(len(rows))]

@@ -267,39 +267,3 @@ class StepGraphs:
         self.graphs.move_to_end(key)
         graph.fill(ids, batch, block_top_p)
         return graph.replay()
-
-
-def step_graphs(model, pool) -> StepGraphs | None:
-    """The graph runner of `model` over `pool` (made on first use and kept on the pool: sequences of an
-    older pool keep their own), or None when the model's graphs are off or the pool has no room for
-    their scratch state."""
-    replay = model.__dict__.get("graph_replay")
-    if replay is None:
-        return None
-    runner = pool.__dict__.get("_step_graphs")
-    if runner is False:                               # no room in this pool (logged when found)
-        return None
-    if runner is not None and runner.replay == replay and runner.model is model:
-        return runner
-    if runner is not None:
-        runner.close()
-    try:
-        runner = StepGraphs(model, pool, replay)
-    except RuntimeError as exc:
-        log.warning("CUDA graphs off for this state pool: %s", exc)
-        runner = False
-    pool.__dict__["_step_graphs"] = runner
-    return runner or None
-
-
-def enable(model, replay: str | None = "cuda") -> None:
-    """Turn step graphs on (`replay="cuda"`: captured CUDA graphs; "eager": the same static-buffer
-    forwards run without capture, for CPU tests) or off (`replay=None`: the runner of the model's
-    current pool is closed, its scratch state given back)."""
-    if replay not in (None, "cuda", "eager"):
-        raise ValueError(f"replay must be None, 'cuda' or 'eager', got {replay!r}")
-    pool = model.__dict__.get("_state_pool")
-    runner = pool.__dict__.pop("_step_graphs", None) if pool is not None else None
-    if runner:
-        runner.close()
-    model.__dict__["graph_replay"] = replay

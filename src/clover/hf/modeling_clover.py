@@ -23,7 +23,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..options import current as runtime_options
 from ..backend import Backend
-from ..gpu.graphs import enable as enable_step_graphs
 from ..runtime import flush_denormals
 from ..generation.api import generate_batch, resolve_settings
 from ..generation.settings import GenerationSettings, GenerationSettingsError
@@ -145,11 +144,11 @@ class CloverForCausalLM(CloverPreTrainedModel):
         devices = {p.device for p in self.parameters()}
         on_cuda = all(d.type == "cuda" for d in devices)
         want = "cuda" if on_cuda else "reference"
-        if rt.backend.name != want:
-            rt.backend = Backend(want)
+        if rt.runner.backend.name != want:
+            rt.runner.backend = Backend(want)
         replay = "cuda" if on_cuda and len(devices) == 1 and runtime_options().cuda_graphs else None
-        if rt.graph_replay != replay:
-            enable_step_graphs(rt, replay)
+        if rt.runner.graph_replay != replay:
+            rt.runner.use_graphs(replay)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

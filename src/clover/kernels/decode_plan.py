@@ -20,7 +20,7 @@ same model meanwhile takes the layers' path), and buffers are per batch size, so
 batches never share them. Weights written in place (a `load_state_dict` reload) bump the versions of
 the parameters the kernels' fp32 constants come from; the plan is rebuilt when they change. A plan
 keeps what its pointers point into alive; modules swapped into a model after its first decode step
-are not seen (`forget(model)` drops its plans).
+are not seen (`model.runner.forget_plans()` drops its plans).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -97,7 +96,7 @@ def refusal(model) -> str | None:
 
     if getattr(model, "packed", None) != "clover-kernels":
         return "not packed for the native kernels"
-    if model.shard_config is not None:
+    if model.runner.ranks > 1:
         return "a tensor-parallel shard"
     if getattr(model.backend, "name", None) != "cpu" or library() is None:
         return "not the CPU backend with native kernels"
@@ -382,14 +381,14 @@ class _Plan:
 
 
 class DecodePlans:
-    """A model's prepared one-token steps, one `_Plan` per batch size, built on first use (kept beside
-    the model, not in it: copies and pickles of a model carry none)."""
+    """A model's prepared one-token steps, one `_Plan` per batch size, built on first use (held by the
+    model's runner, which copies and pickles of the model do not carry over)."""
 
     def __init__(self, model):
         self.backend = model.backend
         why = refusal(model)
         self.ok = why is None
-        if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.shard_config is None:
+        if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.runner.ranks == 1:
             log.info("decode steps of this model run through its layers, not a prepared plan: %s", why)
         self.sources = _sources(model) if self.ok else []
         self.version = _versions(self.sources)
@@ -399,7 +398,9 @@ class DecodePlans:
         self.lock = threading.Lock()
 
     def step(self, model, ids, batch):
-        if (not self.ok or model.backend is not self.backend or batch.records is not None or batch.padded
+        """The logits [B, 1, V] of a causal one-token forward of `model` over `batch` (ids [B, 1]) through
+        its prepared plan, or None when no plan applies (the runner then runs the layers)."""
+        if (not ENABLED or not self.ok or model.backend is not self.backend or batch.records is not None or batch.padded
                 or (batch.write_slots is None and self.has_gdn) or torch.is_grad_enabled()
                 or ids.dtype != torch.long or ids.device.type != "cpu"):
             return None
@@ -421,22 +422,3 @@ class DecodePlans:
             return plan.run(model, ids, batch, self.rotary)
         finally:
             self.lock.release()
-
-
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def decode_step(model, ids, batch):
-    """The logits [B, 1, V] of a causal one-token forward of `model` over `batch` (ids [B, 1]) through
-    its prepared plan, or None when the plan does not apply (the caller then runs the layers)."""
-    if not ENABLED:
-        return None
-    plans = _PLANS.get(model)
-    if plans is None or plans.backend is not model.backend:
-        plans = _PLANS[model] = DecodePlans(model)
-    return plans.step(model, ids, batch)
-
-
-def forget(model) -> None:
-    """Drop `model`'s prepared steps (after replacing its modules); the next decode step prepares anew."""
-    _PLANS.pop(model, None)

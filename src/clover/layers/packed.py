@@ -174,7 +174,7 @@ def pack_for_cpu(model, consume: bool = False) -> int:
     if not packs(model):
         return 0
     count = pack_part(model, "", consume)
-    model.backend = type(model.backend)("cpu")    # the fused ops run the native kernels from now on (backend.py)
+    model.runner.backend = type(model.runner.backend)("cpu")   # the fused ops run the native kernels from now on
     model.packed = "clover-kernels"
     return count
 

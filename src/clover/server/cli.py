@@ -128,10 +128,10 @@ def build(args):
     model = _load_model(args)
     tokenizer = clover.load_tokenizer(args.tokenizer or path)
     try:                                                  # (the state pool's size is checked here)
-        if getattr(model, "parallel", None) is not None:  # rank 0 of several: the followers mirror its steps
+        if model.runner.ranks > 1:  # rank 0 of several: the followers mirror its steps
             from clover.distributed.serving import ControlChannel, LeaderEngine
 
-            engine = LeaderEngine(model, engine_options(args), channel=ControlChannel(model.parallel))
+            engine = LeaderEngine(model, engine_options(args), channel=ControlChannel(model.runner.parallel))
         else:
             engine = Engine(model, engine_options(args))
     except ValueError as exc:
@@ -183,7 +183,7 @@ def run_follower(args) -> int:
         torch.set_num_threads(args.threads)
     model = _load_model(args)
     try:
-        return follow(model, engine_options(args), ControlChannel(model.parallel))
+        return follow(model, engine_options(args), ControlChannel(model.runner.parallel))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

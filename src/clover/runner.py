@@ -1,0 +1,274 @@
+"""The model runner: what runs a model's forwards over cached state, in one place.
+
+A `CloverForCausalLM` is its weights and one public forward (`model.run`). Everything about *how* a
+forward runs lives here, in the `ModelRunner` every model carries as `model.runner`:
+  - the backend (backend.py: which implementation of each fused op);
+  - the state pool (cache.py: K/V pages, GDN slots, the prefix cache), sized once;
+  - the executor of a cached forward, chosen in `_forward_cached` and nowhere else: a one-token decode
+    step runs the CPU's prepared kernel calls (kernels/decode_plan.py) where the model is packed for
+    them, short forwards replay as step graphs (gpu/graphs.py) where those are on, and every other
+    forward runs `model.run` eagerly. All three compute the same numbers (tests/test_executors.py);
+  - chunked and right-padded prefill over the pool.
+
+The decoder, the engine, the HF wrapper and the distributed ranks call the runner; `model.step`,
+`model.prefill`, `model.prefill_batch` and `model.make_cache` are its shorthands for library use.
+A copy of a model (`copy.deepcopy`) gets its own runner with the same backend and executor settings and
+a pool of its own, made on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .backend import Backend, reference_backend
+from .cache import SequenceState, StatePool
+from .kernels.decode_plan import DecodePlans
+from .transfer import to_device
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    # The state pool's default size for library use (generate(), make_cache()), raised where one model's
+    # GDN slots need more; the engine sizes it from its own options (`configure_pool`). Its tensors are
+    # allocated at once but untouched memory stays virtual, so this is a ceiling on what caches may
+    # take, not memory spent at load.
+    default_pool_bytes = 2 << 30
+    default_pool_sequences = 16
+    prefill_chunk = 1024   # long causal passes run in chunks: exact, and activations stay bounded
+    ranks = 1              # processes computing each forward together (distributed/runner.py: more)
+
+    def __init__(self, model, backend: Backend | None = None):
+        self.model = model
+        self._backend = backend or reference_backend()
+        # Under tensor parallelism (clover.distributed) the config with this rank's head counts, from which
+        # the state pool is sized; None: the pool holds the whole model's state.
+        self.state_config = None
+        # Short cached forwards replayed as CUDA graphs ("cuda"; "eager": the same static buffers without
+        # capture, for CPU tests) or run as they come (None); see gpu/graphs.py.
+        self.graph_replay: str | None = None
+        self._pool: StatePool | None = None
+        self._graphs = None          # the StepGraphs over `_pool` (False: no room in it), made on first use
+        self._plans: DecodePlans | None = None
+
+    def __getstate__(self):
+        # copies and pickles carry the settings, not the pool, the graphs or the prepared plans
+        state = dict(self.__dict__)
+        state.update(_pool=None, _graphs=None, _plans=None)
+        return state
+
+    def __repr__(self) -> str:
+        return f"ModelRunner(backend={self.backend.name!r}, graphs={self.graph_replay!r})"
+
+    # ---- backend and executors -------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._backend = backend
+        self._plans = None                     # prepared for the old backend's kernels
+
+    def use_graphs(self, replay: str | None = "cuda") -> None:
+        """Turn step graphs on (`replay="cuda"`: captured CUDA graphs; "eager": the same static-buffer
+        forwards run without capture, for CPU tests) or off (None: the current pool's graphs closed and
+        their scratch state given back)."""
+        if replay not in (None, "cuda", "eager"):
+            raise ValueError(f"replay must be None, 'cuda' or 'eager', got {replay!r}")
+        self._close_graphs()
+        self.graph_replay = replay
+
+    def step_graphs(self):
+        """The graph runner over the current pool (made on first use), or None when graphs are off or the
+        pool has no room for their scratch state (logged once)."""
+        if self.graph_replay is None:
+            return None
+        if self._graphs is None:
+            from .gpu.graphs import StepGraphs
+
+            try:
+                self._graphs = StepGraphs(self.model, self.state_pool(), self.graph_replay)
+            except RuntimeError as exc:
+                log.warning("CUDA graphs off for this state pool: %s", exc)
+                self._graphs = False
+        return self._graphs or None
+
+    def _close_graphs(self) -> None:
+        if self._graphs:
+            self._graphs.close()
+        self._graphs = None
+
+    def agree(self, digest, what: str) -> None:
+        """Confirm the processes running this model decided the same in step `what` (one process: nothing
+        to confirm; distributed/runner.py compares the ranks' `digest()`)."""
+
+    def forget_plans(self) -> None:
+        """Drop the prepared decode steps (after replacing modules); the next decode step prepares anew."""
+        self._plans = None
+
+    # ---- state -----------------------------------------------------------------------------------
+    def state_pool(self) -> StatePool:
+        """The model's one state pool (K/V pages, GDN slots, prefix cache), made on first use."""
+        return self._pool if self._pool is not None else self.configure_pool()
+
+    def configure_pool(self, memory_bytes: int | None = None, max_sequences: int | None = None,
+                       prefix_slots: int | None = None) -> StatePool:
+        """(Re)build the state pool for `memory_bytes` of caches and `max_sequences` running at once.
+        Sequences of the old pool keep working on it (eagerly); new ones use the new pool."""
+        model = self.model
+        devices = [layer.input_layernorm.weight.device for layer in model.model.layers]
+        max_sequences = max_sequences or self.default_pool_sequences
+        if memory_bytes is None:
+            # untouched pool memory stays virtual (on the CPU)
+            memory_bytes = max(self.default_pool_bytes, self.pool_floor_bytes(max_sequences, prefix_slots))
+        pool = StatePool.for_budget(self.state_config or model.config, model.dtype, memory_bytes,
+                                    max_sequences=max_sequences, prefix_slots=prefix_slots, devices=devices)
+        self.adopt_pool(pool)
+        return pool
+
+    def adopt_pool(self, pool: StatePool | None) -> None:
+        """Make `pool` the runner's state pool (None: drop it, so its memory can go before a new one comes)."""
+        self._close_graphs()
+        self._pool = pool
+
+    def pool_floor_bytes(self, max_sequences: int, prefix_slots: int | None = None, pages: int = 2048) -> int:
+        """Bytes of a pool with the GDN slots of `max_sequences` (and their cached prefixes) and `pages`
+        pages of K/V — by default the smallest default pool: 64K tokens (the real model's slots alone
+        take ~3 GB for 16 sequences)."""
+        config, dtype = self.state_config or self.model.config, self.model.dtype
+        slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
+        return slots * StatePool.bytes_per_slot(config, dtype) + pages * StatePool.bytes_per_page(config, dtype)
+
+    def make_cache(self, capacity: int = 0) -> SequenceState:
+        """A new empty sequence in the state pool (`capacity`: tokens to reserve, 0 = none)."""
+        return self.state_pool().new_sequence(reserve_tokens=capacity)
+
+    # ---- cached forwards -------------------------------------------------------------------------
+    def step(self, ids, caches, *, block: bool = False, block_len: int | None = None, block_top_p=None,
+             logits_at: str = "all", stats=None):
+        """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row).
+
+        Causal (default): appends the tokens to the caches; logits predict the next tokens.
+        Block (`block=True`): the tokens are a noisy block at the end of each prefix; caches unchanged.
+        Fused (`block_len=L < T`): the first T−L tokens are committed causally and the last L form a
+        noisy block right after them — a commit and the next block's first denoising step in one pass.
+        `logits_at`: "all", "last" (the final position: the next-token prediction), "block" (the block's
+        positions), "none" (a commit nobody reads: skips the vocabulary projection), or a bool mask
+        [B, L] over the block's positions, returning only those rows' logits as [N, V] (row-major).
+        `stats`: a list that receives, per MoE layer, the distinct experts [B] of the block."""
+        B, T = ids.shape
+        block_len = T if block else (block_len or 0)
+        if block_len == 0 and T > self.prefill_chunk:
+            return self._chunked_prefill(ids, caches, logits_at)
+        self._check_positions(caches, T)
+        top_p = self.block_top_p(block_top_p, B) if block_len else None
+        return self._forward_cached(ids, caches, block_len, top_p, logits_at, stats)
+
+    def prefill(self, ids: torch.Tensor, cache: SequenceState | None = None, logits_at: str = "last"):
+        """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""
+        cache = cache or self.make_cache()
+        return self.step(ids.view(1, -1), [cache], logits_at=logits_at), cache
+
+    def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
+        """Encode prompts of different lengths in one right-padded causal forward.
+
+        Padding never enters a cache, and no row's numbers depend on the others: the sequence-mixing ops
+        (attention, the GDN mixer) take each row alone over its own tokens (backend.py), the rest is row
+        by row. Returns each row's last-token logits [B, 1, V]."""
+        device = self.model.device
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        if min(lens) == T:                   # no padding needed (also the long, chunked case)
+            return self.step(torch.tensor(prompts, device=device), caches, logits_at=logits_at)
+        if T > self.prefill_chunk:           # padded rows and chunking do not mix: one prompt at a time
+            return torch.cat([self.step(torch.tensor([p], device=device), [c], logits_at=logits_at)
+                              for p, c in zip(prompts, caches)])
+        ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        self._check_positions(caches, T)
+        return self._forward_cached(ids, caches, 0, None, logits_at, None, valid_lens=lens)
+
+    def _check_positions(self, caches, T: int) -> None:
+        limit = self.model.config.max_position_embeddings
+        for c in caches:
+            if c.length + T > limit:
+                raise ValueError(f"position {c.length + T} exceeds max_position_embeddings {limit}")
+
+    def _forward_cached(self, ids, caches, block_len, block_top_p, logits_at, stats, valid_lens=None):
+        """One forward over the rows' pool state, through the executor that fits it: pages and slots from
+        `StatePool.prepare`, the rows' lengths and slots moved on only if the forward succeeds (a failed
+        forward changes no sequence)."""
+        T = ids.shape[1]
+        pool = caches[0].pool
+        batch = pool.prepare(caches, T, block_len, valid_lens)
+        try:
+            logits = None
+            if T == 1 and not block_len and stats is None and logits_at in ("last", "all"):
+                logits = self._decode_plan_step(ids, batch)        # None where no plan fits
+            if logits is None and self.graph_replay is not None and pool is self._pool:
+                graphs = self.step_graphs()
+                if graphs is not None:
+                    logits = graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)
+            if logits is None:
+                logits = self.model.run(ids, self.positions(ids, batch, T), batch, block_len, block_top_p,
+                                        logits_at, stats)
+        except BaseException:
+            pool.abort(batch, caches)
+            raise
+        pool.finish(batch, caches)
+        return logits
+
+    def _decode_plan_step(self, ids, batch):
+        if getattr(self.model, "packed", None) != "clover-kernels":
+            return None
+        if self._plans is None:
+            self._plans = DecodePlans(self.model)
+        return self._plans.step(self.model, ids, batch)
+
+    @staticmethod
+    def positions(ids, batch, T):
+        """The rows' positions [B, T] of a cached forward (on the CPU, without the device index the
+        kernels do not need: ~0.15 ms saved per forward)."""
+        if ids.device.type == "cpu":
+            return torch.tensor(batch.starts)[:, None] + torch.arange(T)
+        return batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
+
+    def _chunked_prefill(self, ids, caches, logits_at):
+        """A long causal pass as consecutive causal steps over the caches (chunked prefill)."""
+        outs = []
+        T, chunk = ids.shape[1], self.prefill_chunk
+        last_len = T - (T - 1) // chunk * chunk
+        if torch.is_tensor(logits_at) and logits_at.shape[1] > last_len:
+            raise ValueError(f"a logits mask over {logits_at.shape[1]} positions reaches past the last prefill "
+                             f"chunk ({last_len} tokens); pass logits_at='all' for a pass this long")
+        for start in range(0, T, chunk):
+            last = start + chunk >= T
+            want = logits_at if (last or logits_at == "all") else "none"
+            out = self.step(ids[:, start : start + chunk], caches, logits_at=want)
+            if out is not None:
+                outs.append(out)
+        if torch.is_tensor(logits_at):
+            return outs[-1]                  # the last chunk's own masked rows
+        if logits_at == "none":
+            return None
+        return torch.cat(outs, dim=1) if logits_at == "all" else outs[-1]
+
+    def block_top_p(self, block_top_p, B):
+        """Normalise a per-call expert-selection setting to a [B] tensor (1.0 = off), or None if off."""
+        if block_top_p is None:
+            block_top_p = self.model.config.block_expert_top_p
+        if block_top_p is None:
+            return None
+        t = torch.as_tensor(block_top_p, dtype=torch.float32).flatten()
+        if t.numel() == 1:
+            t = t.expand(B)
+        if bool((t <= 0).any() or (t > 1).any() or torch.isnan(t).any()):
+            raise ValueError(f"block_expert_top_p must lie in (0, 1], got {t.tolist()}")
+        if bool((t >= 1).all()):
+            return None
+        return to_device(t, self.model.device)
+
