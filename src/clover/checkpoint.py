@@ -255,8 +255,6 @@ class CheckpointPlan(NamedTuple):
 def plan_checkpoint(path: Path, config: CloverConfig) -> CheckpointPlan:
     """Index and check a model directory's safetensors against `config` without reading any weights:
     raises `CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
-    from .model import CloverForCausalLM
-
     files = checkpoint_files(path)
 
     # Index every stored tensor: canonical key → (file, stored key, shape, dtype).
@@ -276,8 +274,7 @@ def plan_checkpoint(path: Path, config: CloverConfig) -> CheckpointPlan:
                     f"{stored[name][0].name} and as {key!r} {meta['shape']} in {f.name}"
                 )
             stored[name] = (f, key, meta["shape"], meta["dtype"])
-    with torch.device("meta"), _no_weight_init():
-        model = CloverForCausalLM(config)
+    model = model_on_meta(config)
     quant_buffers = _prepare_quantized(model, stored, config, path)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=True)}
     expected.update({n: tuple(b.shape) for n, b in quant_buffers.items()})
@@ -385,8 +382,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     rows read on lookup (layers/file_embedding.py)."""
     path = Path(path)
     config = config or CloverConfig.from_file(path)
-    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}")
+    check_load_dtype(dtype)
     plan = plan_checkpoint(path, config)
     model, quant_buffers = plan.model, plan.quant_buffers
     dtype = dtype or _stored_dtype(plan.stored)
@@ -398,18 +394,44 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     for name, tensor in progress(read_tensors(plan, dtype, device), total=len(plan.sources), desc=f"loading {path.name}",
                                  unit="tensor"):
         _assign(model, name, tensor)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     if quant_buffers:
         from .quantization.modules import QuantizedWeight
 
         for module in model.modules():
             if isinstance(module, QuantizedWeight):
                 module.compute_dtype = dtype          # what the reference paths dequantize to
+    return finish_loaded(model, path, device)
+
+
+# ---- the stages every loader shares (this module's, gguf/loader.py, distributed/loading.py) --------
+def check_load_dtype(dtype) -> None:
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or torch.float64, got {dtype}")
+
+
+def model_on_meta(config: CloverConfig, transform=None):
+    """The model's modules on the meta device, no memory and no random init (`transform(model)`, run
+    there too, swaps in other modules: a rank's shards, quantized matrices); a loader then checks
+    the memory the planned tensors take and fills them."""
+    from .model import CloverForCausalLM
+
+    with torch.device("meta"), _no_weight_init():
+        model = CloverForCausalLM(config)
+        if transform is not None:
+            transform(model)
+    return model
+
+
+def finish_loaded(model, path, device):
+    """A filled model made ready: the tied head, the rotary tables on `device`, inference mode, and
+    where it came from (`model.source_path`)."""
+    config = model.config
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
     model.model.rotary.to(device)
     model.eval().requires_grad_(False)
-    model.source_path = path
+    model.source_path = Path(path)
     return model
 
 

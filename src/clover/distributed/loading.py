@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import _clover_default, _no_weight_init, _stored_dtype, plan_checkpoint
+from ..checkpoint import _clover_default, _stored_dtype, check_load_dtype, finish_loaded, model_on_meta, plan_checkpoint
 from ..config import CloverConfig
 from .layers import shard_model
 from .plan import ShardPlan, Slicing
@@ -32,22 +32,19 @@ def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch
     """This rank's shard of the model in directory `path` (a `CloverForCausalLM` whose modules are the
     sharded ones of `layers.py`), on `parallel.device`. `dtype=None` keeps the stored dtype.
     `model.shard_bytes_read` says how many weight bytes this rank read."""
-    from ..model import CloverForCausalLM
-
     path = Path(path)
     config = CloverConfig.from_file(path)
     ShardPlan(config, parallel.rank, parallel.world_size)      # sizes that cannot split: before any file is read
-    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}")
+    check_load_dtype(dtype)
     checked = plan_checkpoint(path, config)          # the full model's checks; reads headers only
     quantized = quantized_matrices(checked.model)    # name → (spec, mins): what the files store quantized
     shards = ShardPlan(config, parallel.rank, parallel.world_size, shared_unit=shared_unit(quantized))
     dtype = dtype or _stored_dtype(checked.stored)
     device = parallel.device
-    with torch.device("meta"), _no_weight_init():
-        model = CloverForCausalLM(config)
+    def shard(model):
         shard_model(model, shards, parallel)
         quantize_shard(model, quantized, parallel)
+    model = model_on_meta(config, shard)
     if device.type == "cuda":              # each rank its own device: its shard against its free memory
         from ..runtime import check_memory
 
@@ -92,13 +89,7 @@ def load_tensor_parallel(path: str | Path, parallel: ParallelGroup, dtype: torch
                                      if part != "bias" else dtype, device=device)
                 model.shard_bytes_read += _read_into(tensor, tensor_slice(f, key), cut)
                 module._buffers[part] = tensor
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
-    model.model.rotary.to(device)
-    model.eval().requires_grad_(False)
-    model.source_path = path
-    return model
+    return finish_loaded(model, path, device)
 
 
 def _read_into(dest: torch.Tensor, stored_slice, slicing: Slicing | None) -> int:

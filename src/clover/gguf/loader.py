@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import _clover_default, _no_weight_init
+from ..checkpoint import _clover_default, check_load_dtype, finish_loaded, model_on_meta
 from ..progress import progress
 from ..quantization.format import QuantSpec, codes, pack_codes
 from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -43,10 +43,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
     (clover.load packs each part then, so the stored forms of the whole model never sit beside the
     packed ones). `table_in_file` (on the CPU): a quantized, untied token embedding stays in the file,
     its rows read on lookup (embedding.py); its scales are still checked here."""
-    from ..model import CloverForCausalLM
-
-    if dtype not in (None, torch.float32, torch.bfloat16, torch.float64, torch.float16):
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or torch.float64, got {dtype}")
+    check_load_dtype(dtype)
     started = time.perf_counter()
     with GGUFFile(path) as f:
         config = read_config(f)
@@ -54,8 +51,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
         defaults = _check(f, config, entries)
         if dtype is None:
             dtype = _default_dtype(f, entries)
-        with torch.device("meta"), _no_weight_init():
-            model = CloverForCausalLM(config)
+        model = model_on_meta(config)
         quantized = _install_quantized(model, f, entries, dtype, "meta")    # sized first, allocated once checked
         on_cpu = torch.device(device).type == "cpu"
         in_file = _leave_table_in_file(model, f, entries, quantized, dtype) if table_in_file and on_cpu else {}
@@ -84,12 +80,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
             if on_filled is not None and part is not None and (k + 1 == len(entries) or _part(entries[k + 1].param) != part):
                 on_filled(model, part)
         read_bytes = sum(f.tensors[s.name].nbytes for e in entries if e.param not in defaults for s in e.sources)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.__init__(config.rotary_dim, config.rope_theta)
-    model.model.rotary.to(device)
-    model.eval().requires_grad_(False)
-    model.source_path = Path(path)
+    finish_loaded(model, path, device)
     model.quantization = specs.pop() if len(specs) == 1 else None
     model.gguf_types = {e.param: "+".join(sorted({f.tensors[s.name].type_name for s in e.sources}))
                         for e in entries if e.param not in defaults}
