@@ -95,7 +95,7 @@ def test_grouped_mm_experts_match_per_expert():
     indices = torch.randint(0, 8, (13, 2), generator=g)
     indices[:, 1] = (indices[:, 0] + 1) % 8
     weights = torch.rand(13, 2, generator=g)
-    _close(grouped_experts(experts, x, indices, weights), experts._forward_grouped(x, indices, weights), dtype)
+    _close(grouped_experts(experts, x, indices, weights), Experts.forward(experts, x, indices, weights), dtype)
 
 
 # Stored forms of quantized experts: Clover's int8 / int4 (symmetric, or with mins as GGUF's Q4_0-like
@@ -154,7 +154,7 @@ def test_quantized_experts_match_the_reference(form, tokens, dtype, monkeypatch)
     x = torch.randn(tokens, 32, generator=g).to(dtype)
     indices = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=g)
-    want = experts._forward_grouped(x, indices, weights)
+    want = Experts.forward(experts, x, indices, weights)
     _close(grouped_experts(experts, x, indices, weights), want, dtype)
     monkeypatch.setattr(gpu_experts, "SLOT_PASS_WEIGHTS", 2 * 3 * 32 * 32)
     monkeypatch.setattr(quantized_modules, "DEQUANTIZE_CHUNK", 2 * 32 * 32)

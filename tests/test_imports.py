@@ -1,7 +1,5 @@
 """The package's import graph (every import statement, function-local ones included): no circle among
-the core modules, and the layers never import the backend registry. One circle is known and left for
-the weight-storage step of issue #42 (a layer's experts branch on how their weights are stored, and
-the packing / quantizing transforms branch on the layer): it is named here, so a new one fails."""
+the core modules, and the layers never import the backend registry."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from pathlib import Path
 import clover
 
 SRC = Path(clover.__file__).parent
-KNOWN = [{"clover.layers.moe", "clover.layers.packed", "clover.quantization.modules"}]
 OUTSIDE_THE_CORE = ("clover.training.", "clover.gguf.")          # (their own small circles: not the core)
 
 
@@ -72,7 +69,7 @@ def circles(graph) -> list[set[str]]:
 def test_no_import_circle_among_the_core_modules():
     graph = import_graph()
     core = [c for c in circles(graph) if not all(m.startswith(OUTSIDE_THE_CORE) for m in c)]
-    assert [c for c in core if c not in KNOWN] == []
+    assert core == []
 
 
 def test_the_circle_finder_finds_one():

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
                                      recurrent_gated_delta_rule)
@@ -360,31 +361,34 @@ def test_grouped_experts_equal_reference_experts(N):
     assert ref.abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [False, True])
-def test_one_token_experts_bit_identical_to_grouped(dtype, packed):
-    """Decode's one-token expert path gives exactly what the grouped path gives for that token."""
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_packed_experts_give_a_token_the_same_bits_alone_and_in_a_batch(bits):
+    """The experts packed for the kernels (bf16 panels, int8 / int4 codes): a token's result is
+    bit-identical alone (a decode step) and among 12 tokens routed over the same experts (a block)."""
     from clover.kernels import available as kernels_available
     from clover.layers.moe import Experts
+    from clover.layers.packed import pack_experts
+    from clover.quantization import QuantSpec, quantize_model
 
-    if packed and dtype != torch.bfloat16:
-        pytest.skip("packing is for bf16 on CPU")
-    if packed and not kernels_available():
+    if not kernels_available():
         pytest.skip("the native kernels are unavailable here")
     g = torch.Generator().manual_seed(3)
     experts = Experts(16, 64, 32)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.1)
         experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
-    experts = experts.to(dtype)
-    if packed:
-        experts.pack()
-    for trial in range(50):
-        x = torch.randn(1, 64, generator=g).to(dtype)
-        w, idx = torch.rand(1, 16, generator=g).softmax(-1).topk(4)
-        w = (w / w.sum(-1, keepdim=True)).to(dtype)
-        with torch.no_grad():
-            assert torch.equal(experts(x, idx, w), experts._forward_grouped(x, idx, w))
+    experts = experts.to(torch.bfloat16)
+    if bits:
+        quantize_model(nn.ModuleDict({"experts": experts}), QuantSpec(bits, 32), names=["experts"])
+    pack_experts(experts)
+    x = torch.randn(12, 64, generator=g).to(torch.bfloat16)
+    w, idx = torch.rand(12, 16, generator=g).softmax(-1).topk(4)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    with torch.no_grad():
+        together = experts(x, idx, w)
+        for t in range(12):
+            assert torch.equal(experts(x[t:t + 1], idx[t:t + 1], w[t:t + 1]), together[t:t + 1])
+    assert together.abs().max() > 1e-3
 
 
 # =============================================================================================

@@ -82,21 +82,8 @@ class ExpertShard(Experts):
         token, slot = mine.nonzero(as_tuple=True)                 # token-major, as one process orders slots
         expert = local[token, slot]
         order = torch.argsort(expert, stable=True)
-        token, expert = token[order], expert[order]
-        w = weights[token, slot[order]].to(x.dtype)[:, None]
-        if self.panels is not None:                               # packed for the native kernels
-            counts = torch.bincount(expert, minlength=self.num_experts)
-            ids = counts.nonzero().squeeze(1)
-            ys = self._panel_experts(x, torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)]), ids, w[:, 0],
-                                     rows=token)                  # weighted inside
-            return out.index_add_(0, token, ys)
-        ys = torch.empty(len(token), x.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, count in enumerate(torch.bincount(expert, minlength=self.num_experts).tolist()):
-            if count:
-                ys[start:start + count] = self._expert(x[token[start:start + count]], e)
-                start += count
-        return out.index_add_(0, token, ys * w)
+        token, slot = token[order], slot[order]
+        return self.grouped(x, token, expert[order], weights[token, slot])
 
 
 class ShardedMoE(SparseMoE):

@@ -5,7 +5,7 @@ reference does); `offs` — the cumulative row counts of all E experts, empty on
 grouped GEMM where each expert's rows end, so nothing is read back to the host and no Python loop
 runs over experts; each token's k products are then summed in a fixed order (deterministic on a GPU).
 Where the installed torch has no `grouped_mm`, or for other dtypes than bf16, the experts run one by
-one (`Experts._forward_grouped`, one host sync for the counts).
+one (`Experts.forward`, one host sync for the counts).
 
 Quantized experts (a `clover quantize`d checkpoint or a GGUF file: quantization/modules.py) are
 dequantized on the device at each call, with no host read either way; which way is cheaper follows
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..layers.moe import Experts
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)    # public from torch 2.12
 
@@ -48,7 +50,7 @@ def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: to
     if experts.quantized:
         return quantized_experts(experts, x, indices, weights)
     if not grouped_mm_available(x):
-        return experts._forward_grouped(x, indices, weights)
+        return Experts.forward(experts, x, indices, weights)      # (over the local routing, for a shard too)
     return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj, experts.down_proj)
 
 
@@ -68,7 +70,7 @@ def quantized_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: 
     if N * k < experts.num_experts:
         return _per_slot(x, indices, weights, experts.gate_up_proj, experts.down_proj)
     if not grouped_mm_available(x):
-        return experts._forward_grouped(x, indices, weights)
+        return Experts.forward(experts, x, indices, weights)
     # down's float stack made only once gate/up's is freed: the transient peak is the larger of the two
     return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj.dequantize(x.dtype),
                          lambda: experts.down_proj.dequantize(x.dtype))

@@ -72,6 +72,23 @@ class PanelWeight:
         *self.lead, self.out_features, self.in_features = weight.shape
         self.panels = pack_panels(weight)
 
+    def grouped(self, x, offsets, ids, **epilogue):
+        """`grouped_linear(x, self, offsets, ids, **epilogue)`: what a stored form's products offer the
+        experts (QuantPanelWeight has the same)."""
+        return grouped_linear(x, self, offsets, ids, **epilogue)
+
+
+def refuse_moving(module, fn) -> None:
+    """Raise if `fn` (what `nn.Module._apply` maps over tensors) would move or cast `module`'s weights
+    repacked for the kernels: the layout they read would break."""
+    probe = torch.zeros(1, dtype=torch.bfloat16)
+    moved = fn(probe)
+    if moved.dtype != probe.dtype or moved.device != probe.device:
+        raise RuntimeError(
+            f"{type(module).__name__}: these weights were repacked for Clover's CPU kernels (pack_for_cpu) and "
+            f"cannot be moved to {moved.device} or cast to {moved.dtype}; load the checkpoint again with the "
+            "device and dtype you want (clover.load(..., backend='reference') keeps plain weights)")
+
 
 def _input(x: torch.Tensor, K: int) -> torch.Tensor:
     if x.shape[-1] != K:

@@ -194,6 +194,10 @@ class QuantPanelWeight:
                                     0 if supers is None else (supers[0] if self.lead else supers).numel())
         return self._struct
 
+    def grouped(self, x, offsets, ids, **epilogue):
+        """`grouped_linear(x, self, offsets, ids, **epilogue)` (as PanelWeight.grouped)."""
+        return grouped_linear(x, self, offsets, ids, **epilogue)
+
     def buffers(self) -> dict[str, torch.Tensor]:
         out = {"qdata": self.data, "qscales": self.scales}
         for key, tensor in (("qmins", self.mins), ("qsuper_scales", self.super_scales), ("qsuper_mins", self.super_mins)):

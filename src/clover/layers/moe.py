@@ -49,118 +49,50 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.panels = None   # (gate_up, down) stacks in the native kernels' panel layout, after `pack()`
 
-    def pack(self, consume: bool = False) -> None:
-        """Replace the expert matrices by stacked panels for the native kernels (CPU inference, see
-        packed.py). `consume`: quantized stacks hand their stored pages back as they are packed
-        (nothing else may read them)."""
-        from .packed import _pack
-
-        if self.quantized:
-            from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
-
-            gu, dn = self.gate_up_proj, self.down_proj
-            gate_up = QuantPanelWeight(**gu.stored(), rows=swiglu_rows(dn.shape[-1]), consume=consume)
-            self.gate_up_proj = None
-            del gu
-            down = QuantPanelWeight(**dn.stored(), consume=consume)
-            self.down_proj = None
-            del dn
-            self.panels = (gate_up, down)
-            for part, packed in (("gate_up", gate_up), ("down", down)):
-                for key, tensor in packed.buffers().items():
-                    self.register_buffer(f"{part}_{key}", tensor)
-            return
-        # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
-        from ..kernels.panels import pack_gate_up
-
-        intermediate = self.down_proj.shape[-1]
-        gate_up = pack_gate_up(self.gate_up_proj.data, intermediate)
-        self.gate_up_proj = None
-        down = self.down_proj.data
-        if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
-            down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
-        self.panels = (gate_up, _pack(down))
-        self.down_proj = None
-        self.register_buffer("gate_up_panels", self.panels[0].panels)     # registered state (see PackedWeights)
-        self.register_buffer("down_panels", self.panels[1].panels)
-
     @property
     def quantized(self) -> bool:
-        """Whether the expert matrices are stored quantized (quantization/modules.py), not yet packed."""
-        from ..quantization.modules import QuantizedWeight
-
-        return isinstance(self.gate_up_proj, QuantizedWeight)
+        """Whether the expert matrices are stored quantized (a `QuantizedWeight` module,
+        quantization/modules.py), not yet packed."""
+        return isinstance(self.gate_up_proj, nn.Module)
 
     def _apply(self, fn, recurse=True):
         if self.panels is not None:
-            from .packed import refuse_moving_packed
+            from ..kernels.panels import refuse_moving
 
-            refuse_moving_packed(self, fn)
+            refuse_moving(self, fn)
         return super()._apply(fn, recurse)
-
-    def _panel_experts(self, x, offsets, ids, scale, same_row: bool = False, rows=None):
-        """Native grouped kernels: rows offsets[g]:offsets[g+1] through expert ids[g], each row's input
-        x[rows[r]] (or x itself, or its one row with `same_row`), every expert's gate/up with the SwiGLU
-        in one call, every expert's down times the row's routing weight `scale` in one call: the
-        gather, SwiGLU and weighting happen inside the kernels (see kernels/panels.py)."""
-        from ..kernels.panels import grouped_linear
-        from ..kernels.quant_panels import QuantPanelWeight
-        from ..kernels.quant_panels import grouped_linear as quantized_grouped_linear
-
-        gate_up, down = self.panels
-        if isinstance(gate_up, QuantPanelWeight):
-            grouped_linear = quantized_grouped_linear
-        hidden = grouped_linear(x, gate_up, offsets, ids, same_row, rows=rows, swiglu=True)
-        return grouped_linear(hidden, down, offsets, ids, scale=scale)
 
     def _expert(self, x, expert: int):
         gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
     def forward(self, x, indices, weights):
-        """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. Grouped by expert."""
-        if indices.shape[0] == 1:
-            return self._forward_one(x, indices, weights)
-        return self._forward_grouped(x, indices, weights)
-
-    def _forward_grouped(self, x, indices, weights):
-        N, k = indices.shape
+        """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]."""
+        k = indices.shape[1]
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        token_of_slot = order // k
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        slot_weights = weights.reshape(-1)[order, None].to(x.dtype)
-        if self.panels is not None:
-            ids = counts.nonzero().squeeze(1)
-            ys = self._panel_experts(x, torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)]), ids,
-                                     slot_weights[:, 0], rows=token_of_slot)          # weighted inside
-            return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
-        xs = x[token_of_slot]                                              # [N·k, H] grouped by expert
-        spans = []                                                         # (expert, start, end)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                spans.append((expert, start, start + count))
-                start += count
-        ys = torch.empty_like(xs)
-        for expert, start, end in spans:
-            ys[start:end] = self._expert(xs[start:end], expert)
-        ys = ys * slot_weights
-        return torch.zeros_like(x).index_add_(0, token_of_slot, ys)
+        return self.grouped(x, order // k, flat_expert[order], weights.reshape(-1)[order])
 
-    def _forward_one(self, x, indices, weights):
-        """One token (decode): the grouped computation without its sort/gather/scatter bookkeeping —
-        the same experts in the same (ascending) order, the same weighting and sum, so the result is
-        bit-identical to the grouped path (tested)."""
-        order = indices[0].argsort(stable=True)
-        ascending = indices[0, order]                                     # the token's experts, ascending
-        slot_weights = weights[0, order, None].to(x.dtype)
-        if self.panels is not None:
-            ys = self._panel_experts(x, torch.arange(len(ascending) + 1), ascending, slot_weights[:, 0],
-                                     same_row=True)
-            return ys.sum(0, keepdim=True)                                 # weighted inside the kernel
-        ys = torch.cat([self._expert(x, e) for e in ascending.tolist()])            # [k, H]
-        return (ys * slot_weights).sum(0, keepdim=True)
+    def grouped(self, x, token, expert, weight):
+        """Token-slots sorted by expert: row x[token[s]] through expert[s] times weight[s], summed per
+        token → [N, H]. Each expert's weights are read once for all of its rows, and experts no slot
+        routes to are never touched; a row's k results are added in expert order."""
+        counts = torch.bincount(expert, minlength=self.num_experts)
+        weight = weight.to(x.dtype)
+        if self.panels is not None:      # packed for the native kernels: gather, SwiGLU, weighting inside
+            gate_up, down = self.panels
+            ids = counts.nonzero().squeeze(1)
+            offsets = torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)])
+            ys = down.grouped(gate_up.grouped(x, offsets, ids, rows=token, swiglu=True), offsets, ids, scale=weight)
+        else:
+            ys = torch.empty(len(token), x.shape[1], dtype=x.dtype, device=x.device)
+            start = 0
+            for e, count in enumerate(counts.tolist()):
+                if count:
+                    ys[start:start + count] = self._expert(x[token[start:start + count]], e)
+                    start += count
+            ys = ys * weight[:, None]
+        return torch.zeros_like(x).index_add_(0, token, ys)
 
 
 def reference_experts(experts: Experts, x, indices, weights):

@@ -72,15 +72,43 @@ def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     return linear(x, packed, bias)
 
 
+def pack_experts(experts, consume: bool = False) -> None:
+    """Replace an `Experts` module's matrices by stacked panels for the native kernels (`experts.panels`,
+    their tensors registered as its buffers). `consume`: quantized stacks hand their stored pages back
+    as they are packed (nothing else may read them)."""
+    if experts.quantized:
+        from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
+
+        gu, dn = experts.gate_up_proj, experts.down_proj
+        experts.gate_up_proj = experts.down_proj = None
+        gate_up = QuantPanelWeight(**gu.stored(), rows=swiglu_rows(dn.shape[-1]), consume=consume)
+        del gu
+        down = QuantPanelWeight(**dn.stored(), consume=consume)
+        del dn
+        experts.panels = (gate_up, down)
+        for part, packed in (("gate_up", gate_up), ("down", down)):
+            for key, tensor in packed.buffers().items():
+                experts.register_buffer(f"{part}_{key}", tensor)
+        return
+    # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
+    from ..kernels.panels import pack_gate_up
+
+    intermediate = experts.down_proj.shape[-1]
+    gate_up = pack_gate_up(experts.gate_up_proj.data, intermediate)
+    experts.gate_up_proj = None
+    down = experts.down_proj.data
+    if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
+        down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
+    experts.panels = (gate_up, _pack(down))
+    experts.down_proj = None
+    experts.register_buffer("gate_up_panels", experts.panels[0].panels)     # registered state (see PackedWeights)
+    experts.register_buffer("down_panels", experts.panels[1].panels)
+
+
 def refuse_moving_packed(module, fn) -> None:
-    """Raise if `fn` (what `nn.Module._apply` maps over tensors) would move or cast packed weights."""
-    probe = torch.zeros(1, dtype=torch.bfloat16)
-    moved = fn(probe)
-    if moved.dtype != probe.dtype or moved.device != probe.device:
-        raise RuntimeError(
-            f"{type(module).__name__}: these weights were repacked for Clover's CPU kernels (pack_for_cpu) and "
-            f"cannot be moved to {moved.device} or cast to {moved.dtype}; load the checkpoint again with the "
-            "device and dtype you want (clover.load(..., backend='reference') keeps plain weights)")
+    from ..kernels.panels import refuse_moving
+
+    refuse_moving(module, fn)
 
 
 class PackedWeights(nn.Module):
@@ -216,7 +244,7 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
         parent = model.get_submodule(parent_name)
         child = getattr(parent, name)
         if isinstance(child, Experts):
-            child.pack(consume)
+            pack_experts(child, consume)
             count += 2 * child.num_experts
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
