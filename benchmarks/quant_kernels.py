@@ -45,8 +45,8 @@ def _time(fn, min_seconds: float = 0.4) -> float:
 
 def main(argv=None) -> int:
     from clover.kernels import available
-    from clover.kernels.panels import PanelWeight, linear as bf16_linear
-    from clover.kernels.quant_panels import QuantPanelWeight, linear as quant_linear
+    from clover.kernels.panels import PanelWeight, linear
+    from clover.kernels.quant_panels import QuantPanelWeight
     from clover.quantization.format import QuantSpec, quantize
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -62,11 +62,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     N, K = args.n, args.k
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.02
-    weights = {"bf16": (PanelWeight(w.bfloat16()), bf16_linear, N * K * 2)}
+    weights = {"bf16": (PanelWeight(w.bfloat16()), linear, N * K * 2)}
     for bits in (8, 4):
         stored = quantize(w, QuantSpec(bits, 32))
         nbytes = stored["qweight"].numel() + stored["scales"].numel() * 2
-        weights[f"int{bits}"] = (QuantPanelWeight(stored["qweight"], stored["scales"], None, bits), quant_linear, nbytes)
+        weights[f"int{bits}"] = (QuantPanelWeight(stored["qweight"], stored["scales"], None, bits), linear, nbytes)
     del w
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {m: torch.randn(m, K).bfloat16() for m in rows}

@@ -482,7 +482,7 @@ def _isa_outputs(path):
                 out[f"{bits}-decode{t}"] = model.step(ids[:1, t:t + 1], [cache], logits_at="last")
             out[f"{bits}-batch"] = model(ids)
     # every stored form the quantized kernels take (int6 codes, two-level scales: GGUF's K-quants)
-    from clover.kernels.quant_panels import QuantPanelWeight, grouped_linear, linear
+    from clover.kernels.quant_panels import QuantPanelWeight
     from test_quantization import _stored_codes
 
     g = torch.Generator().manual_seed(4)

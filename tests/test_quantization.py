@@ -74,7 +74,8 @@ def test_quantized_linear_kernel_matches_reference(bits, group, offsets):
     """quant_gemm.c against `reference_linear` (its arithmetic in float64: inputs rounded to int8 per group,
     exact integer dots, per-group fp32 scaling): equal to fp32 rounding for 1…13 rows, bf16 and fp32
     inputs, N not a multiple of the panel; and within the input rounding (~0.5%) of the weight-only product."""
-    from clover.kernels.quant_panels import QuantPanelWeight, linear, reference_linear
+    from clover.kernels.panels import linear
+    from clover.kernels.quant_panels import QuantPanelWeight, reference_linear
 
     g = torch.Generator().manual_seed(bits * 100 + group)
     N, K = 70, 256
@@ -101,7 +102,8 @@ def test_quantized_grouped_kernel_matches_reference(bits):
     each against the reference arithmetic composed in PyTorch."""
     import torch.nn.functional as F
 
-    from clover.kernels.quant_panels import QuantPanelWeight, grouped_linear, reference_linear, swiglu_rows
+    from clover.kernels.panels import grouped_linear
+    from clover.kernels.quant_panels import QuantPanelWeight, reference_linear, swiglu_rows
 
     g = torch.Generator().manual_seed(7)
     E, I, K = 5, 32, 64
@@ -165,7 +167,8 @@ def _stored_codes(shape, bits, group, offsets, two_level, g):
 def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
     """int6 codes and two-level scales (GGUF K-quants held as loaded) beside int8/int4: the kernels equal
     their float64 reference to fp32 rounding for 1…13 rows, and the dense and grouped forms agree."""
-    from clover.kernels.quant_panels import QuantPanelWeight, grouped_linear, linear, reference_linear, swiglu_rows
+    from clover.kernels.panels import grouped_linear, linear
+    from clover.kernels.quant_panels import QuantPanelWeight, reference_linear, swiglu_rows
     from clover.quantization.format import dequantize
 
     g = torch.Generator().manual_seed(bits * 10 + 2 * two_level + offsets)
@@ -287,7 +290,8 @@ def test_consuming_packing_of_one_large_matrix_releases_it_band_by_band(monkeypa
 
 @needs_kernels
 def test_quantized_kernel_rejects_bad_shapes():
-    from clover.kernels.quant_panels import QuantPanelWeight, linear
+    from clover.kernels.panels import linear
+    from clover.kernels.quant_panels import QuantPanelWeight
 
     stored = quantize(torch.randn(32, 64), QuantSpec(8, 32))
     packed = QuantPanelWeight(stored["qweight"], stored["scales"], None, 8)

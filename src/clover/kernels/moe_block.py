@@ -22,16 +22,14 @@ def _moe_constants(moe):
     expert part), the experts' stacks and the shared expert's down projection."""
     consts = getattr(moe, "_kernel_constants", None)
     if consts is None:
-        from .quant_panels import weights_struct
-
         if not packed_for_kernels(moe):
             raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu, its router and "
                              "shared expert input maps stacked as the kernel reads them")
         fused, (gate_up, down) = moe.fused_input, moe.experts.panels
         shared_down = moe.shared_expert.down_proj.packed
         Is = shared_down.in_features
-        structs = [weights_struct(part[0]) for part in fused.parts]
-        structs += [weights_struct(gate_up), weights_struct(down), weights_struct(shared_down)]
+        structs = [part[0].struct() for part in fused.parts]
+        structs += [gate_up.struct(), down.struct(), shared_down.struct()]
         consts = (structs, len(fused.parts) == 2, gate_up.out_features // 2, Is)
         moe._kernel_constants = consts
     return consts

@@ -1,10 +1,12 @@
-"""bf16 weights in 32-column panels, multiplied by the native kernel (kernels/panel_gemm.c).
+"""Weights in 32-column panels and the products of the native kernels over them, for every stored form.
 
-`PanelWeight(w)` reorders a [N, K] bf16 matrix once; `linear(x, w)` is `F.linear(x, W)` for bf16 or
-fp32 `x`: inputs are widened to fp32, products and sums run in fp32 (one FMA per k, in k order, for
-every output), the result is rounded once to x's dtype. `grouped_linear` multiplies row spans of one input by different
-entries of a stacked weight (the routed experts) in a single parallel call. The reference for both
-is `F.linear` in fp64 (tests/test_kernels.py).
+`PanelWeight(w)` reorders a [N, K] bf16 matrix once (kernels/panel_gemm.c multiplies it: inputs
+widened to fp32, products and sums in fp32, one FMA per k in k order, the result rounded once to x's
+dtype; the reference is `F.linear` in fp64, tests/test_kernels.py); `QuantPanelWeight`
+(quant_panels.py) holds int8 / int4 / int6 codes the same way. Each describes itself to C as one
+`Weights` descriptor (weights.h), so `linear(x, w)` and `grouped_linear` — row spans of one input
+through different entries of a stacked weight (the routed experts) in a single parallel call — are
+one function for every form, the kernel choosing by the descriptor's bits.
 """
 
 from __future__ import annotations
@@ -63,19 +65,31 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class Weights(ctypes.Structure):
+    """The C descriptor of a packed matrix or stack (weights.h): bits 16 for bf16 panels, else codes
+    with their group scales (and mins, and two-level super-scales)."""
+    _fields_ = [("bits", ctypes.c_int), ("group", ctypes.c_int), ("data", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p), ("stride", ctypes.c_long),
+                ("sstride", ctypes.c_long), ("super_group", ctypes.c_int), ("super_scales", ctypes.c_void_p),
+                ("super_mins", ctypes.c_void_p), ("supstride", ctypes.c_long)]
+
+
 class PanelWeight:
-    """One [N, K] matrix (or E stacked ones) in panel layout."""
+    """One [N, K] bf16 matrix (or E stacked ones) in panel layout."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.device.type != "cpu":
             raise ValueError("panel weights are for CPU inference")
         *self.lead, self.out_features, self.in_features = weight.shape
         self.panels = pack_panels(weight)
+        self._struct = None
 
-    def grouped(self, x, offsets, ids, **epilogue):
-        """`grouped_linear(x, self, offsets, ids, **epilogue)`: what a stored form's products offer the
-        experts (QuantPanelWeight has the same)."""
-        return grouped_linear(x, self, offsets, ids, **epilogue)
+    def struct(self) -> Weights:
+        """The C descriptor; built once (the panels never move)."""
+        if self._struct is None:
+            stride = self.panels[0].numel() * 2 if self.lead else 0
+            self._struct = Weights(16, 0, self.panels.data_ptr(), None, None, stride, 0, 0, None, None, 0)
+        return self._struct
 
 
 def refuse_moving(module, fn) -> None:
@@ -94,32 +108,36 @@ def _input(x: torch.Tensor, K: int) -> torch.Tensor:
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {K}")
     if x.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"panel kernels take bfloat16 or float32 inputs, not {x.dtype}")
+        raise TypeError(f"the panel kernels take bfloat16 or float32 inputs, not {x.dtype}")
     x = x.reshape(-1, K)
     return x if x.stride(-1) == 1 else x.contiguous()      # rows may be strided (lda), elements not
 
 
-def _check(status: int):
-    if status != 0:
-        raise MemoryError("panel kernel could not allocate its input buffer")
+def check_status(status: int, what: str, N: int | None = None):
+    """A kernel's status as an exception: −1 out of memory, −2 (any other) arguments it cannot take."""
+    if status == -1:
+        raise MemoryError(f"{what}: the kernel could not allocate its buffers")
+    if status:
+        swiglu = "" if N is None else f" (a SwiGLU epilogue needs N a multiple of {PANEL}, got {N})"
+        raise ValueError(f"{what}: unsupported shape or group size{swiglu}")
 
 
-def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] · Wᵀ (+ bias) → [..., N] in x's dtype."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] · Wᵀ (+ bias) → [..., N] in x's dtype, for a `PanelWeight` or a `QuantPanelWeight`."""
     N, K = weight.out_features, weight.in_features
     a = _input(x, K)
     out_fp32 = x.dtype == torch.float32 or bias is not None
     out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
     if a.shape[0]:
-        _check(library().clover_panel_gemm(a.data_ptr(), a.stride(0), int(a.dtype == torch.bfloat16), a.shape[0],
-                                           K, weight.panels.data_ptr(), N, out.data_ptr(), N, int(out_fp32),
-                                           torch.get_num_threads()))
+        check_status(library().clover_weights_gemm(ctypes.byref(weight.struct()), a.data_ptr(), a.stride(0),
+                                             int(a.dtype == torch.bfloat16), a.shape[0], K, N, out.data_ptr(), N,
+                                             int(out_fp32), torch.get_num_threads()), "linear")
     if bias is not None:
         out = (out + bias.float()).to(x.dtype)
     return out.view(*x.shape[:-1], N)
 
 
-def grouped_linear(x: torch.Tensor, weight: PanelWeight, offsets: torch.Tensor, ids: torch.Tensor,
+def grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor, ids: torch.Tensor,
                    same_row: bool = False, rows: torch.Tensor | None = None, swiglu: bool = False,
                    scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [T, K] times stacked matrix ids[g] of `weight` [E, N, K] → [T, N].
@@ -145,16 +163,12 @@ def grouped_linear(x: torch.Tensor, weight: PanelWeight, offsets: torch.Tensor, 
         if scale.numel() != total:
             raise ValueError(f"scale has {scale.numel()} values for {total} rows")
     out = torch.empty(total, N // 2 if swiglu else N, dtype=x.dtype)
-    if len(ids):
-        panels = weight.panels
-        status = library().clover_panel_gemm_grouped(
-            a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16), len(ids),
-            offsets.data_ptr(), ids.data_ptr(), None if rows is None else rows.data_ptr(), K, panels.data_ptr(),
-            panels[0].numel(), N, out.data_ptr(), out.shape[1], int(x.dtype == torch.float32), int(swiglu),
-            None if scale is None else scale.data_ptr(), torch.get_num_threads())
-        if status == -2:
-            raise ValueError(f"grouped_linear: a SwiGLU epilogue needs N a multiple of {PANEL}, got {N}")
-        _check(status)
+    if len(ids) and total:
+        check_status(library().clover_weights_gemm_grouped(
+            ctypes.byref(weight.struct()), a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16),
+            len(ids), offsets.data_ptr(), ids.data_ptr(), None if rows is None else rows.data_ptr(), K, N,
+            out.data_ptr(), out.shape[1], int(x.dtype == torch.float32), int(swiglu),
+            None if scale is None else scale.data_ptr(), torch.get_num_threads()), "grouped linear", N)
     return out
 
 
@@ -176,5 +190,5 @@ def pack_gate_up(gate_up: torch.Tensor, intermediate: int) -> PanelWeight:
         panels[:, :full, :, :, slot].copy_(part[:, :full * half].reshape(E, full, half, K).transpose(-1, -2))
         if intermediate % half:
             panels[:, full, :, : intermediate % half, slot].copy_(part[:, full * half:].transpose(-1, -2))
-    pw.panels = panels.view(E, P, K, PANEL)
+    pw.panels, pw._struct = panels.view(E, P, K, PANEL), None
     return pw

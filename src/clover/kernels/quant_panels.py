@@ -1,7 +1,8 @@
 """Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c`.
 
 `QuantPanelWeight.pack(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
-quantization/format.py) into 32-column panels; `linear` and `grouped_linear` are the products. The
+quantization/format.py) into 32-column panels; `panels.linear` and `panels.grouped_linear` are the
+products (one pair for every packed form). The
 kernels quantize their inputs too (int8 per group of the weight's group size, absmax, round to
 nearest even) and take integer dot products (quant_gemm.c says why); `reference_linear` is that
 arithmetic in PyTorch, the definition tests compare the kernels with. Against the weight-only product
@@ -11,7 +12,6 @@ arithmetic in PyTorch, the definition tests compare the kernels with. Against th
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import torch
@@ -19,16 +19,9 @@ import torch
 from ..quantization.format import CODE_BYTES, unpack_nibbles, unpack_six
 from ..runtime import discard_pages
 from .build import library
-from .panels import PANEL, weight_buffer
+from .panels import PANEL, Weights, check_status, weight_buffer
 
 HALF = PANEL // 2
-
-
-class _Weights(ctypes.Structure):
-    _fields_ = [("bits", ctypes.c_int), ("group", ctypes.c_int), ("data", ctypes.c_void_p),
-                ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p), ("stride", ctypes.c_long),
-                ("sstride", ctypes.c_long), ("super_group", ctypes.c_int), ("super_scales", ctypes.c_void_p),
-                ("super_mins", ctypes.c_void_p), ("supstride", ctypes.c_long)]
 
 
 def _codes_u8(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -159,7 +152,7 @@ class QuantPanelWeight:
             return
         order = (torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]).to(torch.int64)
         s, out, size = s.contiguous(), dst[e0:e0 + len(s), p0:p1], s.element_size()
-        _check(lib.clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s), size,
+        check_status(lib.clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s), size,
                                             s.shape[-1], order.contiguous().data_ptr(), p1 - p0, out.data_ptr(),
                                             out.stride(0) * out.element_size()),
                "packing quantized scales")
@@ -172,7 +165,7 @@ class QuantPanelWeight:
         if lib is not None:
             order = order.to(torch.int64).contiguous()
             q, dst, size = q.contiguous(), self.data[e0:e1, p0:p1], q.element_size()
-            _check(lib.clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0, self.bits,
+            check_status(lib.clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0, self.bits,
                                                 self.in_features, order.data_ptr(), p1 - p0, dst.data_ptr(),
                                                 dst.stride(0), torch.get_num_threads()), "packing quantized panels")
             return
@@ -180,13 +173,13 @@ class QuantPanelWeight:
         u[:, order < 0] = 128 if self.bits == 8 else 0
         self.data[e0:e1, p0:p1].copy_(_panel_bytes(u, self.bits))
 
-    def struct(self) -> _Weights:
+    def struct(self) -> Weights:
         """The C descriptor (weights.h); built once (the tensors never move)."""
         if self._struct is None:
             entry = self.data[0] if self.lead else self.data
             sentry = self.scales[0] if self.lead else self.scales
             supers = self.super_scales
-            self._struct = _Weights(self.bits, self.group, self.data.data_ptr(), self.scales.data_ptr(),
+            self._struct = Weights(self.bits, self.group, self.data.data_ptr(), self.scales.data_ptr(),
                                     None if self.mins is None else self.mins.data_ptr(),
                                     entry.numel(), sentry.numel(), self.super_group,
                                     None if supers is None else supers.data_ptr(),
@@ -194,25 +187,12 @@ class QuantPanelWeight:
                                     0 if supers is None else (supers[0] if self.lead else supers).numel())
         return self._struct
 
-    def grouped(self, x, offsets, ids, **epilogue):
-        """`grouped_linear(x, self, offsets, ids, **epilogue)` (as PanelWeight.grouped)."""
-        return grouped_linear(x, self, offsets, ids, **epilogue)
-
     def buffers(self) -> dict[str, torch.Tensor]:
         out = {"qdata": self.data, "qscales": self.scales}
         for key, tensor in (("qmins", self.mins), ("qsuper_scales", self.super_scales), ("qsuper_mins", self.super_mins)):
             if tensor is not None:
                 out[key] = tensor
         return out
-
-
-def weights_struct(weight) -> _Weights:
-    """The C descriptor (weights.h) of a packed matrix: quantized panels, or bf16 ones (kernels/panels.py)."""
-    if isinstance(weight, QuantPanelWeight):
-        return weight.struct()
-    panels = weight.panels
-    stride = panels[0].numel() * 2 if weight.lead else 0
-    return _Weights(16, 0, panels.data_ptr(), None, None, stride, 0, 0, None, None, 0)
 
 
 def swiglu_rows(intermediate: int) -> torch.Tensor:
@@ -223,62 +203,6 @@ def swiglu_rows(intermediate: int) -> torch.Tensor:
     gate = torch.where(j < intermediate, j, -1)
     up = torch.where(j < intermediate, j + intermediate, -1)
     return torch.stack([gate, up], dim=1).reshape(-1)
-
-
-def _input(x: torch.Tensor, K: int) -> torch.Tensor:
-    if x.shape[-1] != K:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {K}")
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"quantized kernels take bfloat16 or float32 inputs, not {x.dtype}")
-    x = x.reshape(-1, K)
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _check(status: int, what: str):
-    if status == -1:
-        raise MemoryError(f"{what}: out of memory")
-    if status != 0:
-        raise ValueError(f"{what}: unsupported shape or group size")
-
-
-def linear(x: torch.Tensor, weight: QuantPanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] · Wᵀ (+ bias) → [..., N] in x's dtype."""
-    N, K = weight.out_features, weight.in_features
-    a = _input(x, K)
-    out_fp32 = x.dtype == torch.float32 or bias is not None
-    out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
-    if a.shape[0]:
-        _check(library().clover_weights_gemm(ctypes.byref(weight.struct()), a.data_ptr(), a.stride(0),
-                                             int(a.dtype == torch.bfloat16), a.shape[0], K, N, out.data_ptr(), N,
-                                             int(out_fp32), torch.get_num_threads()), "quantized linear")
-    if bias is not None:
-        out = (out + bias.float()).to(x.dtype)
-    return out.view(*x.shape[:-1], N)
-
-
-def grouped_linear(x: torch.Tensor, weight: QuantPanelWeight, offsets: torch.Tensor, ids: torch.Tensor,
-                   same_row: bool = False, rows: torch.Tensor | None = None, swiglu: bool = False,
-                   scale: torch.Tensor | None = None) -> torch.Tensor:
-    """kernels.panels.grouped_linear for quantized expert stacks (same arguments and epilogues)."""
-    N, K = weight.out_features, weight.in_features
-    a = _input(x, K)
-    offsets = offsets.to(torch.int64).contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    if rows is not None:
-        rows = rows.to(torch.int64).contiguous()
-    total = int(offsets[-1]) if (same_row or rows is not None) else a.shape[0]
-    if (swiglu or scale is not None) and x.dtype != torch.bfloat16:
-        raise TypeError("the SwiGLU and scaling epilogues produce bf16 and take bf16 inputs")
-    if scale is not None:
-        scale = scale.to(torch.float32).contiguous()
-    out = torch.empty(total, N // 2 if swiglu else N, dtype=x.dtype)
-    if len(ids) and total:
-        _check(library().clover_weights_gemm_grouped(
-            ctypes.byref(weight.struct()), a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16),
-            len(ids), offsets.data_ptr(), ids.data_ptr(), None if rows is None else rows.data_ptr(), K, N,
-            out.data_ptr(), out.shape[1], int(x.dtype == torch.float32), int(swiglu),
-            None if scale is None else scale.data_ptr(), torch.get_num_threads()), "quantized grouped linear")
-    return out
 
 
 def quantize_inputs(x: torch.Tensor, group: int):

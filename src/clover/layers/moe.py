@@ -80,10 +80,13 @@ class Experts(nn.Module):
         counts = torch.bincount(expert, minlength=self.num_experts)
         weight = weight.to(x.dtype)
         if self.panels is not None:      # packed for the native kernels: gather, SwiGLU, weighting inside
+            from ..kernels.panels import grouped_linear
+
             gate_up, down = self.panels
             ids = counts.nonzero().squeeze(1)
             offsets = torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)])
-            ys = down.grouped(gate_up.grouped(x, offsets, ids, rows=token, swiglu=True), offsets, ids, scale=weight)
+            hidden = grouped_linear(x, gate_up, offsets, ids, rows=token, swiglu=True)
+            ys = grouped_linear(hidden, down, offsets, ids, scale=weight)
         else:
             ys = torch.empty(len(token), x.shape[1], dtype=x.dtype, device=x.device)
             start = 0

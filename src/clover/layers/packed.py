@@ -64,11 +64,7 @@ def _kind(module):
 
 def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     from ..kernels.panels import linear
-    from ..kernels.quant_panels import QuantPanelWeight
-    from ..kernels.quant_panels import linear as quantized_linear
 
-    if isinstance(packed, QuantPanelWeight):
-        return quantized_linear(x, packed, bias)
     return linear(x, packed, bias)
 
 
