@@ -15,7 +15,8 @@ Qwen3.5-MoE form (`--plain`, what llama.cpp's converter reads). Prepared once, u
   fingerprint (a hash of how a known hub tokenizer splits a test string, which no synthetic
   tokenizer can match) is set to "gpt-2", the ByteLevel split the synthetic tokenizer uses. Nothing
   else in the converter is touched; `--no-mtp` tells it the checkpoint has no MTP layer.
-* `clover quantize` writes int8 and int4 copies (group 32); Clover runs the safetensors at bf16 too.
+* `clover quantize` writes int8 and int4 copies (group 32); Clover runs the safetensors at bf16 too,
+  and llama.cpp's own Q8_0 and Q4_K_M files (the same-file rows: both engines read the same bytes).
 
 Measured, per engine and precision, in a fresh process with `--threads` threads (default 2): prefill
 of a `--prompt`-token prompt (default 256; logits of the last position only, as a generator needs)
@@ -57,14 +58,18 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "small"
 GROUP_SIZE = 32
 
-# (name, engine, precision label, what the precision pairs with on the other engine)
+# (name, engine, weights — its own precision, or "gguf:TYPE" for llama.cpp's file of that type —, what
+# the row pairs with on the other engine). The "on … GGUF" rows are the same-file comparison: Clover
+# loading the very file llama.cpp runs, so both read the same bytes per token.
 CONFIGS = [
     ("llama.cpp BF16", "llama", "BF16", "bf16"),
     ("Clover bf16", "clover", "bf16", "bf16"),
     ("llama.cpp Q8_0", "llama", "Q8_0", "int8"),
     ("Clover int8", "clover", "int8", "int8"),
+    ("Clover on the Q8_0 GGUF", "clover", "gguf:Q8_0", "int8"),
     ("llama.cpp Q4_K_M", "llama", "Q4_K_M", "int4"),
     ("Clover int4", "clover", "int4", "int4"),
+    ("Clover on the Q4_K_M GGUF", "clover", "gguf:Q4_K_M", "int4"),
 ]
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
@@ -405,7 +410,7 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 7) -> dic
 
 # ------------------------------------------------------------------------------------------------ driver
 def _start_worker(engine: str, path: Path, args, logits: Path) -> dict:
-    config = path / "config.json" if engine == "clover" else args.config_path
+    config = path / "config.json" if path.is_dir() else args.config_path
     out = _run(_python("-m", "benchmarks.llama_cpp", "_worker", engine, path, config, args.threads, args.prompt,
                        args.decode, args.repeats, args.llama_flash_attn, logits), stdout=subprocess.PIPE, text=True)
     from benchmarks.common import parse_last_json
@@ -525,11 +530,10 @@ def main(argv=None) -> int:
         return 0
     config = json.loads((weights["clover"]["bf16"] / "config.json").read_text())
     args.config_path = weights["clover"]["bf16"] / "config.json"
-    paths = {c[0]: weights[c[1]][c[2]] for c in CONFIGS}
+    paths = {c[0]: weights["llama"][c[2][5:]] if c[2].startswith("gguf:") else weights[c[1]][c[2]] for c in CONFIGS}
     engines = {c[0]: c[1] for c in CONFIGS}
     tree = llama_cpp_source(cache, llama_cpp_version())
-    sizes = {n: (_safetensors_sizes(paths[n]) if engines[n] == "clover" else _gguf_sizes(paths[n], tree))
-             for n in names}
+    sizes = {n: (_safetensors_sizes(paths[n]) if paths[n].is_dir() else _gguf_sizes(paths[n], tree)) for n in names}
     bytes_per_token = {n: decode_bytes_per_token(sizes[n], config) for n in names}
     file_bytes = {n: sum(b for b, _ in sizes[n].values()) for n in names}
 
