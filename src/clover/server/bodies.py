@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -151,6 +152,7 @@ def _shutting_down() -> APIError:
 def _serve(conn, tokenizer: CloverTokenizer, served: ServedModel) -> None:
     """The worker's loop: a body in, ("return", prompt) or ("raise", exception) out, until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole process group: the server decides
+    trim = _malloc_trim()
     while True:
         try:
             message = conn.recv_bytes()
@@ -168,6 +170,18 @@ def _serve(conn, tokenizer: CloverTokenizer, served: ServedModel) -> None:
             conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
         except (EOFError, OSError):
             return
+        del reply
+        if trim is not None:
+            trim(0)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None. Tokenizing 900 KB leaves ~100 MB in malloc's free lists, kept
+    from the system until trimmed (7 ms, after the answer has gone)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _slim(prompt):
