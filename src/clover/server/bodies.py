@@ -57,7 +57,11 @@ class BodyWorker:
 
     def start(self) -> None:
         """Spawn the process now, in the background (otherwise the first large body does)."""
-        self._io.submit(self._ensure)
+        def failed(future):
+            if not future.cancelled() and future.exception() is not None:
+                log.error("could not start the body worker process: %r (the first large body tries again)",
+                          future.exception())
+        self._io.submit(self._ensure).add_done_callback(failed)
 
     async def prepare(self, kind: str, body: bytes):
         """`PREPARE[kind](body, ...)`, computed in the worker: a ChatPrompt or CompletionPrompt, or its
@@ -70,7 +74,7 @@ class BodyWorker:
         with self._lock:
             self._closed = True
             self._stop()
-        self._io.shutdown(wait=False)
+        self._io.shutdown(wait=False, cancel_futures=True)
 
     @property
     def pid(self) -> int | None:
@@ -92,7 +96,7 @@ class BodyWorker:
             proc = ctx.Process(target=_serve, args=(theirs, tokenizer, served), name="clover-bodies", daemon=True)
             proc.start()
             theirs.close()                 # ours alone stays here: its reads see EOF when the worker dies
-            with contextlib.suppress(OSError):      # at once, so that even its imports run at that priority
+            with contextlib.suppress(OSError, AttributeError):   # at once: even its imports run at that priority
                 os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
             self._proc, self._conn = proc, ours
             return ours
