@@ -276,7 +276,9 @@ def test_large_bodies_do_not_stall_the_event_loop(live):
     print(f"large bodies: /health p99 {p99 * 1000:.0f} ms over {len(health)}, max {health[-1] * 1000:.0f} ms; "
           f"stream's longest pause {max(pauses) * 1000:.0f} ms")
     assert len(pauses) > 20 and p99 < 0.1
-    assert max(pauses) < 0.5       # measured 160-270 ms on a shared 2-core machine (see docs/serving.md)
+    # 120-190 ms on a 2-core machine that other jobs kept busy (see docs/serving.md): what is left is the
+    # engine waiting for a core, so the bound stays loose
+    assert max(pauses) < 0.5
 
 
 def test_a_stream_left_unread_is_closed_after_the_idle_timeout():

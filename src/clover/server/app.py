@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE streaming, a chunk per resolved
 block), GET /v1/models, /health, /metrics, and the playground page at / (page.py). A request is read
-(JSON only, size- and time-limited), parsed (strict types), tokenized (in a worker thread) and validated here, so malformed input never
+(JSON only, size- and time-limited), parsed (strict types), tokenized and checked (prompts.py: in a
+thread, or for a large body in a worker process, bodies.py) and validated here, so malformed input never
 reaches the engine and is a 4xx, never a 5xx; the engine gets token ids and `GenerationSettings` and
 sends back token ids, which `TextStream` turns into text; `logprobs` / `echo` are scored by the engine
 once the completion is written (logprobs.py). A client that disconnects cancels its
@@ -28,17 +29,19 @@ from ..cache import PoolFull
 from ..engine import Engine, EngineClosed, QueueFull
 from ..generation.settings import GenerationSettingsError
 from ..tokenization import CloverTokenizer
-from .protocol import (APIError, ChatRequest, CompletionRequest, bad_request, check_unsupported, extras, parse,
-                       setting_param, settings_overrides, stop_strings)
-from .chat_tools import ChatOutput, prepare_chat
-from .logprobs import chat_logprobs, chat_top_k, completion_logprobs, completion_top_k
+from .protocol import APIError, ChatRequest, CompletionRequest, bad_request, setting_param, settings_overrides
+from .bodies import BodyWorker
+from .chat_tools import ChatOutput
+from .logprobs import chat_logprobs, completion_logprobs
 from .structured import StructuredOutput
 from .openapi import document_request_bodies
 from .page import FILES as PLAYGROUND_FILES, add_playground
 from . import step_events
+from .prompts import PREPARE, ServedModel
 from .text import CONTENT, TextStream
 from .text import inside_thinking as prompt_ends_thinking
-from .transport import CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_json, silence, sse
+from .transport import (OFF_LOOP_BYTES, CountRequests, Guard, SSEResponse, collect, off_loop, outputs, read_body,
+                        silence, sse)
 
 log = logging.getLogger("clover.server")
 
@@ -62,7 +65,10 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        yield
+        try:
+            yield
+        finally:
+            body_worker.close()
         if shutdown_engine:
             await asyncio.to_thread(engine.shutdown, True, shutdown_timeout)
 
@@ -77,6 +83,10 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     metrics = engine.metrics
     created = int(time.time())
     structured = StructuredOutput(tokenizer, engine.vocab_size)
+    served = ServedModel(model_name, engine.context_limit, tokenizer.max_token_bytes)
+    # Bodies over OFF_LOOP_BYTES are parsed, templated and tokenized in a worker process (bodies.py),
+    # spawned on the first (`clover serve` starts it at once: app.state.body_worker.start()).
+    body_worker = app.state.body_worker = BodyWorker(tokenizer, served)
 
     # ---- errors --------------------------------------------------------------------------------
     def error_response(err: APIError) -> JSONResponse:
@@ -107,22 +117,13 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     app.add_middleware(CountRequests, counter=metrics.http_requests, routes=ROUTES)     # outermost: counts refusals
 
     # ---- helpers -------------------------------------------------------------------------------
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
-                           "invalid_request_error", "model", "model_not_found")
-
-    max_token_bytes = tokenizer.max_token_bytes        # (computed once, before the first request)
-
-    def refuse_by_length(chars: int, param: str) -> None:
-        """Refuse at once, before templating or tokenizing, a prompt that cannot fit by its length
-        alone: a token stands for at most `max_token_bytes` bytes, so it needs at least
-        chars / max_token_bytes tokens."""
-        least = chars // max_token_bytes
-        if least > engine.context_limit:
-            raise bad_request(f"the prompt's {chars} characters need at least {least} tokens (a token stands for "
-                              f"at most {max_token_bytes} bytes), which exceeds the {engine.context_limit}-token "
-                              "context", param, "context_length_exceeded")
+    async def prepare(request: Request, kind: str):
+        """The request's body read, parsed, checked and turned into prompt ids (prompts.py): a large
+        body in the worker process, so that this process only moves its bytes; a small one in a thread."""
+        body = await read_body(request, max_body_bytes, body_timeout)
+        if len(body) > OFF_LOOP_BYTES:
+            return await body_worker.prepare(kind, body)
+        return await asyncio.to_thread(PREPARE[kind], body, tokenizer, served)
 
     def make_settings(req, extra: dict, prompt_ids: list[int], prompt_param: str):
         over, asked = settings_overrides(req, extra)
@@ -199,33 +200,10 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- chat ----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await off_loop(request, parse, ChatRequest, await read_json(request, max_body_bytes, body_timeout),
-                             small_inline=True)
-        check_model(req.model)
-        check_unsupported(req)
-        top_k = chat_top_k(req)
-        extra = extras(req)
-        stop = stop_strings(req)
-        if not req.messages:
-            raise bad_request("messages must not be empty", "messages")
-        for i, m in enumerate(req.messages):
-            if m.content is None and m.role != "assistant":
-                raise bad_request(f"messages.{i}.content is required for role {m.role}", f"messages.{i}.content")
-        refuse_by_length(sum(m.chars() for m in req.messages), "messages")
-        thinking = extra.get("enable_thinking")
-        kwargs = extra.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-        if thinking is None:
-            thinking = kwargs.get("enable_thinking", True)
-        if not isinstance(thinking, bool):
-            raise bad_request(f"enable_thinking must be true or false, got {thinking!r}", "enable_thinking")
-        skip = extra.get("skip_special_tokens", True)
-        if not isinstance(skip, bool):
-            raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
-        steps = step_events.wanted(extra, req.stream)
-        # Templating and tokenizing a large body takes a while: in a worker thread, not on the event loop.
-        prompt_ids, plan = await off_loop(request, prepare_chat, tokenizer, req, thinking, kwargs)  # template, tools
+        prompt = await prepare(request, "chat")           # parsed, checked, templated, tokenized
+        req, top_k, extra, stop, thinking, skip, steps, prompt_ids, plan = (
+            prompt.req, prompt.top_k, prompt.extra, prompt.stop, prompt.thinking, prompt.skip, prompt.steps,
+            prompt.ids, prompt.plan)
         output = ChatOutput(plan)
         settings = make_settings(req, extra, prompt_ids, "messages")
         inside_thinking = prompt_ends_thinking(prompt_ids, tokenizer)
@@ -292,30 +270,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
     # ---- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await off_loop(request, parse, CompletionRequest, await read_json(request, max_body_bytes, body_timeout),
-                             small_inline=True)
-        check_model(req.model)
-        check_unsupported(req)
-        top_k = completion_top_k(req)
-        extra = extras(req)
-        stop = stop_strings(req)
-        for name in ("enable_thinking", "chat_template_kwargs"):
-            if name in extra:
-                raise bad_request(f"{name} applies to chat completions only", name)
-        skip = extra.get("skip_special_tokens", True)
-        if not isinstance(skip, bool):
-            raise bad_request("skip_special_tokens must be true or false", "skip_special_tokens")
-        steps = step_events.wanted(extra, req.stream)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(f"one prompt per request, got {len(prompt)}", "prompt", "unsupported")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            refuse_by_length(len(prompt), "prompt")
-        prompt_ids = await off_loop(request, tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise bad_request("the prompt is empty: at least one token is needed", "prompt")
+        prompt = await prepare(request, "completion")     # parsed, checked, tokenized
+        req, top_k, extra, stop, skip, steps, prompt_ids = (
+            prompt.req, prompt.top_k, prompt.extra, prompt.stop, prompt.skip, prompt.steps, prompt.ids)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.max_tokens == 0:        # scoring only: the prompt's log-probabilities (lm-eval's loglikelihood)
             if not req.echo:
@@ -398,7 +355,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
-        check_model(name)
+        served.check_model(name)
         return model_card()
 
     @app.get("/health")

@@ -141,6 +141,7 @@ def build(args):
                      api_key=args.api_key or os.environ.get("CLOVER_API_KEY") or None,
                      allowed_hosts=args.allowed_hosts, body_timeout=args.body_timeout,
                      stream_buffer_tokens=args.stream_buffer_tokens, stream_idle_timeout=args.stream_idle_timeout)
+    app.state.body_worker.start()       # spawned now (in the background), not when the first large body comes
     return app, engine
 
 

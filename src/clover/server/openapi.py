@@ -1,8 +1,9 @@
 """The request bodies in the served OpenAPI spec (`/openapi.json`).
 
-The POST routes read their JSON themselves (`transport.read_json`: content type, size, depth,
-surrogates, read deadline) and only then validate it with the pydantic models of `protocol.py`, so
-FastAPI cannot see what they take and the spec would show bodiless operations. This writes each
+The POST routes read their JSON themselves (`transport.read_body`: content type, size, read
+deadline; `prompts.parse_json`: depth, surrogates) and only then validate it with the pydantic
+models of `protocol.py`, so FastAPI cannot see what they take and the spec would show bodiless
+operations. This writes each
 model's JSON schema, self-contained, into its route's `requestBody`: what API clients and schema
 fuzzers (schemathesis, `tests/test_openapi_fuzz.py`) read. The models allow extra fields, and the
 schema says so; the block-diffusion extras are listed in docs/serving.md.

@@ -39,6 +39,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):       # (it crosses from the body worker's process: by default only the message would)
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)

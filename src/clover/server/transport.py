@@ -1,6 +1,6 @@
 """HTTP plumbing between the routes and the engine: bodies in, token events out.
 
-Owns the size-limited JSON body reader, the SSE response (which cancels its request however the
+Owns the size-limited body reader, the SSE response (which cancels its request however the
 stream ends), disconnect detection for non-streaming requests, the request-counting middleware, and
 `outputs()`: an engine handle's events turned into text deltas by a `TextStream`, cut at a stop string.
 """
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .protocol import APIError, bad_request
+from .protocol import APIError
 from .text import CONTENT, REASONING, TextStream
 
 log = logging.getLogger("clover.server")
@@ -147,9 +147,6 @@ def sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-MAX_JSON_DEPTH = 64     # OpenAI bodies nest a few levels; deeper is an attack on the parser
-
-
 def check_content_type(request: Request) -> None:
     """415 unless the body is declared `application/json` (UTF-8). A browser page may send
     `text/plain` or form bodies cross-origin without a CORS preflight; JSON it cannot."""
@@ -166,38 +163,10 @@ def check_content_type(request: Request) -> None:
                        "invalid_request_error", None, "unsupported_media_type")
 
 
-def check_json_value(value) -> None:
-    """Reject what json.loads accepts but the rest of the server cannot take: nesting deeper than
-    MAX_JSON_DEPTH (recursive validators would overflow the stack) and lone UTF-16 surrogates
-    (`"\\ud800"`: not encodable as UTF-8, so the tokenizer would raise). Iterative, so any depth is safe."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            _check_text(item)
-        elif isinstance(item, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json")
-            if isinstance(item, dict):
-                for key, child in item.items():
-                    _check_text(key)
-                    stack.append((child, depth + 1))
-            else:
-                stack.extend((child, depth + 1) for child in item)
-
-
-def _check_text(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(f"the request body contains a lone UTF-16 surrogate ({text[exc.start]!a} at character "
-                          f"{exc.start} of a string); send valid Unicode", None, "invalid_json") from None
-
-
-async def read_json(request: Request, max_bytes: int, timeout: float | None = None):
-    """The body parsed as JSON; 415 unless declared application/json, 413 past `max_bytes`
-    (declared or streamed), 408 if not all there within `timeout` seconds (a slow sender holds a
-    connection), 400 if not UTF-8 JSON or not acceptable (see check_json_value)."""
+async def read_body(request: Request, max_bytes: int, timeout: float | None = None) -> bytes:
+    """The body's bytes (parsed by `prompts.parse_json`); 415 unless declared application/json, 413
+    past `max_bytes` (declared or streamed), 408 if not all there within `timeout` seconds (a slow
+    sender holds a connection)."""
     check_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
@@ -220,12 +189,10 @@ async def read_json(request: Request, max_bytes: int, timeout: float | None = No
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
                        None, "request_timeout", {"Connection": "close"}) from None
     request.state.body_bytes = len(body)
-    if len(body) > OFF_LOOP_BYTES:          # a large body parses in a worker thread: the loop keeps serving
-        return await off_loop(request, parse_json, body)
-    return parse_json(body)
+    return body
 
 
-OFF_LOOP_BYTES = 64 * 1024
+OFF_LOOP_BYTES = 64 * 1024      # bodies past this are prepared in the body worker process (bodies.py)
 
 
 def _lower_priority() -> None:
@@ -235,30 +202,18 @@ def _lower_priority() -> None:
         pass
 
 
-# Work on large bodies (parsing, templating, tokenizing: native code that releases the interpreter
-# lock) runs here, one at a time and at a lower CPU priority, so that a burst of them cannot take the
-# cores from the event loop and the engine thread; small requests' work does not queue behind it.
+# What is left to do for a large body in this process (compiling a response_format or tools grammar:
+# its prompt was prepared in the body worker, bodies.py) runs here, one at a time and at a lower CPU
+# priority, so that a burst of them cannot take the cores from the event loop and the engine thread;
+# small requests' work does not queue behind it.
 _LARGE = ThreadPoolExecutor(1, thread_name_prefix="clover-large", initializer=_lower_priority)
 
 
-async def off_loop(request: Request, fn, *args, small_inline: bool = False):
-    """`fn(*args)` in a worker thread: the one for large bodies when this request's was large;
-    for a small body, with `small_inline`, right here (quicker than a thread hop)."""
+async def off_loop(request: Request, fn, *args):
+    """`fn(*args)` in a worker thread: the one for large bodies when this request's was large."""
     if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES:
         return await asyncio.get_running_loop().run_in_executor(_LARGE, fn, *args)
-    return fn(*args) if small_inline else await asyncio.to_thread(fn, *args)
-
-
-def parse_json(body: bytes):
-    """UTF-8 JSON → a value, checked by check_json_value; APIError 400 otherwise."""
-    try:
-        value = json.loads(body.decode("utf-8"))   # json.loads(bytes) would also take UTF-16/32
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON (UTF-8): {exc}", None, "invalid_json") from None
-    except RecursionError:
-        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
-    check_json_value(value)
-    return value
+    return await asyncio.to_thread(fn, *args)
 
 
 # What a request that the server ends at shutdown receives, as if the engine had sent it.
