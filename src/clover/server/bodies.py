@@ -1,12 +1,12 @@
 """Large request bodies become prompts in a worker process, so that the server's interpreter only
 moves their bytes.
 
-Decoding 900 KB of JSON, templating it and tokenizing it is half a second of CPU. In a thread of the
-server's process that work still takes the interpreter lock in stretches (JSON decoding, the
-tokenizer handing back hundreds of thousands of ids as Python ints) and the cores (the tokenizer's
-own threads do not inherit a thread's lower priority), and the engine's step and the event loop
-wait for both: a stream beside a burst of such bodies paused for 100–300 ms. In a process of its
-own, at a lower CPU priority, it shares neither the lock nor, when the cores are wanted, much CPU.
+Decoding 900 KB of JSON, templating it and tokenizing it is half a second of CPU. Done in a thread of
+the server's process, that work still took the interpreter lock in stretches (JSON decoding, the
+tokenizer's hundreds of thousands of ids turned into Python ints): traced beside a stream, the
+engine's steps waited up to 60-180 ms for the lock and the event loop fell as far behind. In a
+process of its own, at a lower CPU priority, it shares no lock with them and, when the cores are
+wanted, little CPU.
 
 The body goes down a pipe; back come the checked request (its prompt text dropped) and the prompt ids
 packed in an array, or the very APIError the same checks raise in the server (prompts.py). One body
