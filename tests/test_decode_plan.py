@@ -42,9 +42,10 @@ def _plan_runs(monkeypatch):
     return runs
 
 
-def _decode_both(model, monkeypatch, rows=(30,), steps=40, seed=0):
+def _decode_both(model, monkeypatch, rows=(30,), steps=40, seed=0, switch="ENABLED"):
     """Decode `steps` tokens from prompts of `rows` lengths through the plan and, on forked caches,
-    through the layers; every step's logits must be identical (the next token: the plan's argmax)."""
+    through the layers (or with another `switch` of decode_plan off); every step's logits must be
+    identical (the next token: the plan's argmax)."""
     g = torch.Generator().manual_seed(seed)
     caches = []
     for n in rows:
@@ -54,14 +55,14 @@ def _decode_both(model, monkeypatch, rows=(30,), steps=40, seed=0):
     forks = [c.fork() for c in caches]
     token = torch.randint(5, 90, (len(rows), 1), generator=g)
     for _ in range(steps):
-        monkeypatch.setattr(decode_plan, "ENABLED", True)
+        monkeypatch.setattr(decode_plan, switch, True)
         planned = model.step(token, caches, logits_at="last")
-        monkeypatch.setattr(decode_plan, "ENABLED", False)
+        monkeypatch.setattr(decode_plan, switch, False)
         layers = model.step(token, forks, logits_at="last")
         assert planned.shape == (len(rows), 1, model.config.vocab_size)
         assert torch.equal(planned, layers)
         token = planned[:, -1].argmax(-1, keepdim=True)
-    monkeypatch.setattr(decode_plan, "ENABLED", True)
+    monkeypatch.setattr(decode_plan, switch, True)
     return caches, forks
 
 
@@ -79,6 +80,46 @@ def test_plan_equals_the_layers(variant, bits, monkeypatch):
         block = torch.full((3, 8), model.config.mask_token_id)
         assert torch.equal(model.step(block, caches, block=True), model.step(block, forks, block=True))
     assert runs.count(1) == 36 and runs.count(3) == 30
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("variant, bits", [("base", None), ("tied_gqa4", 8), ("gdn_heavy", 4), ("attn_first", None)])
+def test_one_region_equals_the_calls_one_by_one(variant, bits, threads, monkeypatch):
+    """A step as one team walking the plan's op list (steps.c) against the same bound calls made one
+    by one through the kernels' own entry points: the same logits and states bit for bit, for one row
+    and three, bf16 and quantized, on 1, 2 and 3 threads (a team of odd size; on a 2-core machine, one
+    whose threads are descheduled at its barriers)."""
+    model = _packed(variant, bits)
+    runs = _plan_runs(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            _decode_both(model, monkeypatch, rows=(30,), steps=12, switch="ONE_REGION")
+            caches, forks = _decode_both(model, monkeypatch, rows=(20, 31, 7), steps=12, seed=1, switch="ONE_REGION")
+            block = torch.full((3, 8), model.config.mask_token_id)
+            assert torch.equal(model.step(block, caches, block=True), model.step(block, forks, block=True))
+    finally:
+        torch.set_num_threads(before)
+    assert runs.count(1) == 24 and runs.count(3) == 24
+
+
+def test_a_failing_op_is_reported():
+    """An op that fails (here: sizes the GDN kernel refuses) stops nothing — every thread meets the same
+    barriers — and the walk reports the first failing op; the ops around it still ran."""
+    from clover.kernels.build import library
+
+    lib = library()
+    x, scale = torch.randn(3, 64, dtype=torch.bfloat16), torch.rand(64)
+    outs = [torch.zeros_like(x) for _ in range(3)]
+    norm = lambda out: ("clover_add_rmsnorm", [3, 64, x.data_ptr(), 64, None, 0, scale.data_ptr(), 1e-6, None,  # noqa: E731
+                                               out.data_ptr(), 1])
+    bad = ("clover_gdn_short", [1, 0] + [0] * 32 + [1])                 # no tokens: -2, unsupported sizes
+    steps = decode_plan._Steps([norm(outs[0]), bad, norm(outs[1])])
+    for threads in (1, 2):
+        assert steps.run(lib, threads) == (-2, "clover_gdn_short", 1)
+    lib.clover_add_rmsnorm(*norm(outs[2])[1])
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2]) and outs[2].abs().sum() > 0
 
 
 def test_logits_are_new_every_step():

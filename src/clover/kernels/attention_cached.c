@@ -17,6 +17,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "team.h"
 
 void clover_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const float *scale, float eps,
                         uint16_t *out_h, uint16_t *out_x);
@@ -136,12 +137,12 @@ static inline __attribute__((always_inline)) void attend_group(
  * pages[s / page], row s % page; the tokens' K/V go to positions start … (their pages must exist).
  * cos / sin [T, R] bf16. out [T, Hq·D] (token stride ldo) bf16: attention output × sigmoid(gate).
  * Work goes by (K/V head, token): the query heads that share a K/V head read and widen each key and
- * value row once between them. Returns 0, -1 out of memory, -2 unsupported sizes. */
-int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
-                            const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
-                            const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
-                            uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
-                            int threads) {
+ * value row once between them; the items split across the team (team.h). Returns 0, -1 out of memory,
+ * -2 unsupported sizes. */
+int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
+                             const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
+                             const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
+                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo) {
     if (D > 512 || R > D || R % 2 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T < 1 || P < 0 || P > T
         || start < 0 || page < 1)
         return -2;
@@ -149,40 +150,49 @@ int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const u
     int failed = 0, G = Hq / Hkv;
     float scale = 1.0f / sqrtf((float)D);
     long S_max = start + T, stride = (S_max + 15) / 16 * 16;
-    #pragma omp parallel num_threads(threads) reduction(|:failed)
-    {
-        #pragma omp for schedule(static)
-        for (int item = 0; item < T * Hkv; item++) {         /* the new K (normalised, rotated) and V */
-            int t = item / Hkv, h = item % Hkv;
-            float kr[512];
-            norm_rope(k + t * ldkv + (long)h * D, D, R, k_scale, eps, cos + (long)t * R, sin + (long)t * R, kr);
-            long pos = start + t, row = ((long)pages[pos / page] * page + pos % page) * ld + (long)h * D;
-            uint16_t *kd = Kc + row, *vd = Vc + row;
-            for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldkv + (long)h * D + j];
-        }
-        if (G * stride > score_floats) {
-            free(scores);
-            scores = aligned_alloc(64, sizeof(float) * (size_t)(G * stride));
-            score_floats = scores ? G * stride : 0;
-        }
-        float *p = scores;
-        #pragma omp for schedule(static)
-        for (int item = 0; item < T * Hkv; item++) {
-            if (!p) { failed = 1; continue; }
-            int t = item / Hkv, kvh = item % Hkv;
-            long S = t < P ? start + t + 1 : S_max;
-            const uint16_t *qgt = qg + t * ldq + (long)kvh * G * 2 * D;
-            const uint16_t *K = Kc + (long)kvh * D, *V = Vc + (long)kvh * D;
-            const uint16_t *ct = cos + (long)t * R, *st = sin + (long)t * R;
-            uint16_t *ot = out + t * ldo + (long)kvh * G * D;
-            switch (G) {                    /* a constant group size keeps the accumulators in registers */
-            case 1: attend_group(1, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-            case 2: attend_group(2, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-            case 4: attend_group(4, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-            case 8: attend_group(8, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-            default: attend_group(G, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot);
-            }
+    #pragma omp for schedule(static)
+    for (int item = 0; item < T * Hkv; item++) {         /* the new K (normalised, rotated) and V */
+        int t = item / Hkv, h = item % Hkv;
+        float kr[512];
+        norm_rope(k + t * ldkv + (long)h * D, D, R, k_scale, eps, cos + (long)t * R, sin + (long)t * R, kr);
+        long pos = start + t, row = ((long)pages[pos / page] * page + pos % page) * ld + (long)h * D;
+        uint16_t *kd = Kc + row, *vd = Vc + row;
+        for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldkv + (long)h * D + j];
+    }
+    if (G * stride > score_floats) {
+        free(scores);
+        scores = aligned_alloc(64, sizeof(float) * (size_t)(G * stride));
+        score_floats = scores ? G * stride : 0;
+    }
+    float *p = scores;
+    #pragma omp for schedule(static)
+    for (int item = 0; item < T * Hkv; item++) {
+        if (!p) { failed = 1; continue; }
+        int t = item / Hkv, kvh = item % Hkv;
+        long S = t < P ? start + t + 1 : S_max;
+        const uint16_t *qgt = qg + t * ldq + (long)kvh * G * 2 * D;
+        const uint16_t *K = Kc + (long)kvh * D, *V = Vc + (long)kvh * D;
+        const uint16_t *ct = cos + (long)t * R, *st = sin + (long)t * R;
+        uint16_t *ot = out + t * ldo + (long)kvh * G * D;
+        switch (G) {                    /* a constant group size keeps the accumulators in registers */
+        case 1: attend_group(1, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+        case 2: attend_group(2, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+        case 4: attend_group(4, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+        case 8: attend_group(8, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
+        default: attend_group(G, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot);
         }
     }
     return failed ? -1 : 0;
+}
+
+int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
+                            const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
+                            const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
+                            uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
+                            int threads) {
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, attention_cached_in_team(Hq, Hkv, D, R, T, P, qg, ldq, k, v, ldkv, q_scale, k_scale, eps,
+                                                       cos, sin, Kc, Vc, pages, page, start, out, ldo));
+    return status;
 }

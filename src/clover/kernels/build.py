@@ -36,8 +36,10 @@ from ..options import current as runtime_options
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
-                                                          "attention_cached.c", "gguf_decode.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h")]
+                                                          "attention_cached.c", "gguf_decode.c",
+                                                          "steps.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h",
+                                                          "team.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -47,6 +49,33 @@ ISAS = {
                ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma")),
     # row blocks sized for 16 ymm registers (each 512-bit accumulator is two)
     "avx2": (["-mavx2", "-mfma", "-mf16c", "-DAVX2_MAX_ROWS=4", "-DAVX2_QROWS=2"], ("avx2", "fma", "f16c")),
+}
+
+
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# the library's entry points: (argument types, result type); decode_plan.py binds calls by these too
+SIGNATURES = {
+    "clover_panel_gemm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _i32, _ptr, _i64, _i32, _i32], _i32),
+    "clover_panel_set_pairs": ([_i32], None),
+    "clover_panel_pairs": ([], _i32),
+    "clover_panel_gemm_grouped": ([_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _i32, _ptr, _i64, _i32,
+                                   _i32, _ptr, _i32], _i32),
+    "clover_weights_gemm": ([_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _i32, _i32], _i32),
+    "clover_weights_gemm_grouped": ([_ptr, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32,
+                                     _ptr, _i32], _i32),
+    "clover_quant_pack_panels": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _i32, _ptr, _i64, _i32], _i32),
+    "clover_quant_pack_scales": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _i32, _ptr, _i64], _i32),
+    "clover_gguf_decode": ([_i32, _ptr, _i64, _i64, _i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                            _i32], _i32),
+    "clover_gdn_short": ([_i32] * 9 + [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64] + [_ptr] * 10
+                         + [_f32, _f32, _ptr, _i64, _i64, _i32], _i32),
+    "clover_add_rmsnorm": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i32], None),
+    "clover_moe_block": ([_i32, _i32, _i32, _ptr] + [_i32] * 8 + [_ptr] * 9 + [_i32], _i32),
+    "clover_attention_cached": ([_i32] * 6 + [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr,
+                                 _ptr, _i32, _i64, _ptr, _i64, _i32], _i32),
+    # a list of the calls above run by one team of threads (steps.c): n, kinds, args, threads, failed op
+    "clover_op_kind": ([ctypes.c_char_p], _i32),
+    "clover_run_steps": ([_i32, _ptr, _ptr, _i32, _ptr], _i32),
 }
 
 
@@ -185,39 +214,10 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("clover CPU kernels unavailable, using the PyTorch reference instead: %s", exc)
         return None
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.clover_panel_gemm.argtypes = [ptr, i64, i32, i32, i32, ptr, i32, ptr, i64, i32, i32]
-    lib.clover_panel_gemm.restype = i32
-    lib.clover_panel_set_pairs.argtypes = [i32]
-    lib.clover_panel_set_pairs.restype = None
-    lib.clover_panel_pairs.argtypes = []
-    lib.clover_panel_pairs.restype = i32
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
     lib.clover_panel_set_pairs(int(pairs))
-    lib.clover_panel_gemm_grouped.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, i32, ptr, i64, i32, ptr, i64, i32, i32,
-                                              ptr, i32]
-    lib.clover_panel_gemm_grouped.restype = i32
-    lib.clover_weights_gemm.argtypes = [ptr, ptr, i64, i32, i32, i32, i32, ptr, i64, i32, i32]
-    lib.clover_weights_gemm.restype = i32
-    lib.clover_weights_gemm_grouped.argtypes = [ptr, ptr, i64, i32, i32, ptr, ptr, ptr, i32, i32, ptr, i64, i32, i32,
-                                                ptr, i32]
-    lib.clover_weights_gemm_grouped.restype = i32
-    lib.clover_quant_pack_panels.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, i32, ptr, i64, i32]
-    lib.clover_quant_pack_panels.restype = i32
-    lib.clover_quant_pack_scales.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, i32, ptr, i64]
-    lib.clover_quant_pack_scales.restype = i32
-    lib.clover_gguf_decode.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i32]
-    lib.clover_gguf_decode.restype = i32
-    f32 = ctypes.c_float
-    lib.clover_gdn_short.argtypes = [i32] * 9 + [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64] + [ptr] * 10 \
-        + [f32, f32, ptr, i64, i64, i32]
-    lib.clover_gdn_short.restype = i32
-    lib.clover_add_rmsnorm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, f32, ptr, ptr, i32]
-    lib.clover_add_rmsnorm.restype = None
-    lib.clover_moe_block.argtypes = [i32, i32, i32, ptr] + [i32] * 8 + [ptr] * 9 + [i32]
-    lib.clover_moe_block.restype = i32
-    lib.clover_attention_cached.argtypes = [i32] * 6 + [ptr, i64, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr,
-                                             i32, i64, ptr, i64, i32]
-    lib.clover_attention_cached.restype = i32
     return lib
 
 

@@ -8,6 +8,12 @@ in a list, the intermediates live in buffers owned by the plan, and a step only 
 — the rows' GDN slot addresses, page tables, positions and rotary rows — then runs the list
 (tiny: glue 0.70 → 0.05 ms, a step 0.80 → 0.22 ms at 1 thread, `benchmarks.ab`).
 
+The list runs as one native call (`ONE_REGION`, steps.c): one team of threads walks the whole step,
+each kernel's work split across it with a barrier between kernels, instead of a ctypes call and an
+OpenMP parallel region (fork and join) per kernel. The team has `torch.get_num_threads()` threads
+(PyTorch's default: the physical cores; `--threads` sets it). Off, the list runs call by call through
+the kernels' own entry points, the same arithmetic (tests/test_decode_plan.py compares the two).
+
 The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for a
 causal one-token step, so results are bit-identical (tests/test_decode_plan.py). It covers what those
 wrappers would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import threading
 from collections import OrderedDict
 
@@ -35,7 +42,7 @@ from torch import nn
 
 from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
-from .build import library
+from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .quant_panels import QuantPanelWeight
 from .rmsnorm import _scale, tensor_version
@@ -44,6 +51,7 @@ log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
 MAX_PLANS = 8          # batch sizes kept prepared (an engine's batch size moves between a few values)
 ENABLED = True         # off: every step runs the layers (benchmarks.breakdown times each call's wrapper)
+ONE_REGION = True      # off: a plan's calls run one by one, each its own parallel region
 
 
 def _linear_weight(module):
@@ -201,6 +209,35 @@ class _PageTables:
         return self.table
 
 
+def _encode(name: str, args: list):
+    """A bound call's arguments as the 8-byte slots steps.c reads: integers and pointers as int64,
+    floats as the bits of a double (C narrows them to float, as ctypes does)."""
+    slots = (ctypes.c_int64 * len(args))()
+    for i, (kind, value) in enumerate(zip(SIGNATURES[name][0], args)):
+        slots[i] = struct.unpack("q", struct.pack("d", value))[0] if kind is ctypes.c_float else value or 0
+    return slots
+
+
+class _Steps:
+    """A plan's calls as the op list `clover_run_steps` walks: kinds, and each call's argument slots
+    (written in place where a step changes an argument)."""
+
+    def __init__(self, calls):
+        lib = library()
+        self.names = [name for name, _ in calls]
+        self.slots = [_encode(name, args) for name, args in calls]
+        self.kinds = (ctypes.c_int32 * len(calls))(*(lib.clover_op_kind(name.encode()) for name in self.names))
+        if any(kind < 0 for kind in self.kinds):
+            raise ValueError(f"decode plan: no op runs {self.names[list(self.kinds).index(-1)]}")
+        self.args = (ctypes.c_void_p * len(calls))(*map(ctypes.addressof, self.slots))
+        self.failed = ctypes.c_int32(-1)
+
+    def run(self, lib, threads: int):
+        status = lib.clover_run_steps(len(self.names), ctypes.addressof(self.kinds), ctypes.addressof(self.args),
+                                      threads, ctypes.addressof(self.failed))
+        return status, (self.names[self.failed.value] if status else None), self.failed.value
+
+
 class _Plan:
     """The bound calls of a one-token step for B rows (see the module docstring): [kernel name, args]
     pairs, the kernel looked up in `library()` per step (benchmarks.breakdown --glue swaps it)."""
@@ -229,6 +266,10 @@ class _Plan:
         head = _linear_weight(model.lm_head)
         self.head = None if head is None else (head, self._gemm(buf.final_x, head, None))
         self.threads = None
+        # the same calls as one op list (the lm head last); per row, its attention calls' slots
+        self.steps = _Steps(self.calls + ([self.head[1]] if self.head else []))
+        slots = dict(zip(map(id, (args for _, args in self.calls)), self.steps.slots))
+        self.attn_slots = [[slots[id(args)] for args in rows] for _, rows in self.attn]
 
     # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
     def _add(self, name, args):
@@ -348,6 +389,7 @@ class _Plan:
                 tails[r], new_tails[r] = cb + read[r] * cs, cb + write[r] * cs
                 states[r], new_states[r] = rb + read[r] * rs, rb + write[r] * rs
         keep = []                                        # the rotary blocks this step reads
+        one = ONE_REGION
         if self.attn:
             starts = batch.starts
             table = self.tables.update(batch.pages)
@@ -358,13 +400,15 @@ class _Plan:
                 keep.append(cos)
                 R = cos.shape[1]
                 rot.append((R, cos.data_ptr() + 2 * R * row, sin.data_ptr() + 2 * R * row))
-            for index, rows in self.attn:
+            for (index, rows), slots in zip(self.attn, self.attn_slots):
                 kp, vp = pool.k[index].data_ptr(), pool.v[index].data_ptr()
-                for r, args in enumerate(rows):
+                for r, args in enumerate(slots if one else rows):
                     R, c, s = rot[r]
                     args[3] = R
                     args[14:21] = c, s, kp, vp, t + width * r, page, starts[r]
         lib = library()
+        if one:
+            return self._run_one_region(model, lib, threads)
         for name, args in self.calls:
             status = getattr(lib, name)(*args)
             if status:
@@ -378,6 +422,20 @@ class _Plan:
         if status:
             raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: lm_head {name} returned {status}")
         return logits.view(B, 1, -1)
+
+    def _run_one_region(self, model, lib, threads: int) -> torch.Tensor:
+        """The bound calls, lm head included, as one `clover_run_steps` call."""
+        logits = None
+        if self.head is not None:
+            logits = torch.empty(self.B, self.head[0].out_features, dtype=_BF16)   # the caller's: new every step
+            self.steps.slots[-1][7] = logits.data_ptr()
+        status, name, index = self.steps.run(lib, threads)
+        if status:
+            what = "lm_head " + name if self.head is not None and index == len(self.calls) else name
+            raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {what} returned {status}")
+        if logits is None:
+            return model.lm_head(self.buf.final_x)
+        return logits.view(self.B, 1, -1)
 
 
 class DecodePlans:

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "team.h"
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -234,6 +235,104 @@ static float *reserve(Scratch *s, size_t floats) {
  * new_tails[b] / new_states[b]. conv_wt [K, C] and right_wt [Kr, C]: the conv weights transposed.
  * mix [Hv, 2]: the block readout's softmax weights. out [B, T, Hv·dv] bf16: the gated RMSNorm's
  * output. Returns 0, -1 out of memory, -2 unsupported sizes. */
+int gdn_short_in_team(Team *team, int B, int T, int P, int Hk, int Hv, int dk, int dv, int K, int Kr,
+                      const uint16_t *u, long ldu, long ldtu, const uint16_t *z, long ldz, long ldtz,
+                      const uint16_t *b_in, const uint16_t *a_in, long ldba, long ldtba,
+                      const int64_t *tails, const int64_t *new_tails, const float *conv_wt, const float *right_wt,
+                      const float *A_log, const float *dt_bias, const float *mix,
+                      const int64_t *states, const int64_t *new_states,
+                      const float *norm_w, float norm_eps, float q_scale, uint16_t *out, long ldo, long ldto) {
+    if (T > 64 || T < 1 || K < 2 || K > MAX_CONV) return -2;
+    int rep = Hv / Hk, failed = 0;
+    long key_dim = (long)Hk * dk, C = 2 * key_dim + (long)Hv * dv;
+    int cblocks = (int)((C + 15) / 16);
+    /* one shared buffer (thread 0's, team.h): per row x_conv [T, C] fp32 */
+    long row_size = (long)T * C;
+    float *shared = team_share(team, gdn, reserve(&shared_scratch, (size_t)B * row_size));
+    if (!shared) return -1;
+    #pragma omp for schedule(static)
+    for (int item = 0; item < B * cblocks; item++) {
+        int r = item / cblocks;
+        conv_block((item % cblocks) * 16, (int)C, T, P, K, Kr, (const uint16_t *)tails[r], u + r * ldu, ldtu,
+                   conv_wt, right_wt, shared + r * row_size, P > 0 ? (uint16_t *)new_tails[r] : 0);
+    }
+    #pragma omp for schedule(static)
+    for (int item = 0; item < B * Hv; item++) {
+        int row = item / Hv, h = item % Hv, kh = h / rep;
+        const float *xc = shared + row * row_size;            /* x_conv [T, C] */
+        float *work = reserve(&head_scratch, (size_t)dk * SLAB + (size_t)T * (2 * dk + 2 * dv) + SLAB);
+        if (!work) { failed = 1; continue; }
+        float *S = work, *q = S + (long)dk * SLAB, *k = q + (long)T * dk, *v = k + (long)T * dk;
+        float *o = v + (long)T * dv, *ob = o + (long)T * dv;
+        for (int t = 0; t < T; t++) {
+            l2_normalize(q + (long)t * dk, xc + t * C + kh * dk, dk, q_scale);
+            l2_normalize(k + (long)t * dk, xc + t * C + key_dim + kh * dk, dk, 1.0f);
+            copy_floats(v + (long)t * dv, xc + t * C + 2 * key_dim + (long)h * dv, dv, dv);
+        }
+        float beta[64], decay[64];
+        for (int t = 0; t < T; t++) {
+            beta[t] = 1.0f / (1.0f + expf(-bf16_to_f32(b_in[row * ldba + (long)t * ldtba + h])));
+            float g = -expf(A_log[h]) * softplus(bf16_to_f32(a_in[row * ldba + (long)t * ldtba + h]) + dt_bias[h]);
+            decay[t] = expf(g);
+        }
+        const float *S0 = (const float *)states[row] + (long)h * dk * dv;
+        float *S1 = P > 0 ? (float *)new_states[row] + (long)h * dk * dv : 0;
+        float w0 = mix[2 * h], w1 = mix[2 * h + 1];
+        if (T == 1 && dv == 128) {                        /* one token, the real head size */
+            head_step_once(S0, S1, dk, 8, q, k, v, beta[0], decay[0], o);
+            if (P == 0)
+                for (int j = 0; j < dv; j++) o[j] = w0 * o[j] + w1 * o[j];
+        }
+        for (int j0 = 0; T == 1 && dv != 128 && j0 < dv; j0 += SLAB) {    /* one token: straight from the state */
+            int width = dv - j0 < SLAB ? dv - j0 : SLAB;
+            slab_step_once(S0 + j0, dv, S1 ? S1 + j0 : 0, dv, dk, width, q, k, v + j0, beta[0], decay[0], o + j0);
+            if (P == 0)                                   /* a one-token block: its end state is S1 */
+                for (int j = 0; j < width; j++) o[j0 + j] = w0 * o[j0 + j] + w1 * o[j0 + j];
+        }
+        for (int j0 = 0; T > 1 && j0 < dv; j0 += SLAB) {
+            int width = dv - j0 < SLAB ? dv - j0 : SLAB;
+            for (int i = 0; i < dk; i++)                  /* the slab, zero-padded past dv */
+                copy_floats(S + (long)i * SLAB, S0 + (long)i * dv + j0, width, SLAB);
+            for (int t = 0; t < T; t++) {
+                slab_step(S, dk, width, q + (long)t * dk, k + (long)t * dk, v + (long)t * dv + j0, beta[t],
+                          decay[t], o + (long)t * dv + j0);
+                if (t == P - 1)                           /* the committed state */
+                    for (int i = 0; i < dk; i++)
+                        copy_floats(S1 + (long)i * dv + j0, S + (long)i * SLAB, width, width);
+            }
+            for (int t = P; t < T; t++) {                 /* block readout of the end state, mixed */
+                slab_readout(S, dk, width, q + (long)t * dk, ob);
+                for (int j = 0; j < width; j++)
+                    o[(long)t * dv + j0 + j] = w0 * o[(long)t * dv + j0 + j] + w1 * ob[j];
+            }
+        }
+        /* gated RMSNorm per token: rms_norm(o as bf16) → bf16, × weight in bf16, × SiLU(z) in fp32 → bf16 */
+        for (int t = 0; t < T; t++) {
+            float *ot = o + (long)t * dv;
+            __m512 acc = _mm512_setzero_ps();
+            for (int j = 0; j < dv; j += 16) {
+                __mmask16 m = lanes(dv - j);
+                __m512 x = round_bf16_16(_mm512_maskz_loadu_ps(m, ot + j));
+                _mm512_mask_storeu_ps(ot + j, m, x);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
+            }
+            __m512 rr = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dv + norm_eps));
+            const uint16_t *zr = z + row * ldz + (long)t * ldtz + (long)h * dv;
+            uint16_t *dst = out + row * ldo + (long)t * ldto + (long)h * dv;
+            for (int j = 0; j < dv; j += 16) {
+                __mmask16 m = lanes(dv - j);
+                __m512 hn = round_bf16_16(_mm512_mul_ps(round_bf16_16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, ot + j), rr)),
+                                                        _mm512_maskz_loadu_ps(m, norm_w + j)));
+                __m512 zf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, zr + j)), 16));
+                _mm256_mask_storeu_epi16(dst + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(hn, silu16(zf))));
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* B rows of T tokens (the arguments of gdn_short_in_team) in a region of their own. */
 int clover_gdn_short(int B, int T, int P, int Hk, int Hv, int dk, int dv, int K, int Kr,
                      const uint16_t *u, long ldu, long ldtu, const uint16_t *z, long ldz, long ldtz,
                      const uint16_t *b_in, const uint16_t *a_in, long ldba, long ldtba,
@@ -242,95 +341,11 @@ int clover_gdn_short(int B, int T, int P, int Hk, int Hv, int dk, int dv, int K,
                      const int64_t *states, const int64_t *new_states,
                      const float *norm_w, float norm_eps, float q_scale,
                      uint16_t *out, long ldo, long ldto, int threads) {
-    if (T > 64 || T < 1 || K < 2 || K > MAX_CONV) return -2;
-    int rep = Hv / Hk, failed = 0;
-    long key_dim = (long)Hk * dk, C = 2 * key_dim + (long)Hv * dv;
-    int cblocks = (int)((C + 15) / 16);
-    /* one shared buffer (the calling thread's): per row x_conv [T, C] fp32 */
-    long row_size = (long)T * C;
-    float *shared = reserve(&shared_scratch, (size_t)B * row_size);
-    if (!shared) return -1;
-    #pragma omp parallel num_threads(threads) reduction(|:failed)
-    {
-        #pragma omp for schedule(static)
-        for (int item = 0; item < B * cblocks; item++) {
-            int r = item / cblocks;
-            conv_block((item % cblocks) * 16, (int)C, T, P, K, Kr, (const uint16_t *)tails[r], u + r * ldu, ldtu,
-                       conv_wt, right_wt, shared + r * row_size, P > 0 ? (uint16_t *)new_tails[r] : 0);
-        }
-        #pragma omp for schedule(static)
-        for (int item = 0; item < B * Hv; item++) {
-            int row = item / Hv, h = item % Hv, kh = h / rep;
-            const float *xc = shared + row * row_size;            /* x_conv [T, C] */
-            float *work = reserve(&head_scratch, (size_t)dk * SLAB + (size_t)T * (2 * dk + 2 * dv) + SLAB);
-            if (!work) { failed = 1; continue; }
-            float *S = work, *q = S + (long)dk * SLAB, *k = q + (long)T * dk, *v = k + (long)T * dk;
-            float *o = v + (long)T * dv, *ob = o + (long)T * dv;
-            for (int t = 0; t < T; t++) {
-                l2_normalize(q + (long)t * dk, xc + t * C + kh * dk, dk, q_scale);
-                l2_normalize(k + (long)t * dk, xc + t * C + key_dim + kh * dk, dk, 1.0f);
-                copy_floats(v + (long)t * dv, xc + t * C + 2 * key_dim + (long)h * dv, dv, dv);
-            }
-            float beta[64], decay[64];
-            for (int t = 0; t < T; t++) {
-                beta[t] = 1.0f / (1.0f + expf(-bf16_to_f32(b_in[row * ldba + (long)t * ldtba + h])));
-                float g = -expf(A_log[h]) * softplus(bf16_to_f32(a_in[row * ldba + (long)t * ldtba + h]) + dt_bias[h]);
-                decay[t] = expf(g);
-            }
-            const float *S0 = (const float *)states[row] + (long)h * dk * dv;
-            float *S1 = P > 0 ? (float *)new_states[row] + (long)h * dk * dv : 0;
-            float w0 = mix[2 * h], w1 = mix[2 * h + 1];
-            if (T == 1 && dv == 128) {                        /* one token, the real head size */
-                head_step_once(S0, S1, dk, 8, q, k, v, beta[0], decay[0], o);
-                if (P == 0)
-                    for (int j = 0; j < dv; j++) o[j] = w0 * o[j] + w1 * o[j];
-            }
-            for (int j0 = 0; T == 1 && dv != 128 && j0 < dv; j0 += SLAB) {    /* one token: straight from the state */
-                int width = dv - j0 < SLAB ? dv - j0 : SLAB;
-                slab_step_once(S0 + j0, dv, S1 ? S1 + j0 : 0, dv, dk, width, q, k, v + j0, beta[0], decay[0], o + j0);
-                if (P == 0)                                   /* a one-token block: its end state is S1 */
-                    for (int j = 0; j < width; j++) o[j0 + j] = w0 * o[j0 + j] + w1 * o[j0 + j];
-            }
-            for (int j0 = 0; T > 1 && j0 < dv; j0 += SLAB) {
-                int width = dv - j0 < SLAB ? dv - j0 : SLAB;
-                for (int i = 0; i < dk; i++)                  /* the slab, zero-padded past dv */
-                    copy_floats(S + (long)i * SLAB, S0 + (long)i * dv + j0, width, SLAB);
-                for (int t = 0; t < T; t++) {
-                    slab_step(S, dk, width, q + (long)t * dk, k + (long)t * dk, v + (long)t * dv + j0, beta[t],
-                              decay[t], o + (long)t * dv + j0);
-                    if (t == P - 1)                           /* the committed state */
-                        for (int i = 0; i < dk; i++)
-                            copy_floats(S1 + (long)i * dv + j0, S + (long)i * SLAB, width, width);
-                }
-                for (int t = P; t < T; t++) {                 /* block readout of the end state, mixed */
-                    slab_readout(S, dk, width, q + (long)t * dk, ob);
-                    for (int j = 0; j < width; j++)
-                        o[(long)t * dv + j0 + j] = w0 * o[(long)t * dv + j0 + j] + w1 * ob[j];
-                }
-            }
-            /* gated RMSNorm per token: rms_norm(o as bf16) → bf16, × weight in bf16, × SiLU(z) in fp32 → bf16 */
-            for (int t = 0; t < T; t++) {
-                float *ot = o + (long)t * dv;
-                __m512 acc = _mm512_setzero_ps();
-                for (int j = 0; j < dv; j += 16) {
-                    __mmask16 m = lanes(dv - j);
-                    __m512 x = round_bf16_16(_mm512_maskz_loadu_ps(m, ot + j));
-                    _mm512_mask_storeu_ps(ot + j, m, x);
-                    acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
-                }
-                __m512 rr = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dv + norm_eps));
-                const uint16_t *zr = z + row * ldz + (long)t * ldtz + (long)h * dv;
-                uint16_t *dst = out + row * ldo + (long)t * ldto + (long)h * dv;
-                for (int j = 0; j < dv; j += 16) {
-                    __mmask16 m = lanes(dv - j);
-                    __m512 hn = round_bf16_16(_mm512_mul_ps(round_bf16_16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, ot + j), rr)),
-                                                            _mm512_maskz_loadu_ps(m, norm_w + j)));
-                    __m512 zf = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, zr + j)), 16));
-                    _mm256_mask_storeu_epi16(dst + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(hn, silu16(zf))));
-                }
-            }
-        }
-    }
-    return failed ? -1 : 0;
+    Team team = {0};
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, gdn_short_in_team(&team, B, T, P, Hk, Hv, dk, dv, K, Kr, u, ldu, ldtu, z, ldz, ldtz, b_in,
+                                                a_in, ldba, ldtba, tails, new_tails, conv_wt, right_wt, A_log, dt_bias,
+                                                mix, states, new_states, norm_w, norm_eps, q_scale, out, ldo, ldto));
+    return status;
 }

@@ -29,6 +29,7 @@
 
 #include "bf16.h"
 
+#include "team.h"
 #include "weights.h"
 
 #define MAX_TOP_K 64
@@ -117,11 +118,123 @@ static void swiglu(int n, const uint16_t *gate, const uint16_t *up, uint16_t *ou
 static __thread void *scratch;
 static __thread size_t scratch_bytes;
 
+static void *reserve(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = malloc(bytes);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
 /* The next `bytes` of the scratch area, 64-byte aligned. */
 static void *carve(char **at, size_t bytes) {
     void *p = *at;
     *at += (bytes + 63) / 64 * 64;
     return p;
+}
+
+/* One call's sizes and its scratch (thread 0's, carved alike by every thread of the team). */
+typedef struct {
+    long N, S;
+    int B, T, P, block_len, E, e_first, e_count, k, n_in, n_min, Is;
+    const float *top_p;
+    float *probs;
+    uint16_t *y_in;                       /* columns: router logits E, shared output gate 1, shared gate Is, up Is */
+    uint8_t *keep, *hit;
+    Ranked *ranked;
+    double *mass;
+    int *slot_expert;                     /* row n's slots n·k…: ascending expert, then −1 */
+    float *slot_weight;
+    int *position;                        /* a row slot's place among the grouped slots */
+    int64_t *first, *next, *group_ids, *offsets;
+    int64_t *a_rows;                      /* grouped slots: the row, its routing weight */
+    float *scale;
+    uint16_t *act, *ys, *act_s, *shared;
+    int *groups;                          /* how many experts the rows route to (G), for every thread */
+} Moe;
+
+/* Each sequence's block experts: those its selection keeps, or all of them. */
+static void select_blocks(const Moe *m) {
+    for (int b = 0; b < m->B; b++) {
+        if (m->top_p && m->block_len && m->top_p[b] < 1.0f)
+            select_experts(m->E, m->k, m->block_len, m->probs + ((long)b * m->T + m->P) * m->E, m->top_p[b], m->n_min,
+                           m->keep + (long)b * m->E, m->ranked, m->mass);
+        else
+            memset(m->keep + (long)b * m->E, 1, (size_t)m->E);
+    }
+}
+
+/* Row n's top-k among its allowed experts, weights renormalised over the found slots and rounded to
+ * bf16; slots of weight 0 (a row allowing fewer than k experts) would add exact zeros and are dropped.
+ * Also the shared expert's SwiGLU of the row. */
+static void route_row(const Moe *m, long n) {
+    int E = m->E, k = m->k;
+    const float *pr = m->probs + n * E;
+    int ids[MAX_TOP_K];
+    int found = top_k(E, k, pr, n % m->T >= m->P ? m->keep + (n / m->T) * E : 0, ids);
+    float total = 0.0f;
+    for (int j = 0; j < found; j++) total += pr[ids[j]];
+    int *se = m->slot_expert + n * k, c = 0;
+    float *sw = m->slot_weight + n * k;
+    for (int j = 0; j < found; j++) {
+        float w = round_bf16(total > 0.0f ? pr[ids[j]] / total : 0.0f);
+        if (w == 0.0f) continue;
+        int e = ids[j], i = c++;
+        for (; i > 0 && se[i - 1] > e; i--) {
+            se[i] = se[i - 1];
+            sw[i] = sw[i - 1];
+        }
+        se[i] = e;
+        sw[i] = w;
+    }
+    for (int j = c; j < k; j++) se[j] = -1;
+    const uint16_t *y = m->y_in + n * m->n_in + E + 1;
+    swiglu(m->Is, y, y + m->Is, m->act_s + n * m->Is);
+}
+
+/* Group the slots of this shard's experts by expert, rows ascending within each (a counting sort);
+ * group ids and `position` index the shard's experts, −1: a slot another rank computes. Returns the
+ * number of groups G; counts each sequence's distinct block experts into `distinct` (nullable). */
+static int group_slots(const Moe *m, int64_t *distinct) {
+    int E = m->E, k = m->k, e_first = m->e_first, e_count = m->e_count;
+    int64_t *first = m->first, *next = m->next;
+    memset(first, 0, sizeof(int64_t) * (E + 1));
+    for (long s = 0; s < m->S; s++) {
+        int e = m->slot_expert[s] - e_first;
+        if (m->slot_expert[s] >= 0 && e >= 0 && e < e_count) first[e + 1]++;
+    }
+    for (int e = 0; e < e_count; e++) first[e + 1] += first[e];
+    int G = 0;
+    for (int e = 0; e < e_count; e++) {
+        next[e] = first[e];
+        if (first[e + 1] > first[e]) {
+            m->group_ids[G] = e;
+            m->offsets[G++] = first[e];
+        }
+    }
+    m->offsets[G] = first[e_count];
+    for (long s = 0; s < m->S; s++) {
+        int e = m->slot_expert[s] - e_first;
+        m->position[s] = -1;
+        if (m->slot_expert[s] < 0 || e < 0 || e >= e_count) continue;
+        long pos = next[e]++;
+        m->a_rows[pos] = s / k;
+        m->scale[pos] = m->slot_weight[s];
+        m->position[s] = (int)pos;
+    }
+    if (distinct)
+        for (int b = 0; b < m->B; b++) {
+            memset(m->hit, 0, (size_t)E);
+            int d = 0;
+            for (long s = ((long)b * m->T + m->P) * k; s < ((long)b + 1) * m->T * k; s++)
+                if (m->slot_expert[s] >= 0 && m->slot_weight[s] > 0.0f && !m->hit[m->slot_expert[s]]) {
+                    m->hit[m->slot_expert[s]] = 1;
+                    d++;
+                }
+            distinct[b] = m->block_len ? d : 0;
+        }
+    return G;
 }
 
 /* Rows x [N, H] (bf16, normalised) through the MoE block, added to the residual h [N, H]:
@@ -133,144 +246,100 @@ static void *carve(char **at, size_t bytes) {
  * only the first two when shared_in (nullable) holds the other two (a quantized shared expert beside
  * the bf16 router); gate_up / down: the experts' stacks (gate_up interleaved for the SwiGLU epilogue,
  * intermediate I padded to 16); shared_down: [H, Is]. Any precision weights.h describes.
- * Returns 0, -1 out of memory, -2 bad shape or setting. */
-int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_experts, int H, int E, int e_first,
-                     int e_count, int k, int I, int Is, const uint16_t *x, const uint16_t *h, const Weights *w_in, const Weights *shared_in,
-                     const Weights *gate_up, const Weights *down, const Weights *shared_down,
-                     uint16_t *out_h, int64_t *distinct, int threads) {
+ * The matrix products split across the team (team.h); the routing's bookkeeping runs on one of its
+ * threads, its per-row loops across the team from 64 rows on (for fewer a loop costs more than it
+ * saves). Returns 0, -1 out of memory, -2 bad shape or setting. */
+int moe_block_in_team(Team *team, int B, int T, int block_len, const float *top_p, int min_experts, int H, int E,
+                      int e_first, int e_count, int k, int I, int Is, const uint16_t *x, const uint16_t *h,
+                      const Weights *w_in, const Weights *shared_in, const Weights *gate_up, const Weights *down,
+                      const Weights *shared_down, uint16_t *out_h, int64_t *distinct) {
     if (k < 1 || k > MAX_TOP_K || k > E || B < 1 || T < 1 || block_len < 0 || block_len > T) return -2;
     if (e_first < 0 || e_count < 0 || e_first + e_count > E) return -3;
     long N = (long)B * T, S = N * k;
-    int n_in = E + 2 * Is + 1, n_min = min_experts < 1 ? 1 : min_experts > E ? E : min_experts, P = T - block_len;
-    size_t bytes = 64 * 20 + sizeof(float) * N * E + 2 * N * n_in + (size_t)B * E + E + sizeof(Ranked) * E
+    int n_in = E + 2 * Is + 1;
+    size_t bytes = 64 * 21 + sizeof(float) * N * E + 2 * N * n_in + (size_t)B * E + E + sizeof(Ranked) * E
                    + sizeof(double) * E + sizeof(int64_t) * (4 * E + 2) + (2 * sizeof(int) + 2 * sizeof(float)
                    + sizeof(int64_t)) * S + 2 * (S * I + S * H + N * Is + N * H);
-    if (bytes > scratch_bytes) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_bytes = scratch ? bytes : 0;
-        if (!scratch) return -1;
+    char *at = team_share(team, moe, reserve(bytes));
+    if (!at) return -1;
+    Moe m = {.N = N, .S = S, .B = B, .T = T, .P = T - block_len, .block_len = block_len, .E = E, .e_first = e_first,
+             .e_count = e_count, .k = k, .n_in = n_in, .n_min = min_experts < 1 ? 1 : min_experts > E ? E : min_experts,
+             .Is = Is, .top_p = top_p};
+    m.probs = carve(&at, sizeof(float) * N * E);
+    m.y_in = carve(&at, 2 * N * n_in);
+    m.keep = carve(&at, (size_t)B * E), m.hit = carve(&at, (size_t)E);
+    m.ranked = carve(&at, sizeof(Ranked) * E);
+    m.mass = carve(&at, sizeof(double) * E);
+    m.slot_expert = carve(&at, sizeof(int) * S);
+    m.slot_weight = carve(&at, sizeof(float) * S);
+    m.position = carve(&at, sizeof(int) * S);
+    m.first = carve(&at, sizeof(int64_t) * (E + 1)), m.next = carve(&at, sizeof(int64_t) * E);
+    m.group_ids = carve(&at, sizeof(int64_t) * E), m.offsets = carve(&at, sizeof(int64_t) * (E + 1));
+    m.a_rows = carve(&at, sizeof(int64_t) * S);
+    m.scale = carve(&at, sizeof(float) * S);
+    m.act = carve(&at, 2 * S * I), m.ys = carve(&at, 2 * S * H);
+    m.act_s = carve(&at, 2 * N * Is), m.shared = carve(&at, 2 * N * H);
+    m.groups = carve(&at, sizeof(int));
+
+    int failed = weights_gemm_in_team(team, w_in, x, H, 1, (int)N, H, shared_in ? E + 1 : n_in, m.y_in, n_in, 0);
+    if (shared_in)
+        failed |= weights_gemm_in_team(team, shared_in, x, H, 1, (int)N, H, 2 * Is, m.y_in + E + 1, n_in, 0);
+    int par = N >= 64;                                    /* a block step's 32 rows: a parallel loop costs more */
+    if (par) {
+        #pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) softmax_row(E, m.y_in + n * n_in, m.probs + n * E);
+        #pragma omp single
+        select_blocks(&m);
+        #pragma omp for schedule(static)
+        for (long n = 0; n < N; n++) route_row(&m, n);
     }
-    char *at = scratch;
-    float *probs = carve(&at, sizeof(float) * N * E);
-    uint16_t *y_in = carve(&at, 2 * N * n_in);
-    uint8_t *keep = carve(&at, (size_t)B * E), *hit = carve(&at, (size_t)E);
-    Ranked *ranked = carve(&at, sizeof(Ranked) * E);
-    double *mass = carve(&at, sizeof(double) * E);
-    int *slot_expert = carve(&at, sizeof(int) * S);       /* row n's slots n·k…: ascending expert, then −1 */
-    float *slot_weight = carve(&at, sizeof(float) * S);
-    int *position = carve(&at, sizeof(int) * S);          /* a row slot's place among the grouped slots */
-    int64_t *first = carve(&at, sizeof(int64_t) * (E + 1)), *next = carve(&at, sizeof(int64_t) * E);
-    int64_t *group_ids = carve(&at, sizeof(int64_t) * E), *offsets = carve(&at, sizeof(int64_t) * (E + 1));
-    int64_t *a_rows = carve(&at, sizeof(int64_t) * S);    /* grouped slots: the row, its routing weight */
-    float *scale = carve(&at, sizeof(float) * S);
-    uint16_t *act = carve(&at, 2 * S * I), *ys = carve(&at, 2 * S * H);
-    uint16_t *act_s = carve(&at, 2 * N * Is), *shared = carve(&at, 2 * N * H);
-
-    /* columns of y_in: router logits E, shared output gate 1, shared gate Is, shared up Is */
-    if (clover_weights_gemm(w_in, x, H, 1, (int)N, H, shared_in ? E + 1 : n_in, y_in, n_in, 0, threads)) return -1;
-    if (shared_in && clover_weights_gemm(shared_in, x, H, 1, (int)N, H, 2 * Is, y_in + E + 1, n_in, 0, threads))
-        return -1;
-    int par = N >= 64;                                    /* a block step's 32 rows: a parallel region costs more */
-    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
-    for (long n = 0; n < N; n++) softmax_row(E, y_in + n * n_in, probs + n * E);
-
-    for (int b = 0; b < B; b++) {
-        if (top_p && block_len && top_p[b] < 1.0f)
-            select_experts(E, k, block_len, probs + ((long)b * T + P) * E, top_p[b], n_min, keep + (long)b * E,
-                           ranked, mass);
-        else
-            memset(keep + (long)b * E, 1, (size_t)E);
-    }
-
-    /* each row's top-k among its allowed experts, weights renormalised over the found slots and rounded to
-     * bf16; slots of weight 0 (a row allowing fewer than k experts) would add exact zeros and are dropped */
-    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
-    for (long n = 0; n < N; n++) {
-        const float *pr = probs + n * E;
-        int ids[MAX_TOP_K];
-        int found = top_k(E, k, pr, n % T >= P ? keep + (n / T) * E : 0, ids);
-        float total = 0.0f;
-        for (int j = 0; j < found; j++) total += pr[ids[j]];
-        int *se = slot_expert + n * k, m = 0;
-        float *sw = slot_weight + n * k;
-        for (int j = 0; j < found; j++) {
-            float w = round_bf16(total > 0.0f ? pr[ids[j]] / total : 0.0f);
-            if (w == 0.0f) continue;
-            int e = ids[j], i = m++;
-            for (; i > 0 && se[i - 1] > e; i--) {
-                se[i] = se[i - 1];
-                sw[i] = sw[i - 1];
-            }
-            se[i] = e;
-            sw[i] = w;
+    #pragma omp single
+    {
+        if (!par) {
+            for (long n = 0; n < N; n++) softmax_row(E, m.y_in + n * n_in, m.probs + n * E);
+            select_blocks(&m);
+            for (long n = 0; n < N; n++) route_row(&m, n);
         }
-        for (int j = m; j < k; j++) se[j] = -1;
+        *m.groups = group_slots(&m, distinct);
     }
-
-    /* group the slots of this shard's experts by expert, rows ascending within each (a counting sort);
-     * group ids and `position` index the shard's experts, −1: a slot another rank computes */
-    memset(first, 0, sizeof(int64_t) * (E + 1));
-    for (long s = 0; s < S; s++) {
-        int e = slot_expert[s] - e_first;
-        if (slot_expert[s] >= 0 && e >= 0 && e < e_count) first[e + 1]++;
-    }
-    for (int e = 0; e < e_count; e++) first[e + 1] += first[e];
-    int G = 0;
-    for (int e = 0; e < e_count; e++) {
-        next[e] = first[e];
-        if (first[e + 1] > first[e]) {
-            group_ids[G] = e;
-            offsets[G++] = first[e];
-        }
-    }
-    offsets[G] = first[e_count];
-    for (long s = 0; s < S; s++) {
-        int e = slot_expert[s] - e_first;
-        position[s] = -1;
-        if (slot_expert[s] < 0 || e < 0 || e >= e_count) continue;
-        long pos = next[e]++;
-        a_rows[pos] = s / k;
-        scale[pos] = slot_weight[s];
-        position[s] = (int)pos;
-    }
-    if (distinct)
-        for (int b = 0; b < B; b++) {
-            memset(hit, 0, (size_t)E);
-            int d = 0;
-            for (long s = ((long)b * T + P) * k; s < ((long)b + 1) * T * k; s++)
-                if (slot_expert[s] >= 0 && slot_weight[s] > 0.0f && !hit[slot_expert[s]]) {
-                    hit[slot_expert[s]] = 1;
-                    d++;
-                }
-            distinct[b] = block_len ? d : 0;
-        }
+    int G = *m.groups;
 
     /* the experts' SwiGLU and routing weights happen in the grouped kernels' epilogues */
-    if (G && clover_weights_gemm_grouped(gate_up, x, H, 1, G, offsets, group_ids, a_rows, H, 2 * I, act, I, 0, 1, 0,
-                                         threads))
-        return -1;
-    if (G && clover_weights_gemm_grouped(down, act, I, 1, G, offsets, group_ids, 0, I, H, ys, H, 0, 0, scale, threads))
-        return -1;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
-    for (long n = 0; n < N; n++) swiglu(Is, y_in + n * n_in + E + 1, y_in + n * n_in + E + 1 + Is, act_s + n * Is);
-    if (clover_weights_gemm(shared_down, act_s, Is, 1, (int)N, Is, H, shared, H, 0, threads)) return -1;
+    if (G)
+        failed |= weights_gemm_grouped_in_team(team, gate_up, x, H, 1, G, m.offsets, m.group_ids, m.a_rows, H, 2 * I,
+                                               m.act, I, 0, 1, 0);
+    if (G)
+        failed |= weights_gemm_grouped_in_team(team, down, m.act, I, 1, G, m.offsets, m.group_ids, 0, I, H, m.ys, H, 0, 0,
+                                               m.scale);
+    failed |= weights_gemm_in_team(team, shared_down, m.act_s, Is, 1, (int)N, Is, H, m.shared, H, 0);
 
-    #pragma omp parallel for schedule(static) num_threads(threads) if (par)
+    #pragma omp for schedule(static)
     for (long n = 0; n < N; n++) {
-        float g = bf16_to_f32(y_in[n * n_in + E]);
+        float g = bf16_to_f32(m.y_in[n * n_in + E]);
         __m512 gate = _mm512_set1_ps(round_bf16(1.0f / (1.0f + expf(-g))));    /* torch.sigmoid on bf16 */
-        const int *se = slot_expert + n * k, *pos = position + n * k;
+        const int *se = m.slot_expert + n * k, *pos = m.position + n * k;
         for (int c = 0; c < H; c += 16) {
-            __mmask16 m = lanes(H - c);
+            __mmask16 mask = lanes(H - c);
             __m512 acc = _mm512_setzero_ps();               /* Σ_j bf16(y_j · w_j) in ascending expert, then bf16 */
             for (int j = 0; j < k && se[j] >= 0; j++)
-                if (pos[j] >= 0) acc = _mm512_add_ps(acc, load_bf16_16(ys + (long)pos[j] * H + c, m));
+                if (pos[j] >= 0) acc = _mm512_add_ps(acc, load_bf16_16(m.ys + (long)pos[j] * H + c, mask));
             __m512 routed = round_bf16_16(acc);
-            __m512 sh = round_bf16_16(_mm512_mul_ps(gate, load_bf16_16(shared + n * H + c, m)));
+            __m512 sh = round_bf16_16(_mm512_mul_ps(gate, load_bf16_16(m.shared + n * H + c, mask)));
             __m512 moe = round_bf16_16(_mm512_add_ps(routed, sh));
-            store_bf16_16(out_h + n * H + c, m, h ? _mm512_add_ps(load_bf16_16(h + n * H + c, m), moe) : moe);
+            store_bf16_16(out_h + n * H + c, mask, h ? _mm512_add_ps(load_bf16_16(h + n * H + c, mask), moe) : moe);
         }
     }
-    return 0;
+    return failed ? -1 : 0;
+}
+
+int clover_moe_block(int B, int T, int block_len, const float *top_p, int min_experts, int H, int E, int e_first,
+                     int e_count, int k, int I, int Is, const uint16_t *x, const uint16_t *h, const Weights *w_in,
+                     const Weights *shared_in, const Weights *gate_up, const Weights *down, const Weights *shared_down,
+                     uint16_t *out_h, int64_t *distinct, int threads) {
+    Team team = {0};
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, moe_block_in_team(&team, B, T, block_len, top_p, min_experts, H, E, e_first, e_count, k, I,
+                                                Is, x, h, w_in, shared_in, gate_up, down, shared_down, out_h, distinct));
+    return status;
 }

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "team.h"
 
 #define PANEL 32
 #ifdef __AVX512F__
@@ -217,20 +218,23 @@ int clover_panel_pairs(void) { return bf16_pairs; }
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
-/* Split rows [m0, m1) into blocks of at most MAX_ROWS (a tail split evenly); returns the count. */
+/* Split rows [m0, m1) into blocks of at most MAX_ROWS (a tail split evenly); returns the count (out
+ * NULL: the count alone). */
 static int plan_rows(int m0, int m1, long *offset, int K, Block *out) {
     int n = 0;
     for (int m = m0; m < m1;) {
         int rows = m1 - m;
         if (rows > MAX_ROWS) rows = rows >= 2 * MAX_ROWS ? MAX_ROWS : (rows + 1) / 2;
-        out[n++] = (Block){m, rows, *offset};
+        if (out) out[n] = (Block){m, rows, *offset};
+        n++;
         *offset += (long)rows * K;
         m += rows;
     }
     return n;
 }
 
-/* Below this many floats the calling thread packs alone: a parallel pass costs a barrier (decode). */
+/* Up to this many floats every thread packs the inputs for itself: a parallel pass costs a barrier
+ * (decode). */
 #define SERIAL_PACK_FLOATS (1L << 16)
 
 /* Where a block's packed floats outgrow L1 (PACK_L1_BYTES), K goes in tiles of PACK_TILE, all rows of
@@ -293,24 +297,40 @@ static void pack_any(const void *A, long lda, int a_bf16, int pairs, int K, Bloc
     else pack_block(A, lda, a_bf16, K, b, dst, a_rows);
 }
 
-/* Per calling thread, grown on demand: a fresh allocation per call would be fresh pages (faults) each time. */
+/* Per thread, grown on demand: a fresh allocation per call would be fresh pages (faults) each time.
+ * The packed inputs of a large call are thread 0's scratch, shared by the team (team.h); of a small
+ * one each thread's own. The row blocks (and the grouped form's first block per group) are each
+ * thread's own. */
 static __thread float *scratch;
 static __thread long scratch_floats;
 static __thread Block *plan;
 static __thread long plan_blocks;
+static __thread int *plan_first;
+static __thread long plan_groups;
 
-static int reserve(long floats, long blocks) {
+static float *reserve_scratch(long floats) {
     if (floats > scratch_floats) {
         free(scratch);
         scratch = aligned_alloc(64, (size_t)((floats + 15) / 16 * 64));
         scratch_floats = scratch ? floats : 0;
     }
+    return scratch;
+}
+
+/* This thread's block plan of `blocks` blocks (and `groups` + 1 group starts), or NULL. */
+static Block *reserve_plan(long blocks, long groups) {
+    if (blocks < 1) blocks = 1;
     if (blocks > plan_blocks) {
         free(plan);
         plan = malloc((size_t)blocks * sizeof(Block));
         plan_blocks = plan ? blocks : 0;
     }
-    return scratch != 0 && plan != 0;
+    if (groups + 1 > plan_groups) {
+        free(plan_first);
+        plan_first = malloc((size_t)(groups + 1) * sizeof(int));
+        plan_groups = plan_first ? groups + 1 : 0;
+    }
+    return plan && plan_first ? plan : 0;
 }
 
 /* Blocks [first, last) of one panel; `next` is the following panel (0: none) to prefetch meanwhile. */
@@ -340,42 +360,54 @@ static inline int work_chunk(int items, int threads) {
  * for all rows at once. */
 #define ROW_CHUNK_BYTES (3L << 19)
 
-/* C[M, N] = A[M, K] . W^T; W is [ceil(N/32), K, 32]; lda and ldc in elements. Returns 0, or -1 when
- * out of memory. */
-int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
-                      void *C, long ldc, int c_fp32, int threads) {
-    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(panels, threads), pairs = bf16_pairs && a_bf16;
+/* C[M, N] = A[M, K] . W^T; W is [ceil(N/32), K, 32]; lda and ldc in elements. The panels split
+ * across the team (team.h). Returns 0, or -1 when out of memory. */
+int panel_gemm_in_team(Team *team, const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
+                       void *C, long ldc, int c_fp32) {
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(panels, omp_get_num_threads());
+    int pairs = bf16_pairs && a_bf16, failed = 0;
     const kernel_fn *kernels = pairs ? PAIR_KERNELS : KERNELS;
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize, panel_size = (long)K * PANEL;
     int mc = (int)(ROW_CHUNK_BYTES / (4L * K)) / MAX_ROWS * MAX_ROWS;
     if (mc < MAX_ROWS) mc = MAX_ROWS;
-    if (!reserve((long)min_int(mc, M) * K, min_int(mc, M))) return -1;
-    Block *blk = plan;       /* thread-locals named inside the parallel region would be each worker's own */
-    float *buf = scratch;
+    long most = (long)min_int(mc, M) * K;              /* the first chunk of rows is the largest */
+    float *shared = 0;
+    if (most > SERIAL_PACK_FLOATS && !(shared = team_share(team, gemm, reserve_scratch(most)))) return -1;
+    Block *blk = reserve_plan(min_int(mc, M), 0);
     for (int m0 = 0; m0 < M; m0 += mc) {
         long offset = 0;
-        int blocks = plan_rows(m0, min_int(M, m0 + mc), &offset, K, blk);
-        for (int i = 0; i < blocks; i++) blk[i].row -= m0;
+        int m1 = min_int(M, m0 + mc), blocks = plan_rows(m0, m1, &offset, K, blk);
+        for (int i = 0; blk && i < blocks; i++) blk[i].row -= m0;
         const char *A0 = a_bf16 ? (const char *)A + m0 * lda * 2 : (const char *)A + m0 * lda * 4;
         int serial = offset <= SERIAL_PACK_FLOATS;
-        if (serial)
+        float *buf = serial ? reserve_scratch(offset) : shared;
+        if (!blk || !buf) failed = 1;                   /* this thread's work is skipped, reported below */
+        if (serial && !failed) {
             for (int i = 0; i < blocks; i++) pack_any(A0, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, 0);
-        #pragma omp parallel num_threads(threads)
-        {
-            if (!serial) {
-                #pragma omp for schedule(static)
-                for (int i = 0; i < blocks; i++) pack_any(A0, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, 0);
-            }
-            #pragma omp for schedule(dynamic, chunk)
-            for (int p = 0; p < panels; p++) {
-                const uint16_t *next = p + 1 < panels && (p + 1) % chunk ? W + (p + 1) * panel_size : 0;
-                char *Cp = (char *)C + m0 * ldc_bytes + (long)p * PANEL * esize;
-                run_blocks(kernels, blk, 0, blocks, buf, W + p * panel_size, K, next, Cp, ldc_bytes,
-                           min_int(PANEL, N - p * PANEL), c_fp32, 0);
-            }
+        } else if (!serial) {
+            #pragma omp for schedule(static)
+            for (int i = 0; i < blocks; i++)
+                if (!failed) pack_any(A0, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, 0);
+        }
+        #pragma omp for schedule(dynamic, chunk)
+        for (int p = 0; p < panels; p++) {
+            if (failed) continue;
+            const uint16_t *next = p + 1 < panels && (p + 1) % chunk ? W + (p + 1) * panel_size : 0;
+            char *Cp = (char *)C + m0 * ldc_bytes + (long)p * PANEL * esize;
+            run_blocks(kernels, blk, 0, blocks, buf, W + p * panel_size, K, next, Cp, ldc_bytes,
+                       min_int(PANEL, N - p * PANEL), c_fp32, 0);
         }
     }
-    return 0;
+    return failed ? -1 : 0;
+}
+
+int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
+                      void *C, long ldc, int c_fp32, int threads) {
+    Team team = {0};
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, panel_gemm_in_team(&team, A, lda, a_bf16, M, K, W, N, C, ldc, c_fp32));
+    return status;
 }
 
 /* Grouped (mixture-of-experts): rows [offsets[g], offsets[g+1]) of A times stacked weight ids[g],
@@ -384,48 +416,59 @@ int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const u
  * (then it is packed once per group, still a handful of floats). a_rows (nullable): row r's input is
  * A row a_rows[r] (the gather of routed tokens happens in the packing). swiglu / scale: see Epilogue
  * (bf16 output only; with swiglu, C has N/2 columns). Returns 0, -1 when out of memory, -2 bad shape. */
-int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
-                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
-                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads) {
+int panel_gemm_grouped_in_team(Team *team, const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
+                               const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
+                               int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale) {
     if ((swiglu || scale) && c_fp32) return -2;
     if (swiglu && N % PANEL) return -2;
     Epilogue epilogue = {swiglu, scale}, *ep = (swiglu || scale) ? &epilogue : 0;
-    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads), pairs = bf16_pairs && a_bf16;
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, omp_get_num_threads());
+    int pairs = bf16_pairs && a_bf16, failed = 0;
     const kernel_fn *kernels = pairs ? PAIR_KERNELS : KERNELS;
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize, panel_size = (long)K * PANEL;
     long rows = offsets[G] - offsets[0];
-    if (!reserve(rows * K, rows + G)) return -1;
-    /* first block of each group, so (group, panel) items find their blocks */
-    int *first = malloc((size_t)(G + 1) * sizeof(int));
-    if (!first) return -1;
-    Block *blk = plan;       /* thread-locals named inside the parallel region would be each worker's own */
-    float *buf = scratch;
+    int serial = rows * K <= SERIAL_PACK_FLOATS;
+    float *buf = 0;
+    if (!serial && !(buf = team_share(team, gemm, reserve_scratch(rows * K)))) return -1;
+    Block *blk = reserve_plan(rows + G, G);
+    int *first = plan_first;                 /* the first block of each group, so (group, panel) items find theirs */
     long offset = 0;
     int blocks = 0;
     for (int g = 0; g < G; g++) {
-        first[g] = blocks;
-        blocks += plan_rows((int)offsets[g], (int)offsets[g + 1], &offset, K, blk + blocks);
+        if (blk) first[g] = blocks;
+        blocks += plan_rows((int)offsets[g], (int)offsets[g + 1], &offset, K, blk ? blk + blocks : 0);
     }
-    first[G] = blocks;
-    int serial = offset <= SERIAL_PACK_FLOATS;
-    for (int i = 0; serial && i < blocks; i++) pack_any(A, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, a_rows);
-    #pragma omp parallel num_threads(threads)
-    {
-        if (!serial) {
-            #pragma omp for schedule(static)
-            for (int i = 0; i < blocks; i++) pack_any(A, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, a_rows);
-        }
-        #pragma omp for schedule(dynamic, chunk)
-        for (int item = 0; item < G * panels; item++) {
-            int g = item / panels, p = item % panels;
-            const uint16_t *w = W + ids[g] * wstride + p * panel_size;
-            /* the next item's panel, when it is this expert's next one in this thread's chunk */
-            const uint16_t *next = p + 1 < panels && (item + 1) % chunk ? w + panel_size : 0;
-            char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
-            run_blocks(kernels, blk, first[g], first[g + 1], buf, w, K, next, Cp, ldc_bytes, min_int(PANEL, N - p * PANEL),
-                       c_fp32, ep);
-        }
+    if (blk) first[G] = blocks;
+    if (serial) buf = reserve_scratch(rows * K);
+    if (!blk || !buf) failed = 1;                       /* this thread's work is skipped, reported below */
+    if (serial && !failed) {
+        for (int i = 0; i < blocks; i++) pack_any(A, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, a_rows);
+    } else if (!serial) {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < blocks; i++)
+            if (!failed) pack_any(A, lda, a_bf16, pairs, K, blk[i], buf + blk[i].offset, a_rows);
     }
-    free(first);
-    return 0;
+    #pragma omp for schedule(dynamic, chunk)
+    for (int item = 0; item < G * panels; item++) {
+        if (failed) continue;
+        int g = item / panels, p = item % panels;
+        const uint16_t *w = W + ids[g] * wstride + p * panel_size;
+        /* the next item's panel, when it is this expert's next one in this thread's chunk */
+        const uint16_t *next = p + 1 < panels && (item + 1) % chunk ? w + panel_size : 0;
+        char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
+        run_blocks(kernels, blk, first[g], first[g + 1], buf, w, K, next, Cp, ldc_bytes, min_int(PANEL, N - p * PANEL),
+                   c_fp32, ep);
+    }
+    return failed ? -1 : 0;
+}
+
+int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
+                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
+                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads) {
+    Team team = {0};
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, panel_gemm_grouped_in_team(&team, A, lda, a_bf16, G, offsets, ids, a_rows, K, W, wstride,
+                                                         N, C, ldc, c_fp32, swiglu, scale));
+    return status;
 }

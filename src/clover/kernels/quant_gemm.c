@@ -29,6 +29,7 @@
 
 #include "bf16.h"
 #include "epilogue.h"
+#include "team.h"
 #include "weights.h"
 
 #define PANEL 32
@@ -44,12 +45,6 @@
 #define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2).
                                One row (decode) streams from DRAM with no software prefetch: on AMD Zen 4
                                the hardware prefetchers alone read faster (README, What makes it fast) */
-
-int clover_panel_gemm(const void *A, long lda, int a_bf16, int M, int K, const uint16_t *W, int N,
-                      void *C, long ldc, int c_fp32, int threads);
-int clover_panel_gemm_grouped(const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
-                              const int64_t *ids, const int64_t *a_rows, int K, const uint16_t *W, long wstride,
-                              int N, void *C, long ldc, int c_fp32, int swiglu, const float *scale, int threads);
 
 typedef struct { int row, rows; long offset; } QBlock;    /* offset: bytes into the packed inputs */
 
@@ -218,36 +213,55 @@ static const qkernel_fn *kernels_for(int bits) { return bits == 8 ? QKERNELS8 : 
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
-/* Rows [m0, m1) in blocks of at most QROWS (a tail split evenly); returns the count. */
+/* Rows [m0, m1) in blocks of at most QROWS (a tail split evenly); returns the count (out NULL: the
+ * count alone). */
 static int plan_blocks(int m0, int m1, long *offset, int K, int group, QBlock *out) {
     int n = 0;
     for (int m = m0; m < m1;) {
         int rows = m1 - m;
         if (rows > QROWS) rows = rows >= 2 * QROWS ? QROWS : (rows + 1) / 2;
-        out[n++] = (QBlock){m, rows, *offset};
+        if (out) out[n] = (QBlock){m, rows, *offset};
+        n++;
         *offset += block_bytes(rows, K, group);
         m += rows;
     }
     return n;
 }
 
+/* Per thread, grown on demand (a fresh allocation per call would be fresh pages each time). The
+ * packed inputs of a large call are thread 0's scratch, shared by the team (team.h); of a small one
+ * each thread's own. The row blocks (and the grouped form's first block per group) are each thread's
+ * own. */
 static __thread char *qscratch;
 static __thread long qscratch_bytes;
 static __thread QBlock *qplan;
 static __thread long qplan_blocks;
+static __thread int *qplan_first;
+static __thread long qplan_groups;
 
-static int qreserve(long bytes, long blocks) {
+static char *qreserve_scratch(long bytes) {
     if (bytes > qscratch_bytes) {
         free(qscratch);
         qscratch = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
         qscratch_bytes = qscratch ? bytes : 0;
     }
+    return qscratch;
+}
+
+/* This thread's block plan of `blocks` blocks (and `groups` + 1 group starts), or NULL. */
+static QBlock *qreserve_plan(long blocks, long groups) {
+    if (blocks < 1) blocks = 1;
     if (blocks > qplan_blocks) {
         free(qplan);
         qplan = malloc((size_t)blocks * sizeof(QBlock));
         qplan_blocks = qplan ? blocks : 0;
     }
-    return qscratch != 0 && qplan != 0;
+    if (groups + 1 > qplan_groups) {
+        free(qplan_first);
+        qplan_first = malloc((size_t)(groups + 1) * sizeof(int));
+        qplan_groups = qplan_first ? groups + 1 : 0;
+    }
+    return qplan && qplan_first ? qplan : 0;
 }
 
 static inline int work_chunk(int items, int threads) {
@@ -298,112 +312,141 @@ static void run_panel(const qkernel_fn *kernels, const QBlock *blk, int first, i
                              ldc_bytes, ncols, c_fp32, ep, blk[i].row);
 }
 
-static int quant_gemm(const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N, void *C, long ldc,
-                      int c_fp32, int threads) {
+static int quant_gemm_in_team(Team *team, const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N,
+                              void *C, long ldc, int c_fp32) {
     if (!valid(w, K)) return -2;
     const qkernel_fn *kernels = kernels_for(w->bits);
-    int panels = (N + PANEL - 1) / PANEL, zero = zero_point(w);
+    int panels = (N + PANEL - 1) / PANEL, zero = zero_point(w), threads = omp_get_num_threads(), failed = 0;
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize;
     long panel_bytes = (long)K * PANEL * w->bits / 8;
     int chunk = M == 1 ? one_row_chunk(panels, threads, panel_bytes) : work_chunk(panels, threads);
     int mc = (int)(ROW_CHUNK_BYTES / K) / QROWS * QROWS;
     if (mc < QROWS) mc = QROWS;
     int rows = imin(mc, M);
-    if (!qreserve(block_bytes(QROWS, K, w->group) * ((rows + QROWS - 1) / QROWS + 1), rows)) return -1;
-    QBlock *blk = qplan;
-    char *buf = qscratch;
+    long bytes = block_bytes(QROWS, K, w->group) * ((rows + QROWS - 1) / QROWS + 1);
+    /* the chunks of rows come in two sizes: the first (mc rows or all) and the remainder */
+    long first_chunk = 0, last_chunk = 0;
+    plan_blocks(0, rows, &first_chunk, K, w->group, 0);
+    plan_blocks(0, M % mc, &last_chunk, K, w->group, 0);
+    char *shared = 0;
+    if ((first_chunk > SERIAL_PACK_BYTES || last_chunk > SERIAL_PACK_BYTES)
+        && !(shared = team_share(team, qgemm, qreserve_scratch(bytes))))
+        return -1;
+    QBlock *blk = qreserve_plan(rows, 0);
     const uint8_t *W = (const uint8_t *)w->data;
     for (int m0 = 0; m0 < M; m0 += mc) {
         long offset = 0;
         int blocks = plan_blocks(m0, imin(M, m0 + mc), &offset, K, w->group, blk);
-        for (int i = 0; i < blocks; i++) blk[i].row -= m0;
+        for (int i = 0; blk && i < blocks; i++) blk[i].row -= m0;
         const char *A0 = (const char *)A + (long)m0 * lda * (a_bf16 ? 2 : 4);
         int serial = offset <= SERIAL_PACK_BYTES;
-        if (serial)
+        char *buf = serial ? qreserve_scratch(bytes) : shared;
+        if (!blk || !buf) failed = 1;                   /* this thread's work is skipped, reported below */
+        if (serial && !failed) {
             for (int i = 0; i < blocks; i++) pack_block_q(A0, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, 0);
-        #pragma omp parallel num_threads(threads)
-        {
-            if (!serial) {
-                #pragma omp for schedule(static)
-                for (int i = 0; i < blocks; i++)
-                    pack_block_q(A0, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, 0);
-            }
-            #pragma omp for schedule(dynamic, chunk)
-            for (int p = 0; p < panels; p++) {
-                char *Cp = (char *)C + (long)m0 * ldc_bytes + (long)p * PANEL * esize;
-                QScales S, Mn;
-                panel_scales(w, K, 0, p, &S, &Mn);
-                run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, &S, &Mn, K, Cp, ldc_bytes,
-                          imin(PANEL, N - p * PANEL), c_fp32, 0);
-            }
+        } else if (!serial) {
+            #pragma omp for schedule(static)
+            for (int i = 0; i < blocks; i++)
+                if (!failed) pack_block_q(A0, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, 0);
+        }
+        #pragma omp for schedule(dynamic, chunk)
+        for (int p = 0; p < panels; p++) {
+            if (failed) continue;
+            char *Cp = (char *)C + (long)m0 * ldc_bytes + (long)p * PANEL * esize;
+            QScales S, Mn;
+            panel_scales(w, K, 0, p, &S, &Mn);
+            run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, &S, &Mn, K, Cp, ldc_bytes,
+                      imin(PANEL, N - p * PANEL), c_fp32, 0);
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
-static int quant_gemm_grouped(const Weights *w, const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
-                              const int64_t *ids, const int64_t *a_rows, int K, int N, void *C, long ldc, int c_fp32,
-                              int swiglu, const float *scale, int threads) {
+static int quant_gemm_grouped_in_team(Team *team, const Weights *w, const void *A, long lda, int a_bf16, int G,
+                                      const int64_t *offsets, const int64_t *ids, const int64_t *a_rows, int K, int N,
+                                      void *C, long ldc, int c_fp32, int swiglu, const float *scale) {
     if (!valid(w, K) || ((swiglu || scale) && c_fp32) || (swiglu && N % PANEL)) return -2;
     const qkernel_fn *kernels = kernels_for(w->bits);
     Epilogue epilogue = {swiglu, scale}, *ep = (swiglu || scale) ? &epilogue : 0;
-    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, threads), zero = zero_point(w);
+    int panels = (N + PANEL - 1) / PANEL, chunk = work_chunk(G * panels, omp_get_num_threads());
+    int zero = zero_point(w), failed = 0;
     long esize = c_fp32 ? 4 : 2, ldc_bytes = ldc * esize;
     long panel_bytes = (long)K * PANEL * w->bits / 8;
     long rows = offsets[G] - offsets[0];
     /* blocks: at most rows/QROWS + 2 per group (each group's tail may split in two) */
-    if (!qreserve(block_bytes(QROWS, K, w->group) * (rows / QROWS + 2L * G + 1), rows + 2L * G)) return -1;
-    int *first = malloc((size_t)(G + 1) * sizeof(int));
-    if (!first) return -1;
-    QBlock *blk = qplan;
-    char *buf = qscratch;
+    long bytes = block_bytes(QROWS, K, w->group) * (rows / QROWS + 2L * G + 1);
+    QBlock *blk = qreserve_plan(rows + 2L * G, G);
+    int *first = qplan_first;
     long offset = 0;
     int blocks = 0;
     for (int g = 0; g < G; g++) {
-        first[g] = blocks;
-        blocks += plan_blocks((int)offsets[g], (int)offsets[g + 1], &offset, K, w->group, blk + blocks);
+        if (blk) first[g] = blocks;
+        blocks += plan_blocks((int)offsets[g], (int)offsets[g + 1], &offset, K, w->group, blk ? blk + blocks : 0);
     }
-    first[G] = blocks;
+    if (blk) first[G] = blocks;
     int serial = offset <= SERIAL_PACK_BYTES;
-    for (int i = 0; serial && i < blocks; i++)
-        pack_block_q(A, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, a_rows);
-    const uint8_t *W = (const uint8_t *)w->data;
-    #pragma omp parallel num_threads(threads)
-    {
-        if (!serial) {
-            #pragma omp for schedule(static)
-            for (int i = 0; i < blocks; i++)
-                pack_block_q(A, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, a_rows);
-        }
-        #pragma omp for schedule(dynamic, chunk)
-        for (int item = 0; item < G * panels; item++) {
-            int g = item / panels, p = item % panels;
-            const uint8_t *We = W + ids[g] * w->stride + p * panel_bytes;
-            QScales Se, Me;
-            panel_scales(w, K, ids[g], p, &Se, &Me);
-            char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
-            run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, &Se, &Me, K, Cp, ldc_bytes,
-                      imin(PANEL, N - p * PANEL), c_fp32, ep);
-        }
+    char *buf = 0;
+    if (!serial && !(buf = team_share(team, qgemm, qreserve_scratch(bytes)))) return -1;
+    if (serial) buf = qreserve_scratch(bytes);
+    if (!blk || !buf) failed = 1;                       /* this thread's work is skipped, reported below */
+    if (serial && !failed) {
+        for (int i = 0; i < blocks; i++)
+            pack_block_q(A, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, a_rows);
+    } else if (!serial) {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < blocks; i++)
+            if (!failed) pack_block_q(A, lda, a_bf16, K, w->group, zero, blk[i], buf + blk[i].offset, a_rows);
     }
-    free(first);
-    return 0;
+    const uint8_t *W = (const uint8_t *)w->data;
+    #pragma omp for schedule(dynamic, chunk)
+    for (int item = 0; item < G * panels; item++) {
+        if (failed) continue;
+        int g = item / panels, p = item % panels;
+        const uint8_t *We = W + ids[g] * w->stride + p * panel_bytes;
+        QScales Se, Me;
+        panel_scales(w, K, ids[g], p, &Se, &Me);
+        char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
+        run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, &Se, &Me, K, Cp, ldc_bytes,
+                  imin(PANEL, N - p * PANEL), c_fp32, ep);
+    }
+    return failed ? -1 : 0;
+}
+
+int weights_gemm_in_team(Team *team, const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N,
+                         void *C, long ldc, int c_fp32) {
+    if (w->bits == 16)
+        return panel_gemm_in_team(team, A, lda, a_bf16, M, K, (const uint16_t *)w->data, N, C, ldc, c_fp32);
+    return quant_gemm_in_team(team, w, A, lda, a_bf16, M, K, N, C, ldc, c_fp32);
+}
+
+int weights_gemm_grouped_in_team(Team *team, const Weights *w, const void *A, long lda, int a_bf16, int G,
+                                 const int64_t *offsets, const int64_t *ids, const int64_t *a_rows, int K, int N,
+                                 void *C, long ldc, int c_fp32, int swiglu, const float *scale) {
+    if (w->bits == 16)
+        return panel_gemm_grouped_in_team(team, A, lda, a_bf16, G, offsets, ids, a_rows, K, (const uint16_t *)w->data,
+                                          w->stride / 2, N, C, ldc, c_fp32, swiglu, scale);
+    return quant_gemm_grouped_in_team(team, w, A, lda, a_bf16, G, offsets, ids, a_rows, K, N, C, ldc, c_fp32, swiglu,
+                                      scale);
 }
 
 int clover_weights_gemm(const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N, void *C,
                         long ldc, int c_fp32, int threads) {
-    if (w->bits == 16)
-        return clover_panel_gemm(A, lda, a_bf16, M, K, (const uint16_t *)w->data, N, C, ldc, c_fp32, threads);
-    return quant_gemm(w, A, lda, a_bf16, M, K, N, C, ldc, c_fp32, threads);
+    Team team = {0};
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, weights_gemm_in_team(&team, w, A, lda, a_bf16, M, K, N, C, ldc, c_fp32));
+    return status;
 }
 
 int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a_bf16, int G, const int64_t *offsets,
                                 const int64_t *ids, const int64_t *a_rows, int K, int N, void *C, long ldc,
                                 int c_fp32, int swiglu, const float *scale, int threads) {
-    if (w->bits == 16)
-        return clover_panel_gemm_grouped(A, lda, a_bf16, G, offsets, ids, a_rows, K, (const uint16_t *)w->data,
-                                         w->stride / 2, N, C, ldc, c_fp32, swiglu, scale, threads);
-    return quant_gemm_grouped(w, A, lda, a_bf16, G, offsets, ids, a_rows, K, N, C, ldc, c_fp32, swiglu, scale, threads);
+    Team team = {0};
+    int status = 0;
+    #pragma omp parallel num_threads(threads) reduction(min:status)
+    status = team_min(status, weights_gemm_grouped_in_team(&team, w, A, lda, a_bf16, G, offsets, ids, a_rows, K, N, C,
+                                                           ldc, c_fp32, swiglu, scale));
+    return status;
 }
 
 /* The panel layout above, from the stored codes (quantization/format.py: int8 [N, K], int4 nibbles

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "team.h"
 
 /* One row: out_x = x·rsqrt(mean(x²) + eps)·scale in fp32, rounded to bf16; x = h (+ delta, rounded
  * to bf16 and written to out_h). Also attention_cached.c's q/k norm, so every path rounds alike. */
@@ -34,12 +35,19 @@ void clover_rmsnorm_row(int H, const uint16_t *h, const uint16_t *delta, const f
     }
 }
 
-/* N rows of H (row strides ldh, ldd; outputs contiguous). delta may be NULL: the norm alone. */
+/* N rows of H (row strides ldh, ldd; outputs contiguous). delta may be NULL: the norm alone.
+ * The rows split across the team (team.h). */
+void add_rmsnorm_in_team(int N, int H, const uint16_t *h, long ldh, const uint16_t *delta, long ldd,
+                         const float *scale, float eps, uint16_t *out_h, uint16_t *out_x) {
+    #pragma omp for schedule(static)
+    for (int i = 0; i < N; i++)
+        clover_rmsnorm_row(H, h + i * ldh, delta ? delta + i * ldd : 0, scale, eps, out_h + (long)i * H,
+                           out_x + (long)i * H);
+}
+
 void clover_add_rmsnorm(int N, int H, const uint16_t *h, long ldh, const uint16_t *delta, long ldd,
                         const float *scale, float eps, uint16_t *out_h, uint16_t *out_x, int threads) {
     if ((long)N * H < (1L << 15)) threads = 1;          /* a few rows: a parallel region costs more */
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int i = 0; i < N; i++)
-        clover_rmsnorm_row(H, h + i * ldh, delta ? delta + i * ldd : 0, scale, eps, out_h + (long)i * H,
-                        out_x + (long)i * H);
+    #pragma omp parallel num_threads(threads)
+    add_rmsnorm_in_team(N, H, h, ldh, delta, ldd, scale, eps, out_h, out_x);
 }
