@@ -17,6 +17,7 @@ from torch import nn
 from ..layers.attention import Attention
 from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.moe import Experts, SparseMoE
+from ..layers.packed import PackedLinear, packed_linear
 from .plan import ShardPlan
 from .process_group import ParallelGroup
 from .runner import ShardRunner
@@ -33,6 +34,22 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x):
         y = self.parallel.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+    def packed_form(self, consume: bool = False) -> "PackedRowParallelLinear":
+        return PackedRowParallelLinear(self, consume)
+
+
+class PackedRowParallelLinear(PackedLinear):
+    """A row-parallel map packed for the CPU kernels (layers/packed.py): the packed product is this
+    rank's partial sum, all-reduced before the bias is added."""
+
+    def __init__(self, linear, consume: bool = False):
+        super().__init__(linear, consume)
+        self.parallel = linear.parallel
+
+    def forward(self, x):
+        y = self.parallel.all_reduce(packed_linear(x, self.packed))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

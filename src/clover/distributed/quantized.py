@@ -23,7 +23,7 @@ from torch import nn
 from ..checkpoint import CheckpointError
 from ..quantization.format import QuantSpec
 from ..quantization.modules import QuantizedLinear, QuantizedWeight
-from .layers import RowParallelLinear, VocabParallelHead
+from .layers import PackedRowParallelLinear, RowParallelLinear, VocabParallelHead
 from .plan import Slicing
 from .process_group import ParallelGroup
 
@@ -43,6 +43,9 @@ class QuantizedRowParallelLinear(QuantizedLinear):
     def forward(self, x):
         y = self.parallel.all_reduce(self.linear(x))
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def packed_form(self, consume: bool = False) -> PackedRowParallelLinear:
+        return PackedRowParallelLinear(self, consume)
 
 
 class QuantizedVocabParallelHead(QuantizedWeight):

@@ -58,7 +58,7 @@ def _linear_weight(module):
     """(packed weight, None) of a kernel-packed map without bias or all-reduce, else None."""
     from ..layers.packed import PackedLinear
 
-    if type(module) is not PackedLinear or module.bias is not None or module.parallel is not None:
+    if type(module) is not PackedLinear or module.bias is not None:
         return None
     return module.packed
 

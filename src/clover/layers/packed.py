@@ -168,9 +168,7 @@ class FusedProjection(PackedWeights):
 
 class PackedLinear(PackedWeights):
     """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
-    panels). A row-parallel map of a tensor-parallel shard (one with a
-    `parallel` group: distributed/layers.py) stays one: the packed product is this rank's partial sum,
-    all-reduced before the bias is added."""
+    panels)."""
 
     def __init__(self, linear: nn.Module, consume: bool = False):
         super().__init__()
@@ -178,13 +176,16 @@ class PackedLinear(PackedWeights):
         self.packed = _pack_quantized([linear], consume) if _quantized(linear) else _pack(linear.weight)
         self._register_packed("weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        self.parallel = getattr(linear, "parallel", None)
 
     def forward(self, x):
-        if self.parallel is None:
-            return packed_linear(x, self.packed, self.bias)
-        y = self.parallel.all_reduce(packed_linear(x, self.packed))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return packed_linear(x, self.packed, self.bias)
+
+
+def packed_form(linear: nn.Module, consume: bool = False) -> nn.Module:
+    """What a map becomes when packed: its own `packed_form(consume)` where its class defines one (a
+    tensor-parallel row-parallel map keeps its all-reduce: distributed/layers.py), else a PackedLinear."""
+    own = getattr(linear, "packed_form", None)
+    return own(consume) if own is not None else PackedLinear(linear, consume)
 
 
 def pack_for_cpu(model, consume: bool = False) -> int:
@@ -245,7 +246,7 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
         else:
-            setattr(parent, name, PackedLinear(child, consume))
+            setattr(parent, name, packed_form(child, consume))
             count += 1
             del child       # the replaced weight is freed here, before the next matrix is packed
     return count
