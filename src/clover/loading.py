@@ -61,24 +61,39 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
     gguf = gguf_file(path)
-    if tensor_parallel:
-        model = _load_tensor_parallel(path, gguf, dtype, device, backend, tensor_parallel, cuda_graphs)
-        _read_generation_defaults(model, path)
-        return model
-    on_cpu = torch.device(device).type == "cpu"
     if backend == "cpu":
         from .kernels import available
 
-        if not on_cpu or dtype not in (None, torch.bfloat16) or not available():
+        if torch.device(device).type != "cpu" or dtype not in (None, torch.bfloat16) or not available():
             raise ValueError("backend='cpu' needs device='cpu', bf16 weights and Clover's native kernels "
                              "(a C compiler and AVX-512 BF16; CLOVER_KERNELS not 0)")
-    packs = backend in ("auto", "cpu") and on_cpu and dtype in (None, torch.bfloat16)
+    parallel = None
+    if tensor_parallel:
+        from .distributed import ParallelGroup, init_from_env
+
+        if gguf is not None:
+            # GGUF tensors convert whole (value heads reordered across the tensor, 256-wide K-quant blocks
+            # re-encoded into Clover's groups), so a rank could not read only its slices of the file
+            raise ValueError(f"{gguf}: GGUF files are not sharded: tensor_parallel needs a safetensors "
+                             "checkpoint directory (bf16, or quantized by `clover quantize --bits 8|4`)")
+        parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
+        device = parallel.device
+    device = torch.device(device)
+    # packed for the CPU kernels: "auto" on one process's CPU in bf16, or asked for ("cpu", a rank too)
+    packs = backend == "cpu" or (backend == "auto" and parallel is None and device.type == "cpu"
+                                 and dtype in (None, torch.bfloat16))
     if packs:
         from .layers.packed import packing_available
 
         packs = packing_available()
     load_dtype = torch.bfloat16 if packs else dtype
-    if gguf is not None:
+
+    # 1. the source, read into a model (each loader: plan, model on meta, memory check, fill)
+    if parallel is not None:
+        from .distributed.loading import load_tensor_parallel
+
+        model = load_tensor_parallel(path, parallel, dtype=load_dtype)
+    elif gguf is not None:
         from .gguf import load_gguf
 
         pack_as_filled = None
@@ -94,18 +109,22 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs)
     else:
         model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs)
+
+    # 2. transformed once for where it runs: packed for the CPU kernels, or the "cuda" backend
     if packs:
         from .layers.packed import pack_for_cpu
-
         from .runtime import release_free_memory
 
-        pack_for_cpu(model, consume=True)   # (a model only we hold)
+        pack_for_cpu(model, consume=parallel is None)   # (consume: a model only we hold)
         release_free_memory()              # the stored forms packing freed (runtime.py says why)
-    elif backend == "cuda" or (backend == "auto" and torch.device(device).type == "cuda"):
+    elif backend == "cuda" or (backend == "auto" and device.type == "cuda"):
         from .backend import Backend
 
         model.runner.backend = Backend("cuda")
-        if _graphs_wanted(cuda_graphs, device):
+        # Under tensor parallelism step graphs would capture NCCL's collectives: not yet run anywhere
+        # (one GPU cannot hold two NCCL ranks), so only on request; the same forwards replayed eagerly
+        # are tested on CPU.
+        if _graphs_wanted(cuda_graphs, device) and (parallel is None or runtime_options().tp_cuda_graphs):
             model.runner.use_graphs("cuda")
     _read_generation_defaults(model, path)
     return model
@@ -123,42 +142,6 @@ def _read_generation_defaults(model, path: Path) -> None:
             model.generation_defaults = json.loads(gen.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{gen}: invalid JSON ({exc})") from None
-
-
-def _load_tensor_parallel(path: Path, gguf_file, dtype, device, backend: str, tensor_parallel, cuda_graphs: bool):
-    from .distributed import ParallelGroup, init_from_env
-    from .distributed.loading import load_tensor_parallel
-
-    if backend == "cpu":
-        from .kernels import available
-
-        if torch.device(device).type != "cpu" or dtype not in (None, torch.bfloat16) or not available():
-            raise ValueError("backend='cpu' needs device='cpu', bf16 weights and Clover's native kernels "
-                             "(a C compiler and AVX-512 BF16; CLOVER_KERNELS not 0)")
-    if gguf_file is not None:
-        # GGUF tensors convert whole (value heads reordered across the tensor, 256-wide K-quant blocks
-        # re-encoded into Clover's groups), so a rank could not read only its slices of the file
-        raise ValueError(f"{gguf_file}: GGUF files are not sharded: tensor_parallel needs a safetensors "
-                         "checkpoint directory (bf16, or quantized by `clover quantize --bits 8|4`)")
-    parallel = tensor_parallel if isinstance(tensor_parallel, ParallelGroup) else init_from_env(device)
-    if backend != "cpu":
-        model = load_tensor_parallel(path, parallel, dtype=dtype)
-        if backend == "cuda" or (backend == "auto" and parallel.device.type == "cuda"):
-            from .backend import Backend
-
-            model.runner.backend = Backend("cuda")
-            # Step graphs would capture NCCL's collectives: not yet run anywhere (one GPU cannot hold two
-            # NCCL ranks), so only on request; the same forwards replayed eagerly are tested on CPU.
-            if _graphs_wanted(cuda_graphs, parallel.device) and runtime_options().tp_cuda_graphs:
-                model.runner.use_graphs("cuda")
-        return model
-    from .layers.packed import pack_for_cpu
-    from .runtime import release_free_memory
-
-    model = load_tensor_parallel(path, parallel, dtype=torch.bfloat16)
-    pack_for_cpu(model)                    # the shard's matrices; row-parallel maps keep their all-reduce
-    release_free_memory()
-    return model
 
 
 def load_tokenizer(path=None):
