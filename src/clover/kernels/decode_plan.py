@@ -44,7 +44,6 @@ from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
-from .quant_panels import QuantPanelWeight
 from .rmsnorm import _scale, tensor_version
 
 log = logging.getLogger(__name__)
@@ -286,17 +285,13 @@ class _Plan:
                    1])
 
     def _gemm(self, x, weight, out):
-        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear or quant_panels.linear, no bias);
+        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear, no bias), for any packed form;
         `out` None: the call is returned, not added (its output pointer is set per step)."""
         K, N = weight.in_features, weight.out_features
         ptr = None if out is None else out.data_ptr()
-        self.keep.append(weight)
-        if isinstance(weight, QuantPanelWeight):
-            struct = weight.struct()
-            self.keep.append(struct)
-            call = ("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N, ptr, N, 0, 1])
-        else:
-            call = ("clover_panel_gemm", [x.data_ptr(), K, 1, self.B, K, weight.panels.data_ptr(), N, ptr, N, 0, 1])
+        struct = weight.struct()
+        self.keep += [weight, struct]
+        call = ("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N, ptr, N, 0, 1])
         if out is not None:
             self.calls.append(call)
         return call
