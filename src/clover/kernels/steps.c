@@ -30,10 +30,6 @@ static int op_add_rmsnorm(Team *team, const Arg *a) {
     return 0;
 }
 
-static int op_panel_gemm(Team *team, const Arg *a) {
-    return panel_gemm_in_team(team, PTR(0), LONG(1), INT(2), INT(3), INT(4), PTR(5), INT(6), PTR(7), LONG(8), INT(9));
-}
-
 static int op_weights_gemm(Team *team, const Arg *a) {
     return weights_gemm_in_team(team, PTR(0), PTR(1), LONG(2), INT(3), INT(4), INT(5), INT(6), PTR(7), LONG(8),
                                 INT(9));
@@ -64,7 +60,6 @@ static const struct {
     int (*run)(Team *, const Arg *);
 } OPS[] = {
     {"clover_add_rmsnorm", op_add_rmsnorm},
-    {"clover_panel_gemm", op_panel_gemm},
     {"clover_weights_gemm", op_weights_gemm},
     {"clover_gdn_short", op_gdn_short},
     {"clover_attention_cached", op_attention_cached},
