@@ -18,7 +18,8 @@ Qwen3.5-MoE form (`--plain`, what llama.cpp's converter reads). Prepared once, u
 * `clover quantize` writes int8 and int4 copies (group 32); Clover runs the safetensors at bf16 too,
   and llama.cpp's own Q8_0 and Q4_K_M files (the same-file rows: both engines read the same bytes).
 
-Measured, per engine and precision, in a fresh process with `--threads` threads (default 2): prefill
+Measured, per engine and precision, in a fresh process with `--threads` threads (default 2; a list such as
+`1,2` measures each count in turn and writes a table per count): prefill
 of a `--prompt`-token prompt (default 256; logits of the last position only, as a generator needs)
 and greedy autoregressive decode of `--decode` tokens after it (default 48; Clover: `block_size` 1
 steps through `model.step`, as `benchmarks/bench_clover.py` drives decode). Both engines get the same
@@ -489,11 +490,18 @@ def summarize(rounds: list[dict], bytes_per_token: dict, file_bytes: dict, names
 MARKDOWN_MARKER = "bench:llama-cpp"
 
 
-def headline(table: str, args, argv: list[str]) -> str:
-    """The table as `--markdown-out` writes it: followed by the machine and the command that made it."""
+def headline(tables: str, thread_counts: list[int], argv: list[str]) -> str:
+    """The tables as `--markdown-out` writes them: followed by the machine and the command that made them."""
     from benchmarks.common import machine_line
 
-    return f"{table}\n\n{machine_line(args.threads)} Command: `clover bench llama-cpp {shlex.join(argv)}`."
+    return f"{tables}\n\n{machine_line(max(thread_counts))} Command: `clover bench llama-cpp {shlex.join(argv)}`."
+
+
+def _thread_counts(text: str) -> list[int]:
+    counts = [int(t) for t in text.split(",") if t.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--threads wants positive counts, e.g. 2 or 1,2; got {text!r}")
+    return counts
 
 
 def main(argv=None) -> int:
@@ -507,7 +515,8 @@ def main(argv=None) -> int:
                          "(default: the bench cache's llama-cpp/)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="timed samples of each operation per process")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=_thread_counts, default=[2],
+                    help="threads per engine, or a comma-separated list (e.g. 1,2): one table per count")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--engines", default=",".join(c[0] for c in CONFIGS),
@@ -524,7 +533,7 @@ def main(argv=None) -> int:
     if unknown or args.rounds < 1 or args.repeats < 1:
         ap.error(f"unknown engines {unknown}" if unknown else "--rounds and --repeats must be at least 1")
     cache = (args.cache or default_cache()).expanduser().resolve()
-    weights = prepare(cache, args.threads)
+    weights = prepare(cache, max(args.threads))
     if args.prepare_only:
         print(json.dumps({k: {p: str(v) for p, v in d.items()} for k, d in weights.items()}, indent=2))
         return 0
@@ -536,6 +545,27 @@ def main(argv=None) -> int:
     sizes = {n: (_safetensors_sizes(paths[n]) if paths[n].is_dir() else _gguf_sizes(paths[n], tree)) for n in names}
     bytes_per_token = {n: decode_bytes_per_token(sizes[n], config) for n in names}
     file_bytes = {n: sum(b for b, _ in sizes[n].values()) for n in names}
+
+    from benchmarks.common import emit_json, write_markdown
+
+    thread_counts = args.threads
+    tables, outs = [], []
+    for threads in thread_counts:
+        args.threads = threads
+        table, out = measure(args, names, engines, paths, bytes_per_token, file_bytes, config, cache)
+        tables.append(table)
+        outs.append(out)
+    text = emit_json(outs[0] if len(outs) == 1 else {"by_threads": outs})
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    if args.markdown_out:
+        write_markdown(args.markdown_out, headline("\n\n".join(tables), thread_counts, argv), MARKDOWN_MARKER)
+    return 0
+
+
+def measure(args, names, engines, paths, bytes_per_token, file_bytes, config, cache) -> tuple[str, dict]:
+    """`args.rounds` alternating rounds at `args.threads` threads: the table (printed) and the JSON record."""
+    from benchmarks.common import state_bytes
 
     logits_dir = cache / "logits"               # each engine's prompt logits, per round (overwritten)
     logits_dir.mkdir(exist_ok=True)
@@ -553,8 +583,6 @@ def main(argv=None) -> int:
             results[name] = _start_worker(engines[name], paths[name], args, logits_dir / f"{i}-{name}.npy")
             results[name]["loadavg_before"] = load
         rounds.append({"bandwidth": bw, "order": order, "results": results, "finished": time.time()})
-
-    from benchmarks.common import emit_json, state_bytes, write_markdown
 
     if "Clover bf16" in names:                  # the first round's prompt logits against Clover bf16's
         import numpy as np
@@ -577,12 +605,9 @@ def main(argv=None) -> int:
            "rounds": args.rounds, "repeats": args.repeats, "llama_flash_attn": args.llama_flash_attn,
            "files": {n: str(p) for n, p in paths.items() if n in names}, "bytes_per_token": bytes_per_token,
            "cache_bytes_per_token": state, "rows": rows, "per_round": rounds, "loadavg_end": load}
-    text = emit_json(out)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    if args.markdown_out:
-        write_markdown(args.markdown_out, headline(table, args, argv), MARKDOWN_MARKER)
-    return 0
+    return table, out
+
+
 
 
 if __name__ == "__main__":

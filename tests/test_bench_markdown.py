@@ -36,8 +36,7 @@ def test_broken_markers_are_refused_and_the_file_left_alone(tmp_path, text):
 
 
 def test_the_headline_names_machine_and_command():
-    args = Namespace(threads=2)
-    text = llama_cpp.headline("| table |", args, ["--rounds", "3", "--markdown-out", "README.md"])
+    text = llama_cpp.headline("| table |", [2], ["--rounds", "3", "--markdown-out", "README.md"])
     table, machine = text.split("\n\n")
     assert table == "| table |"
     assert machine.startswith("Machine: ") and ", 2 threads, " in machine
@@ -84,5 +83,11 @@ def test_the_benchmark_writes_such_a_block(tmp_path):
     assert clover_bf16["prefill_vs_llama"] == pytest.approx(speed["Clover bf16"][0] / speed["llama.cpp BF16"][0])
     page = tmp_path / "README.md"
     page.write_text(f"# Clover\n\n{BEGIN}\nold\n{END}\n")
-    write_markdown(page, llama_cpp.headline(table, args, ["--rounds", "1"]), llama_cpp.MARKDOWN_MARKER)
+    write_markdown(page, llama_cpp.headline(table, [args.threads], ["--rounds", "1"]), llama_cpp.MARKDOWN_MARKER)
     check_headline_block(page.read_text(), engines=len(names))
+
+
+def test_thread_counts_parse_as_a_list():
+    assert llama_cpp._thread_counts("2") == [2] and llama_cpp._thread_counts("1,2") == [1, 2]
+    with pytest.raises(Exception, match="positive"):
+        llama_cpp._thread_counts("0,2")
