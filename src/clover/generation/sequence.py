@@ -190,7 +190,9 @@ class Sequence:
 
     # ---- controls ------------------------------------------------------------------------------
     def _think_distance(self, query_pos: int, extra: list[int]) -> int:
-        """j of SPEC §7 for a prediction at `query_pos`, given uncommitted `extra` tokens from `self.position`."""
+        """j of SPEC §7 for a prediction at `query_pos`, given uncommitted `extra` tokens from `self.position`:
+        if the last marker before `query_pos` is `<think>` at p, query_pos − p − 1, else −1 (a mask id,
+        an undecided position, matches neither marker)."""
         base = self.position
         for p in range(min(query_pos, base + len(extra)) - 1, base - 1, -1):
             t = extra[p - base]
