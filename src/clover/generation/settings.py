@@ -32,7 +32,9 @@ class GenerationSettingsError(ValueError):
 
 
 @dataclass(frozen=True)
-class GenerationSettings:
+class GenerationSettings(ControlSettings):
+    """One request's settings: the controls of SPEC §7 (the `dllm_*` fields, inherited) and the rest."""
+
     max_new_tokens: int = 256
     block_size: int = 32
     threshold: float = 0.95
@@ -45,14 +47,6 @@ class GenerationSettings:
     seed: int | None = None
     eos_token_id: tuple[int, ...] = ()
     block_expert_top_p: float | None = None       # None: the model config's value
-    dllm_repetition_penalty: float = 1.05
-    dllm_repetition_window: int = 512
-    dllm_length_penalty_start: int = 8192
-    dllm_length_penalty_window: int = 8192
-    dllm_length_penalty_strength: float = 10.0
-    dllm_think_end_start: int = 4096
-    dllm_think_end_window: int = 4096
-    dllm_think_end_strength: float = 10.0
     # A block's forward costs what its length costs, whatever max_new_tokens is: the cap keeps one
     # cheap request (block_size 65536, max_tokens 1) from holding the engine for minutes. The
     # operator's setting (generation_config.json, `clover serve --max-block-size`), never a request's.
@@ -97,6 +91,7 @@ class GenerationSettings:
 
     @property
     def controls(self) -> ControlSettings:
+        """The controls alone (what decides alike in a batch, `Sequence.batch_key`)."""
         return ControlSettings(**{f: getattr(self, f) for f in ControlSettings.field_names()})
 
     @property
