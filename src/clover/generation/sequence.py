@@ -303,7 +303,10 @@ class Sequence:
         self.step_events.append(event)
 
     def record_verification(self, accepted: int) -> None:
-        """A self-speculative round's step event (when traced): how many draft tokens were committed."""
+        """A self-speculative round that committed `accepted` draft tokens: its statistics, and its step
+        event when traced."""
+        self.stats.rounds += 1
+        self.stats.accepted_lengths.append(accepted)
         if self.step_events is not None:
             self.step_events.append({"block": self.blocks_started - 1, "start": len(self.response),
                                      "forward": self.stats.forwards, "accepted": accepted})
