@@ -114,6 +114,19 @@ class GenerationSettings(ControlSettings):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise GenerationSettingsError(f"{name} must be a number, got {v!r}")
 
+        def fraction(name):
+            # None: unset. Below float32's smallest normal number a value acts as 0 (runtime.py flushes
+            # denormals): top_p's nucleus would be empty, block_expert_top_p would fail the model's check.
+            v = getattr(self, name)
+            if v is None:
+                return
+            number(name)
+            if not 0.0 < v <= 1.0:
+                raise GenerationSettingsError(f"{name} must lie in (0, 1], got {v}")
+            if v < FLOAT32_TINY:
+                raise GenerationSettingsError(f"{name} must be at least {FLOAT32_TINY:.3g} (float32's smallest "
+                                              f"normal number), got {v}")
+
         integer("max_new_tokens", 1)
         integer("block_size", 1)
         integer("max_block_size", 1)
@@ -134,13 +147,7 @@ class GenerationSettings(ControlSettings):
         if 0 < self.temperature < FLOAT32_TINY:
             raise GenerationSettingsError(f"temperature must be 0 (greedy) or at least {FLOAT32_TINY:.3g} "
                                           f"(float32's smallest normal number), got {self.temperature}")
-        if self.top_p is not None:
-            number("top_p")
-            if not 0.0 < self.top_p <= 1.0:
-                raise GenerationSettingsError(f"top_p must lie in (0, 1], got {self.top_p}")
-            if self.top_p < FLOAT32_TINY:
-                raise GenerationSettingsError(f"top_p must be at least {FLOAT32_TINY:.3g} (float32's smallest "
-                                              f"normal number; below it the nucleus is empty), got {self.top_p}")
+        fraction("top_p")
         if self.top_k is not None:
             integer("top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -148,15 +155,7 @@ class GenerationSettings(ControlSettings):
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise GenerationSettingsError(f"seed must lie in [-2**63, 2**64 - 1] (what a torch generator "
                                           f"takes), got {self.seed}")
-        if self.block_expert_top_p is not None:
-            number("block_expert_top_p")
-            if not 0.0 < self.block_expert_top_p <= 1.0:
-                raise GenerationSettingsError(
-                    f"block_expert_top_p must lie in (0, 1], got {self.block_expert_top_p}"
-                )
-            if self.block_expert_top_p < FLOAT32_TINY:      # 0 in the model's float32 check: the step fails
-                raise GenerationSettingsError(f"block_expert_top_p must be at least {FLOAT32_TINY:.3g} (float32's "
-                                              f"smallest normal number), got {self.block_expert_top_p}")
+        fraction("block_expert_top_p")
         integer("dllm_repetition_window", 1)          # it slices the history: 1.0 used to crash the step
         try:
             self.controls.validate()
