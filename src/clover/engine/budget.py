@@ -29,7 +29,7 @@ def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size:
     """Bytes of K/V pages and GDN slots one request holds while it runs."""
     tokens = reserved_tokens(config, prompt_len, max_new_tokens, block_size)
     return (-(-tokens // page_size) * StatePool.bytes_per_page(config, dtype, page_size)
-            + 2 * StatePool.bytes_per_slot(config, dtype))               # (0 bytes a slot without GDN layers)
+            + 2 * StatePool.bytes_per_slot(config, dtype))               # 0 for a model without GDN layers
 
 
 def device_cache_bytes(free_bytes: int, needed_bytes: int, device) -> int:
