@@ -1,11 +1,14 @@
 """SPEC §7 generation controls on hand-made logits."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from clover.decoding.controls import ControlSettings, apply_controls, think_distances
+from clover.decoding.controls import ControlSettings, apply_controls
+from clover.generation.sequence import Sequence
+from clover.generation.settings import GenerationSettings
 
 V = 8
 OFF = ControlSettings(
@@ -148,6 +151,15 @@ def test_length_duplicate_and_single_eos_id():
 THINK, END, MASK = 5, 6, 7
 
 
+def think_distances(ctx, queries, think_id, think_end_id, committed=0):
+    """j of SPEC §7 at each query as the decoder computes it (`Sequence._think_distance`): `ctx[:committed]`
+    is the committed context (here the prompt), the rest the uncommitted block."""
+    config = SimpleNamespace(mask_token_id=MASK, think_token_id=think_id, think_end_token_id=think_end_id)
+    ctx = [int(t) for t in ctx]
+    seq = Sequence(ctx[:committed], GenerationSettings(), config)
+    return torch.tensor([seq._think_distance(int(q), ctx[committed:]) for q in queries], dtype=torch.long)
+
+
 def test_think_distances():
     #                  0  1  2      3  4  5    6  7     8  9
     ctx = torch.tensor([1, THINK, 2, 3, END, 4, THINK, MASK, 2, MASK])
@@ -157,6 +169,10 @@ def test_think_distances():
     # q=10: j=3 (masks count as neither); q=12 (past T): j=5.
     assert d.tolist() == [-1, -1, 0, 2, -1, -1, 0, 1, 3, 5]
     assert d.dtype == torch.long
+    # the same with the markers committed (the governing one read from the committed context)
+    for committed in (2, 5, 7):
+        later = [i for i, p in enumerate(q.tolist()) if p >= committed]
+        assert think_distances(ctx, q[later], THINK, END, committed).tolist() == d[later].tolist()
 
 
 def test_think_distances_governing_is_last_think_and_masks_ignored():

@@ -173,7 +173,7 @@ def test_batched_controls_equal_each_rows_own(controls):
         queries.append([seq.position + i for i in masked])
         histories.append([history] * len(masked))
         extras.append(seq.block)
-        alone.append(seq._controlled(x, queries[-1], history, seq.block))
+        alone.append(_batched_controls([seq], x, queries[-1:], histories[-1:], extras[-1:]))     # the row alone
     batched = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
     assert torch.equal(batched, torch.cat(alone))
     assert not torch.equal(batched, torch.cat(logits))         # the controls did act

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..transfer import device_tensor, to_device
 
-__all__ = ["ControlSettings", "think_distances", "apply_controls"]
+__all__ = ["ControlSettings", "apply_controls"]
 
 
 @dataclass(frozen=True)
@@ -79,48 +79,6 @@ class ControlSettings:
     def active(self) -> bool:
         """Whether any control can change logits (lets callers skip ``apply_controls``)."""
         return self.repetition_active or self.length_active or self.think_end_active
-
-
-def think_distances(
-    context: Tensor,
-    query_positions: Tensor,
-    think_id: Optional[int],
-    think_end_id: Optional[int],
-) -> Tensor:
-    """Distance ``j`` from the governing ``<think>`` for each query position, or −1 if not thinking.
-
-    ``context[t]`` is the token at absolute position ``t`` (prompt + resolved tokens; unresolved
-    positions hold the mask id, which matches neither marker, so they count as neither — SPEC §7).
-    For a query ``q`` only positions ``< q`` are looked at; ``q`` may be ``T`` (the next position) or
-    beyond, positions ``≥ T`` then simply contain no marker. If the last marker before ``q`` is
-    ``<think>`` at ``p``, the result is ``q − p − 1``; otherwise −1.
-
-    Vectorised with a cumulative max of marker positions: O(T) and no host sync.
-    """
-    context = torch.as_tensor(context)
-    query_positions = torch.as_tensor(query_positions, device=context.device).long()
-    if context.dim() != 1:
-        raise ValueError(f"context must be 1-D, got shape {tuple(context.shape)}")
-    minus_one = torch.full_like(query_positions, -1)
-    if think_id is None:
-        return minus_one
-    T = context.shape[0]
-    pos = torch.arange(T, device=context.device, dtype=torch.long)
-    none = torch.full((1,), -1, device=context.device, dtype=torch.long)
-
-    def last_before(token_id: Optional[int]) -> Tensor:
-        # lb[q] = last position < q holding token_id (or −1), for q = 0..T.
-        if token_id is None or T == 0:
-            return none.expand(T + 1)
-        marks = torch.where(context == token_id, pos, -1)
-        return torch.cat([none, torch.cummax(marks, dim=0).values])
-
-    idx = query_positions.clamp(0, T)
-    last_think = last_before(think_id)[idx]
-    last_end = last_before(think_end_id)[idx]
-    # Markers sit at distinct positions, so ">" decides which came last; both −1 ⇒ not thinking.
-    inside = (last_think > last_end) & (query_positions > 0)
-    return torch.where(inside, query_positions - last_think - 1, minus_one)
 
 
 def _ramp(x: Tensor, start: float, window: float) -> Tensor:
@@ -195,8 +153,9 @@ def apply_controls(
     tokens so far, oldest first (never the prompt: the caller passes only what counts). Only the last
     ``dllm_repetition_window`` count; each distinct id once; ids outside ``[0, V)`` are ignored.
     ``response_offsets[N]``: ``i`` = position − prompt length (needed when the length control is on).
-    ``think_distance[N]``: ``j`` from :func:`think_distances` (−1 = not thinking); ``None`` skips the
-    think-end control. Controls that are switched off (penalty 1, strength 0) cost nothing.
+    ``think_distance[N]``: ``j``, the distance from the governing ``<think>`` (−1 = not thinking;
+    ``Sequence._think_distance``); ``None`` skips the think-end control. Controls that are switched
+    off (penalty 1, strength 0) cost nothing.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")

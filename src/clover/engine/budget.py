@@ -28,9 +28,8 @@ def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size:
                 page_size: int = PAGE_SIZE) -> int:
     """Bytes of K/V pages and GDN slots one request holds while it runs."""
     tokens = reserved_tokens(config, prompt_len, max_new_tokens, block_size)
-    has_gdn = any(k == "linear_attention" for k in config.layer_types)
     return (-(-tokens // page_size) * StatePool.bytes_per_page(config, dtype, page_size)
-            + (2 * StatePool.bytes_per_slot(config, dtype) if has_gdn else 0))
+            + 2 * StatePool.bytes_per_slot(config, dtype))               # 0 for a model without GDN layers
 
 
 def device_cache_bytes(free_bytes: int, needed_bytes: int, device) -> int:

@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..cache import PoolFull
+from ..generation.api import resolve_settings
 from ..generation.api import validate as validate_request
 from ..generation.decoder import Decoder, check_fits
 from ..generation.scoring import causal_logprobs
@@ -149,7 +150,7 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------
     def settings(self, **overrides) -> GenerationSettings:
         """Defaults of the model's generation_config.json ← `overrides` (GenerationSettingsError if bad)."""
-        return GenerationSettings.resolve(self.model.generation_defaults, self.config, **overrides)
+        return resolve_settings(self.model, **overrides)
 
     def validate(self, prompt_ids, settings: GenerationSettings) -> int:
         """SPEC §9 checks, token ids, and the pool's size; returns the tokens of cache the request reserves."""
@@ -169,14 +170,13 @@ class Engine:
             settings = self.settings(**overrides)
         elif overrides:
             settings = settings.replace(**overrides)
-        prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         need = self.validate(prompt_ids, settings)
         sequence = Sequence(prompt_ids, settings, self.config, grammar)
         if step_events:
             sequence.trace_steps()
         handle = RequestHandle(self, sequence, need, buffer_tokens, client)
         with self._lock:
-            if self._state != "running" or not self._thread.is_alive():
+            if not self.accepting:
                 self.metrics.rejected.inc(reason="closed")
                 raise EngineClosed("the engine is shutting down and takes no new requests")
             self._waiting.append(handle)
@@ -209,7 +209,7 @@ class Engine:
         ids = self.check_scored(token_ids)
         future: Future = Future()
         with self._lock:
-            if self._state != "running" or not self._thread.is_alive():
+            if not self.accepting:
                 raise EngineClosed("the engine is shutting down and takes no new requests")
             if len(self._scores) >= max(1, self.options.max_queue):
                 raise QueueFull(f"the scoring queue is full ({len(self._scores)} waiting): try again later")
@@ -279,9 +279,7 @@ class Engine:
     def _admit_locked(self) -> None:
         """Move queued requests into the batch, FIFO, while slots allow (the decoder waits for pool room)."""
         while self._waiting and self._slots < self.max_sequences:
-            head = self._waiting[0]
-            self._waiting.popleft()
-            self._admitted.append(head)
+            self._admitted.append(self._waiting.popleft())
             self._slots += 1
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.batch_size.set(self._slots)
@@ -334,7 +332,6 @@ class Engine:
                 self._decoder.add(handle.sequence, handle.client)
             except ValueError as exc:
                 del self._running[handle.id]
-                handle.sequence.finish("error")
                 self._release(handle)
                 self._finish(handle, "error", str(exc), "request_too_large")
         for handle in cancels:
@@ -372,7 +369,6 @@ class Engine:
             self._running.clear()
             self._decoder = self._new_decoder()
             for handle in failed:
-                handle.sequence.finish("error")
                 self._release(handle)
                 self._finish(handle, "error", f"internal error during decoding: {type(exc).__name__}: {exc}",
                              "internal")
@@ -426,6 +422,8 @@ class Engine:
                 tokens=(), steps=()) -> None:
         if handle.finished:
             return
+        if not handle.sequence.done:                  # not finished by the decoder: its state goes now
+            handle.sequence.finish(reason)
         handle._push(EngineEvent(tuple(tokens), True, reason, error, code, steps))
         stats = handle.sequence.stats
         self.metrics.request_finished(reason, stats.generated_tokens, stats.forwards,
@@ -446,7 +444,6 @@ class Engine:
                 future.set_exception(EngineClosed(message))
         for handle in left:
             if not handle.finished:
-                handle.sequence.finish("error")
                 self._finish(handle, "error", message, code)
         with self._lock:
             self._slots = 0

@@ -116,13 +116,10 @@ class RequestHandle:
             with self._cond:
                 if not self._events and not self._cond.wait_for(lambda: self._events, timeout):
                     raise TimeoutError(f"request {self.id}: no event within {timeout} s")
-                event = self._events.popleft()
-                resumed = self._took(len(event.tokens))
-            if resumed:
-                self._engine.wake()
-            yield event
-            if event.finished:
-                return
+            for event in self._take():
+                yield event
+                if event.finished:
+                    return
 
     def _take(self) -> list[EngineEvent]:
         with self._cond:

@@ -102,14 +102,6 @@ def _masked_rows(logits, block: list[int], mask_id: int):
     return logits if len(rows) == len(block) else logits[rows]
 
 
-def _per_row(stats: list, rows: int) -> list:
-    """Per row, the distinct experts of each MoE layer as a device tensor (`stats`: per layer a [rows]
-    tensor), or None per row without statistics; read back with the rows' decisions."""
-    if not stats:
-        return [None] * rows
-    return list(torch.stack(stats, 1))
-
-
 def _reserved(seq: Sequence, config) -> int:
     return reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens, seq.settings.block_size)
 
@@ -267,12 +259,6 @@ class Decoder:
         for seq, out in pairs:
             yield seq, out
 
-    def _decide(self, work) -> None:
-        """The decisions after one forward (sampling, unmasking, acceptance, expert statistics), as
-        `(seq, decision)` pairs of readback.py generators: the device is read back once for all of
-        them; a failure is its own sequence's."""
-        decide_rows(work, self._fail)
-
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         log.warning("request %s failed: %s: %s", seq.id, type(exc).__name__, exc)
         seq.error = f"{type(exc).__name__}: {exc}"
@@ -323,24 +309,23 @@ class Decoder:
             ran = list(self._rows([seq for seq, _, _ in group], forward))
             ended = [(seq, logits) for seq, logits in ran if spans[seq.id][1] == len(seq.prompt)
                      and (seq.settings.block_size == 1 or seq.settings.speculative)]
-            tokens = self._batched_predictions(ended, lambda seq, logits: (logits[0][None], [], 0))
+            predictions = self._predictions(ended, lambda seq, logits: (logits[0][None], [], 0))
             for seq, logits in ran:
                 e = spans[seq.id][1]
                 seq.prefilled = e
                 if self.prefix_cache and e % P == 0 and e < len(seq.prompt):
                     self.pool.prefix.insert(seq.prompt[:e], seq.cache)     # every page-aligned chunk end
                 if e == len(seq.prompt):
-                    decisions.append((seq, self._after_prefill(seq, logits[0], tokens.get(seq.id))))
-            self._decide(decisions)
+                    decisions.append((seq, self._after_prefill(seq, predictions.get(seq.id))))
+            decide_rows(decisions, self._fail)
 
-    def _after_prefill(self, seq: Sequence, logits, tokens=None):
-        s = seq.settings
-        if s.block_size == 1 or s.speculative:
-            seq.pending = (yield from seq.predict_next_steps(logits[None], [], 0, tokens))[0]
-            if s.block_size == 1:
-                seq.phase = "ar"
-            else:
-                seq.new_block()
+    def _after_prefill(self, seq: Sequence, prediction=None):
+        """The prompt is in: the first causal prediction (autoregressive, self-speculative), then the
+        first block or token."""
+        if prediction is not None:
+            seq.pending = (yield from prediction)[0]
+        if seq.settings.block_size == 1:
+            seq.phase = "ar"
         else:
             seq.new_block()
 
@@ -351,26 +336,22 @@ class Decoder:
         for group in groups.values():
             for chunk in self._chunks(group):
                 def forward(rows):
-                    ids = device_tensor([s.block for s in rows], self.model.device, torch.long)
-                    stats: list = []
                     # which positions get logits, decided on the host (a device mask would be read back)
                     wanted = torch.tensor([[t == s.mask_id for t in s.block] for s in rows])
-                    logits = self.model.runner.step(ids, [s.cache for s in rows], block=True, block_top_p=self._top_p(rows),
-                                             logits_at=wanted, stats=stats)
+                    logits, distinct = self._block_step(rows, [s.block for s in rows], block=True, logits_at=wanted)
                     per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
-                    distinct = _per_row(stats, len(rows))
-                    return [(per_row[b], distinct[b]) for b in range(len(rows))]
+                    return list(zip(per_row, distinct))
                 self._denoise(list(self._rows(chunk, forward)))
 
     def _denoise(self, ran) -> None:
         """After a block forward, each row's decisions: its expert statistics and a denoising step
         (computed together for rows that decide alike), read back at once."""
-        fills = self._batched_fills(ran)
+        fills = self._batched([(seq, out[0]) for seq, out in ran], batched_fills)
         decisions = []
         for seq, (logits, distinct) in ran:
             decisions.append((seq, self._record_block_forward(seq, distinct)))
             decisions.append((seq, seq.denoise_steps(logits, fills.get(seq.id))))
-        self._decide(decisions)
+        decide_rows(decisions, self._fail)
 
     @staticmethod
     def _batched(rows, compute) -> dict:
@@ -393,16 +374,23 @@ class Decoder:
                 out.update((seq.id, r) for seq, r in zip(seqs, results))
         return out
 
-    def _batched_fills(self, ran) -> dict:
-        """The fills of a forward's rows that decide alike (`sequence.batched_fills`), by sequence id."""
-        return self._batched([(seq, out[0]) for seq, out in ran], batched_fills)
+    def _predictions(self, ran, args_of) -> dict:
+        """Per sequence id, the `predict_next_steps` decision of each of a forward's `(seq, logits)` rows;
+        `args_of(seq, logits)`: the arguments `predict_next` takes (logits, extra, seen_first). Rows that
+        decide alike predict in one computation (`sequence.batched_predictions`)."""
+        args = [(seq, args_of(seq, logits)) for seq, logits in ran]
+        tokens = self._batched(args, lambda seqs, rows: batched_predictions(seqs, *map(list, zip(*rows))))
+        return {seq.id: seq.predict_next_steps(*a, tokens.get(seq.id)) for seq, a in args}
 
-    def _batched_predictions(self, ran, rows_of) -> dict:
-        """The predictions of a forward's rows that decide alike (`sequence.batched_predictions`),
-        by sequence id; `rows_of(seq, logits)`: the arguments `predict_next` would take (logits, extra,
-        seen_first)."""
-        return self._batched([(seq, rows_of(seq, logits)) for seq, logits in ran],
-                             lambda seqs, args: batched_predictions(seqs, *map(list, zip(*args))))
+    def _block_step(self, rows: list[Sequence], tokens: list[list[int]], **kw):
+        """A forward of `tokens` (one row each) in block mode over the rows' caches (`runner.step`'s
+        `block` or `block_len`, and `logits_at`, in `kw`) with each row's expert selection → (logits,
+        per row the distinct experts of each MoE layer as a device tensor, or None without statistics,
+        read back with the rows' decisions)."""
+        ids = device_tensor(tokens, self.model.device, torch.long)
+        stats: list = []                                   # per MoE layer a [rows] tensor
+        logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=self._top_p(rows), stats=stats, **kw)
+        return logits, list(torch.stack(stats, 1)) if stats else [None] * len(rows)
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
@@ -440,8 +428,6 @@ class Decoder:
                 if seq.pending in seq.settings.eos_token_id or seq.remaining <= 1:
                     # This token ends the request: the forward over it would only feed a cache nobody reads.
                     if seq.phase == "verify":          # a final one-token round, accepted without a forward
-                        seq.stats.rounds += 1
-                        seq.stats.accepted_lengths.append(1)
                         seq.record_verification(1)
                     produced[seq.id] += seq.extend([seq.pending])
                     continue
@@ -470,10 +456,10 @@ class Decoder:
                         produced[seq.id] += seq.extend([seq.pending])
                 ran = [(seq, logits) for seq, logits in ran if not seq.done]
                 # rows that decide alike predict in one computation: AR from its one row, verify from all
-                tokens = self._batched_predictions(ran, lambda seq, logits, phase=phase:
-                                                   (logits[-1:], [], 0) if phase == "ar" else (logits, seq.block, 1))
-                self._decide([(seq, getattr(self, f"_after_{phase}")(seq, logits, produced, tokens.get(seq.id)))
-                              for seq, logits in ran])
+                predictions = self._predictions(ran, lambda seq, logits, phase=phase:
+                                                (logits[-1:], [], 0) if phase == "ar" else (logits, seq.block, 1))
+                decide_rows([(seq, getattr(self, f"_after_{phase}")(seq, predictions[seq.id], produced))
+                             for seq, _ in ran], self._fail)
 
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
         """Commit each row's resolved block and denoise its next block of masks in the same forward."""
@@ -481,36 +467,32 @@ class Decoder:
         upcoming = {s.id: s.upcoming_block() for s in chunk}      # masks, or a grammar's forced start
 
         def forward(rows):
-            ids = device_tensor([s.block + upcoming[s.id] for s in rows], self.model.device, torch.long)
-            stats: list = []
-            logits = self.model.runner.step(ids, [s.cache for s in rows], block_len=L, block_top_p=self._top_p(rows),
-                                     logits_at="block", stats=stats)
-            distinct = _per_row(stats, len(rows))
-            return [(logits[b], distinct[b]) for b in range(len(rows))]
+            logits, distinct = self._block_step(rows, [s.block + upcoming[s.id] for s in rows], block_len=L,
+                                                logits_at="block")
+            return list(zip(logits, distinct))
         ran = list(self._rows(chunk, forward))
         for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()                    # the block the forward fed: `upcoming_block`'s
         # forced whole: nothing to decide; otherwise the logits of the positions left masked
-        self._decide([(seq, self._record_block_forward(seq, out[1])) for seq, out in ran if seq.phase == "commit"])
+        decide_rows([(seq, self._record_block_forward(seq, out[1])) for seq, out in ran if seq.phase == "commit"],
+                    self._fail)
         self._denoise([(seq, (_masked_rows(logits, upcoming[seq.id], seq.mask_id), distinct))
                        for seq, (logits, distinct) in ran if seq.phase != "commit"])
 
-    def _after_ar(self, seq: Sequence, logits, produced, tokens=None):
+    def _after_ar(self, seq: Sequence, prediction, produced):
         """The next token after the one this forward fed (already in the response)."""
-        seq.pending = (yield from seq.predict_next_steps(logits[-1:], [], 0, tokens))[0]
+        seq.pending = (yield from prediction)[0]
 
-    def _after_verify(self, seq: Sequence, logits, produced, tokens=None):
+    def _after_verify(self, seq: Sequence, prediction, produced):
         """SPEC §8 step 3: accept the longest run of draft tokens the causal mode agrees with."""
         draft = seq.block
-        predictions = yield from seq.predict_next_steps(logits, draft, 1, tokens)   # a_{P+1} … a_{P+L}
+        predictions = yield from prediction                             # a_{P+1} … a_{P+L}
         j = 0
         while j + 1 < len(draft) and draft[j + 1] == predictions[j]:
             j += 1
         start = seq.cache.spec_start
         seq.cache.rollback(start + j + 1)
-        seq.stats.rounds += 1
-        seq.stats.accepted_lengths.append(j + 1)
         seq.record_verification(j + 1)
         produced[seq.id] += seq.extend(draft[: j + 1])
         if not seq.done:

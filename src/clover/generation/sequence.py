@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding.controls import apply_controls
-from ..decoding.unmasking import candidates, positions_to_fill, positions_to_fill_batched
+from ..decoding.unmasking import candidates, positions_to_fill_batched
 from ..transfer import device_tensor, to_device
 from .constrained import BlockConstraint
 from .readback import resolve
@@ -190,7 +190,9 @@ class Sequence:
 
     # ---- controls ------------------------------------------------------------------------------
     def _think_distance(self, query_pos: int, extra: list[int]) -> int:
-        """j of SPEC §7 for a prediction at `query_pos`, given uncommitted `extra` tokens from `self.position`."""
+        """j of SPEC §7 for a prediction at `query_pos`, given uncommitted `extra` tokens from `self.position`:
+        if the last marker before `query_pos` is `<think>` at p, query_pos − p − 1, else −1 (a mask id,
+        an undecided position, matches neither marker)."""
         base = self.position
         for p in range(min(query_pos, base + len(extra)) - 1, base - 1, -1):
             t = extra[p - base]
@@ -201,26 +203,6 @@ class Sequence:
         if self._marker is not None and self._marker[0]:
             return query_pos - self._marker[1] - 1
         return -1
-
-    def _control_inputs(self, query_positions, extra) -> tuple[list[int], list[int] | None]:
-        """Per query position, its response offset and think distance (None without a think token):
-        what `apply_controls` reads besides the histories."""
-        offsets = [q - len(self.prompt) for q in query_positions]
-        think = None
-        if self.think_id is not None:
-            think = [self._think_distance(q, extra) for q in query_positions]
-        return offsets, think
-
-    def _controlled(self, logits, query_positions, histories, extra):
-        if not self._controls_on:
-            return logits.float()
-        device = logits.device
-        offsets, think = self._control_inputs(query_positions, extra)
-        return apply_controls(
-            logits, histories=histories, response_offsets=device_tensor(offsets, device),
-            think_distance=None if think is None else device_tensor(think, device),
-            eos_ids=list(self.settings.eos_token_id), think_end_id=self.think_end_id, settings=self._controls,
-        )
 
     @property
     def batch_key(self):
@@ -274,27 +256,20 @@ class Sequence:
         masked = self.masked_positions()
         constraint = controlled = None
         if fills is None:
-            if self._seed_is_mask:
-                masked_logits = masked_logits[1:]
-            undecided = set(masked)
-            filled = [t for i, t in enumerate(self.block) if i not in undecided]
-            queries = [self.position + i for i in masked]
-            controlled = self._controlled(masked_logits, queries, self._history(filled), self.block)
+            controlled, counts = _controlled_masks([self], [masked_logits])
             # A self-speculative draft is proposed freely: the grammar applies at its causal verification.
             constraint = None if s.speculative else self.constraint
-            if constraint is not None:
-                controlled = constraint.mask_frontier(controlled)
-            tokens, confidence = self._candidates(controlled, exclude=self.mask_id)  # a mask "fill" never finishes
             if constraint is None:
-                fill = positions_to_fill(confidence, s.threshold)
-            else:                                   # none confident: the frontier (row 0), valid by its mask
+                fills = _fills([self], controlled, counts)[0]
+            else:
+                controlled = constraint.mask_frontier(controlled)
+                tokens, confidence = batched_candidates([self], controlled, counts, exclude=self.mask_id)
+                # none confident: the frontier (row 0), valid by its mask
                 fill = confidence > s.threshold
                 if constraint.ordered():            # inside a structure: the frontier alone, in order
                     fill = torch.zeros_like(fill)
                 fill[0] |= not bool(fill.any())
-            if self.draft_completes():
-                fill = torch.ones_like(fill)       # draft complete: every remaining mask takes its argmax
-            fills = torch.where(fill, tokens, -1)
+                fills = torch.where(fill, tokens, -1)
         self.draft_steps_done += 1
         values, = yield (fills,)                                            # read back with the batch
         before = None if self.step_events is None else list(self.block)
@@ -328,7 +303,10 @@ class Sequence:
         self.step_events.append(event)
 
     def record_verification(self, accepted: int) -> None:
-        """A self-speculative round's step event (when traced): how many draft tokens were committed."""
+        """A self-speculative round that committed `accepted` draft tokens: its statistics, and its step
+        event when traced."""
+        self.stats.rounds += 1
+        self.stats.accepted_lengths.append(accepted)
         if self.step_events is not None:
             self.step_events.append({"block": self.blocks_started - 1, "start": len(self.response),
                                      "forward": self.stats.forwards, "accepted": accepted})
@@ -345,26 +323,14 @@ class Sequence:
         """`predict_next` as a decision (generation/readback.py); returns the predictions. Under a
         grammar it reads the device itself (the grammar walks the choices one by one). `tokens`:
         this row's share of `batched_predictions` (its logits then go unused)."""
-        if tokens is not None:
-            values, = yield (tokens,)
-            return values
-        n = logits.shape[0]
-        queries = [self.position + seen_first + k for k in range(n)]
-        if self._controls_on:
-            histories = [self._history(extra[: seen_first + k]) for k in range(n)]
-            logits = self._controlled(logits, queries, histories, extra)
-        if self.constraint is not None:
-            return self.constraint.choose_run(logits.float(), lambda row: int(self._candidates(row)[0][0]),
+        if tokens is None and self.constraint is not None:
+            x, _ = _controlled_predictions([self], [logits], [extra], [seen_first])
+            return self.constraint.choose_run(x, lambda row: int(batched_candidates([self], row, [1])[0][0]),
                                               extra[seen_first:], self.remaining - seen_first)
-        tokens, _ = self._candidates(logits.float(), with_confidence=False)
+        if tokens is None:
+            tokens = batched_predictions([self], [logits], [extra], [seen_first])[0]
         values, = yield (tokens,)
         return values
-
-    def _candidates(self, logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
-        """`candidates()` on logits made safe first (`safe_logits`, `sampling_logits`), so no NaN or
-        overflow can reach a draw inside the shared decoder step and fail every co-batched request:
-        this row alone through what a batch of rows goes through."""
-        return batched_candidates([self], logits, [logits.shape[0]], exclude, with_confidence)
 
 
 def sampling_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -423,9 +389,9 @@ def _batched_controls(seqs, logits: torch.Tensor, queries, histories, extras) ->
         return logits.float()
     offsets, think = [], []
     for seq, q, extra in zip(seqs, queries, extras):
-        o, t = seq._control_inputs(q, extra)
-        offsets += o
-        think += t or []
+        offsets += [p - len(seq.prompt) for p in q]
+        if first.think_id is not None:
+            think += [seq._think_distance(p, extra) for p in q]
     device = logits.device
     return apply_controls(
         logits, histories=[h for row in histories for h in row], response_offsets=device_tensor(offsets, device),
@@ -433,16 +399,10 @@ def _batched_controls(seqs, logits: torch.Tensor, queries, histories, extras) ->
         eos_ids=list(first.settings.eos_token_id), think_end_id=first.think_end_id, settings=first._controls)
 
 
-def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`denoise`'s device half for rows with one `batch_key`, all at once: one controls / candidates /
-    confidence / fill computation over every row's masked positions instead of ~20 small kernels per
-    row (what a GPU step would otherwise spend launching them). Each row's result, [its masked
-    positions] of token or −1, equals what its own `denoise` computes (every op is row-wise); pass it
-    as `denoise_steps(..., fills=)`."""
+def _controlled_masks(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The controlled logits of the rows' masked positions (a draft's mask-id seed dropped), concatenated,
+    and how many each row has: what a denoising step decides from."""
     xs = [x[1:] if s._seed_is_mask else x for s, x in zip(seqs, masked_logits)]
-    counts = [x.shape[0] for x in xs]
-    if not sum(counts):
-        return [x.new_zeros(0, dtype=torch.long) for x in xs]
     queries, histories = [], []
     for seq in seqs:
         masked = seq.masked_positions()
@@ -451,7 +411,23 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
         queries.append([seq.position + i for i in masked])
         histories.append([history] * len(masked))
     x = _batched_controls(seqs, torch.cat(xs), queries, histories, [seq.block for seq in seqs])
-    tokens, confidence = batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)
+    return x, [x.shape[0] for x in xs]
+
+
+def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`denoise`'s device half for rows with one `batch_key`, all at once: one controls / candidates /
+    confidence / fill computation over every row's masked positions instead of ~20 small kernels per
+    row (what a GPU step would otherwise spend launching them). Each row's result, [its masked
+    positions] of token or −1, is what it gets alone (every op is row-wise; a row alone decides
+    through here too); pass it as `denoise_steps(..., fills=)`."""
+    return _fills(seqs, *_controlled_masks(seqs, masked_logits))
+
+
+def _fills(seqs: list["Sequence"], x: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """LowConfidence's fills (SPEC §5) from the controlled logits of `_controlled_masks`."""
+    if not sum(counts):
+        return [x.new_zeros(0, dtype=torch.long) for _ in counts]
+    tokens, confidence = batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)  # a mask "fill" never finishes
     conf, real = _rows_padded(confidence, counts, float("-inf"))
     toks, _ = _rows_padded(tokens, counts, -1)
     # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
@@ -461,17 +437,24 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
     return [decided[b, :n] for b, n in enumerate(counts)]
 
 
-def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
-                        seen_first: list[int]) -> list[torch.Tensor]:
-    """`predict_next`'s device half for rows with one `batch_key`, all at once (arguments per row as
-    `predict_next` takes them): each row's tokens, as its own `predict_next` computes them; pass
-    them as `predict_next_steps(..., tokens=)`."""
+def _controlled_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
+                            seen_first: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The controlled logits of causal rows (arguments per row as `predict_next` takes them),
+    concatenated, and how many each row has."""
     counts = [x.shape[0] for x in logits]
     queries, histories = [], []
     for seq, n, extra, first in zip(seqs, counts, extras, seen_first):
         queries.append([seq.position + first + k for k in range(n)])
         histories.append([seq._history(extra[: first + k]) for k in range(n)] if seq._controls_on else [])
-    x = _batched_controls(seqs, torch.cat(logits), queries, histories, extras)
+    return _batched_controls(seqs, torch.cat(logits), queries, histories, extras), counts
+
+
+def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
+                        seen_first: list[int]) -> list[torch.Tensor]:
+    """`predict_next`'s device half for rows with one `batch_key`, all at once (arguments per row as
+    `predict_next` takes them): each row's tokens, as it gets them alone (a row alone predicts through
+    here too); pass them as `predict_next_steps(..., tokens=)`."""
+    x, counts = _controlled_predictions(seqs, logits, extras, seen_first)
     tokens, _ = batched_candidates(seqs, x, counts, with_confidence=False)
     return list(torch.split(tokens, counts))
 
@@ -480,7 +463,9 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
                        with_confidence: bool = True):
     """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
     rows each): sampled rows draw their uniforms from their own sequence's generator, as many as each
-    would draw alone and in the same order, so every row gets exactly its own result."""
+    would draw alone and in the same order, so every row gets exactly its own result. The logits are
+    made safe first (`safe_logits`, `sampling_logits`): no NaN or overflow reaches a draw inside the
+    shared decoder step and fails every co-batched request."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0
     if sampled and sum(counts):

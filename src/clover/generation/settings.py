@@ -32,7 +32,9 @@ class GenerationSettingsError(ValueError):
 
 
 @dataclass(frozen=True)
-class GenerationSettings:
+class GenerationSettings(ControlSettings):
+    """One request's settings: the controls of SPEC §7 (the `dllm_*` fields, inherited) and the rest."""
+
     max_new_tokens: int = 256
     block_size: int = 32
     threshold: float = 0.95
@@ -45,14 +47,6 @@ class GenerationSettings:
     seed: int | None = None
     eos_token_id: tuple[int, ...] = ()
     block_expert_top_p: float | None = None       # None: the model config's value
-    dllm_repetition_penalty: float = 1.05
-    dllm_repetition_window: int = 512
-    dllm_length_penalty_start: int = 8192
-    dllm_length_penalty_window: int = 8192
-    dllm_length_penalty_strength: float = 10.0
-    dllm_think_end_start: int = 4096
-    dllm_think_end_window: int = 4096
-    dllm_think_end_strength: float = 10.0
     # A block's forward costs what its length costs, whatever max_new_tokens is: the cap keeps one
     # cheap request (block_size 65536, max_tokens 1) from holding the engine for minutes. The
     # operator's setting (generation_config.json, `clover serve --max-block-size`), never a request's.
@@ -97,6 +91,7 @@ class GenerationSettings:
 
     @property
     def controls(self) -> ControlSettings:
+        """The controls alone (what decides alike in a batch, `Sequence.batch_key`)."""
         return ControlSettings(**{f: getattr(self, f) for f in ControlSettings.field_names()})
 
     @property
@@ -119,6 +114,19 @@ class GenerationSettings:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise GenerationSettingsError(f"{name} must be a number, got {v!r}")
 
+        def fraction(name):
+            # None: unset. Below float32's smallest normal number a value acts as 0 (runtime.py flushes
+            # denormals): top_p's nucleus would be empty, block_expert_top_p would fail the model's check.
+            v = getattr(self, name)
+            if v is None:
+                return
+            number(name)
+            if not 0.0 < v <= 1.0:
+                raise GenerationSettingsError(f"{name} must lie in (0, 1], got {v}")
+            if v < FLOAT32_TINY:
+                raise GenerationSettingsError(f"{name} must be at least {FLOAT32_TINY:.3g} (float32's smallest "
+                                              f"normal number), got {v}")
+
         integer("max_new_tokens", 1)
         integer("block_size", 1)
         integer("max_block_size", 1)
@@ -139,13 +147,7 @@ class GenerationSettings:
         if 0 < self.temperature < FLOAT32_TINY:
             raise GenerationSettingsError(f"temperature must be 0 (greedy) or at least {FLOAT32_TINY:.3g} "
                                           f"(float32's smallest normal number), got {self.temperature}")
-        if self.top_p is not None:
-            number("top_p")
-            if not 0.0 < self.top_p <= 1.0:
-                raise GenerationSettingsError(f"top_p must lie in (0, 1], got {self.top_p}")
-            if self.top_p < FLOAT32_TINY:
-                raise GenerationSettingsError(f"top_p must be at least {FLOAT32_TINY:.3g} (float32's smallest "
-                                              f"normal number; below it the nucleus is empty), got {self.top_p}")
+        fraction("top_p")
         if self.top_k is not None:
             integer("top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -153,15 +155,7 @@ class GenerationSettings:
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise GenerationSettingsError(f"seed must lie in [-2**63, 2**64 - 1] (what a torch generator "
                                           f"takes), got {self.seed}")
-        if self.block_expert_top_p is not None:
-            number("block_expert_top_p")
-            if not 0.0 < self.block_expert_top_p <= 1.0:
-                raise GenerationSettingsError(
-                    f"block_expert_top_p must lie in (0, 1], got {self.block_expert_top_p}"
-                )
-            if self.block_expert_top_p < FLOAT32_TINY:      # 0 in the model's float32 check: the step fails
-                raise GenerationSettingsError(f"block_expert_top_p must be at least {FLOAT32_TINY:.3g} (float32's "
-                                              f"smallest normal number), got {self.block_expert_top_p}")
+        fraction("block_expert_top_p")
         integer("dllm_repetition_window", 1)          # it slices the history: 1.0 used to crash the step
         try:
             self.controls.validate()
