@@ -15,27 +15,22 @@ import ctypes
 import torch
 
 from .build import library
-from .rmsnorm import tensor_version
+from .panels import check_status
+from .rmsnorm import kernel_constants
 
 MAX_TOKENS = 64
 
 
 def _constants(mixer):
-    """fp32 copies of the parameters the kernel reads, made once and again whenever a parameter was
-    written since (a weight reload through `load_state_dict` copies into them, bumping their versions;
-    the versions only grow, so their sum changes with any of them)."""
-    cached = mixer.__dict__.get("_kernel_constants")
-    if cached is not None and cached[0] == sum(tensor_version(t) for t in cached[1]):
-        return cached[2]
-    sources = (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
-               mixer.norm.weight)
+    """fp32 copies of the parameters the kernel reads (kept on the mixer, made again after a reload)."""
     f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
-    consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
-              f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
-              f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
-              f32(mixer.norm.weight))
-    mixer.__dict__["_kernel_constants"] = (sum(tensor_version(t) for t in sources), sources, consts)
-    return consts
+    return kernel_constants(
+        mixer, (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
+                mixer.norm.weight),
+        lambda: (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
+                 f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
+                 f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
+                 f32(mixer.norm.weight)))
 
 
 def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
@@ -81,8 +76,5 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
         ctypes.addressof(new_state_ptrs),
         norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1),
         torch.get_num_threads())
-    if status == -1:
-        raise MemoryError("gdn_short: out of memory")
-    if status != 0:
-        raise ValueError(f"gdn_short: unsupported shape (T={T}, conv kernel {mixer.kernel})")
+    check_status(status, "gdn_short", f"unsupported shape (T={T}, conv kernel {mixer.kernel})")
     return out

@@ -84,6 +84,10 @@ class PanelWeight:
         self.panels = pack_panels(weight)
         self._struct = None
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors behind the weight (a module registers them as buffers: `layers/packed.py`)."""
+        return {"panels": self.panels}
+
     def struct(self) -> Weights:
         """The C descriptor; built once (the panels never move)."""
         if self._struct is None:
@@ -113,13 +117,12 @@ def _input(x: torch.Tensor, K: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()      # rows may be strided (lda), elements not
 
 
-def check_status(status: int, what: str, N: int | None = None):
+def check_status(status: int, what: str, unsupported: str = "unsupported shape or group size"):
     """A kernel's status as an exception: −1 out of memory, −2 (any other) arguments it cannot take."""
     if status == -1:
         raise MemoryError(f"{what}: the kernel could not allocate its buffers")
     if status:
-        swiglu = "" if N is None else f" (a SwiGLU epilogue needs N a multiple of {PANEL}, got {N})"
-        raise ValueError(f"{what}: unsupported shape or group size{swiglu}")
+        raise ValueError(f"{what}: {unsupported}")
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,7 +171,8 @@ def grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor, ids: torch.Te
             ctypes.byref(weight.struct()), a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16),
             len(ids), offsets.data_ptr(), ids.data_ptr(), None if rows is None else rows.data_ptr(), K, N,
             out.data_ptr(), out.shape[1], int(x.dtype == torch.float32), int(swiglu),
-            None if scale is None else scale.data_ptr(), torch.get_num_threads()), "grouped linear", N)
+            None if scale is None else scale.data_ptr(), torch.get_num_threads()), "grouped linear",
+            f"unsupported shape or group size (a SwiGLU epilogue needs N a multiple of {PANEL}, got {N})")
     return out
 
 

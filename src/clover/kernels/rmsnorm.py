@@ -21,13 +21,25 @@ def tensor_version(t: torch.Tensor) -> int:
         return 0
 
 
-def _scale(norm) -> torch.Tensor:
-    """The norm's fp32 `1 + w`, made once and again whenever the weight was written since (a reload)."""
-    cached = getattr(norm, "_kernel_scale", None)
-    version = tensor_version(norm.weight)
+def versions(tensors) -> int:
+    """The sum of the tensors' write counters: it changes whenever one of them was written (they only grow)."""
+    return sum(tensor_version(t) for t in tensors)
+
+
+def kernel_constants(module, sources, make):
+    """What `make()` builds from `sources` (the module's parameters the kernel reads, as fp32 copies or
+    C descriptors), kept on `module` and made again whenever a source was written since (a weight
+    reload through `load_state_dict` copies into them, bumping their versions)."""
+    version = versions(sources)
+    cached = module.__dict__.get("_kernel_constants")
     if cached is None or cached[0] != version:
-        cached = norm._kernel_scale = (version, (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
+        cached = module.__dict__["_kernel_constants"] = (version, make())
     return cached[1]
+
+
+def _scale(norm) -> torch.Tensor:
+    """The norm's fp32 `1 + w`."""
+    return kernel_constants(norm, (norm.weight,), lambda: (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
 
 
 def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
