@@ -25,6 +25,7 @@ import torch
 from .backend import Backend, reference_backend
 from .cache import SequenceState, StatePool
 from .kernels.decode_plan import DecodePlans
+from .layers.expert_selection import validate_block_expert_top_p
 from .transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -266,8 +267,7 @@ class ModelRunner:
         t = torch.as_tensor(block_top_p, dtype=torch.float32).flatten()
         if t.numel() == 1:
             t = t.expand(B)
-        if bool((t <= 0).any() or (t > 1).any() or torch.isnan(t).any()):
-            raise ValueError(f"block_expert_top_p must lie in (0, 1], got {t.tolist()}")
+        validate_block_expert_top_p(t)
         if bool((t >= 1).all()):
             return None
         return to_device(t, self.model.device)
