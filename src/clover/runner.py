@@ -209,7 +209,8 @@ class ModelRunner:
         try:
             logits = None
             if T == 1 and not block_len and stats is None and logits_at in ("last", "all"):
-                logits = self._decode_plan_step(ids, batch)        # None where no plan fits
+                self._plans = self._plans or DecodePlans(self.model)
+                logits = self._plans.step(self.model, ids, batch)        # None where no plan fits
             if logits is None and self.graph_replay is not None and pool is self._pool:
                 graphs = self.step_graphs()
                 if graphs is not None:
@@ -222,13 +223,6 @@ class ModelRunner:
             raise
         pool.finish(batch, caches)
         return logits
-
-    def _decode_plan_step(self, ids, batch):
-        if getattr(self.model, "packed", None) != "clover-kernels":
-            return None
-        if self._plans is None:
-            self._plans = DecodePlans(self.model)
-        return self._plans.step(self.model, ids, batch)
 
     @staticmethod
     def positions(ids, batch, T):

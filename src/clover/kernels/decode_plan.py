@@ -44,6 +44,7 @@ from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
+from .gdn_short import gdn_short_args
 from .rmsnorm import _scale, versions
 
 log = logging.getLogger(__name__)
@@ -301,18 +302,11 @@ class _Plan:
         u, z, b, a = self._project(m, "gdn")
         if b.stride()[:2] != a.stride()[:2]:
             raise ValueError("decode plan: GDN b and a not from one stacked projection")
-        conv_w, right_w, A_log, dt_bias, mix, norm_w = consts = gdn_constants(m)
-        self.keep.append(consts)
+        self.keep.append(gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, 1, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
-        self._add("clover_gdn_short",
-                  [B, 1, 1, m.num_k_heads, m.num_v_heads, m.dk, m.dv, m.kernel, right_w.shape[0],
-                   u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
-                   b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
-                   *(ctypes.addressof(p) for p in ptrs[:2]), conv_w.data_ptr(), right_w.data_ptr(),
-                   A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), *(ctypes.addressof(p) for p in ptrs[2:]),
-                   norm_w.data_ptr(), m.norm.eps, m.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), 1])
+        self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out, 1, 1))
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
 
     def _attention(self, attn):

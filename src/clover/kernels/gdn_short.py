@@ -41,6 +41,20 @@ def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
     return (ctypes.c_int64 * len(slots))(*[base + s * step for s in slots])
 
 
+def gdn_short_args(mixer, u, z, b, a, slot_arrays, out, causal: int, threads: int) -> list:
+    """`clover_gdn_short`'s arguments (the face's and the decode plan's): the projections [B, T, ·], the
+    addresses of the four slot-pointer arrays (conv tails read / written, states read / written), the
+    output [B, T, Hv·dv], the number of causal tokens."""
+    B, T = u.shape[:2]
+    conv_w, right_w, A_log, dt_bias, mix, norm_w = _constants(mixer)
+    tails, new_tails, states, new_states = slot_arrays
+    return [B, T, causal, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
+            u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
+            b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1), tails, new_tails, conv_w.data_ptr(),
+            right_w.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), states, new_states,
+            norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), threads]
+
+
 def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, read_slots, write_slots,
               block_len: int = 0) -> torch.Tensor:
     """`conv` [slots, C, K−1] bf16 and `recurrent` [slots, Hv, dk, dv] fp32: the layer's state slots in
@@ -56,7 +70,6 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
         ba = torch.cat([b, a], dim=-1)         # (a GGUF mix may store ssm_beta and ssm_alpha in two types)
         b, a = ba[..., :b.shape[-1]], ba[..., b.shape[-1]:]
     P = T - block_len
-    conv_w, right_w, A_log, dt_bias, mix, norm_w = _constants(mixer)
     if not (conv.is_contiguous() and conv.dtype == torch.bfloat16 and recurrent.is_contiguous()
             and recurrent.dtype == torch.float32):
         raise ValueError("gdn_short needs contiguous bf16 conv slots and fp32 recurrent slots")
@@ -67,14 +80,8 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
     # the pointer arrays must outlive the call: name them
     tail_ptrs, new_tail_ptrs = _slot_pointers(conv, read_slots), _slot_pointers(conv, written)
     state_ptrs, new_state_ptrs = _slot_pointers(recurrent, read_slots), _slot_pointers(recurrent, written)
-    status = library().clover_gdn_short(
-        B, T, P, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
-        u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
-        b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
-        ctypes.addressof(tail_ptrs), ctypes.addressof(new_tail_ptrs), conv_w.data_ptr(), right_w.data_ptr(),
-        A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), ctypes.addressof(state_ptrs),
-        ctypes.addressof(new_state_ptrs),
-        norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1),
-        torch.get_num_threads())
+    status = library().clover_gdn_short(*gdn_short_args(
+        mixer, u, z, b, a, [ctypes.addressof(p) for p in (tail_ptrs, new_tail_ptrs, state_ptrs, new_state_ptrs)],
+        out, P, torch.get_num_threads()))
     check_status(status, "gdn_short", f"unsupported shape (T={T}, conv kernel {mixer.kernel})")
     return out

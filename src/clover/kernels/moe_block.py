@@ -33,10 +33,6 @@ def _moe_constants(moe):
     return kernel_constants(moe, (), make)
 
 
-def _kernel_packed(packed) -> bool:
-    return hasattr(packed, "panels") or hasattr(packed, "struct")
-
-
 def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: torch.Tensor | None = None):
     """x (normalised): bf16 [B, T, H]; the last `block_len` tokens of each row are a noisy block,
     `block_top_p` None or float32 [B] (1.0: selection off for that row, as `SparseMoE.forward`).
@@ -83,7 +79,7 @@ def packed_for_kernels(moe) -> bool:
         return True
     fused = moe.fused_input
     if (fused is None or moe.experts.panels is None or getattr(moe.shared_expert.down_proj, "packed", None) is None
-            or not all(_kernel_packed(part[0]) for part in fused.parts)):
+            or not all(hasattr(part[0], "struct") for part in fused.parts)):     # kernel weights (panels.py)
         return False
     E, Is = moe.num_experts, moe.shared_expert.down_proj.packed.in_features
     return [sizes for _, _, sizes in fused.parts] in ([[E, 1, Is, Is]], [[E, 1], [Is, Is]])

@@ -108,7 +108,8 @@ def refuse_moving(module, fn) -> None:
             "device and dtype you want (clover.load(..., backend='reference') keeps plain weights)")
 
 
-def _input(x: torch.Tensor, K: int) -> torch.Tensor:
+def input_rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x [..., K] as the rows [M, K] a kernel reads (K features, bf16 or fp32, contiguous elements)."""
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {K}")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -128,7 +129,7 @@ def check_status(status: int, what: str, unsupported: str = "unsupported shape o
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · Wᵀ (+ bias) → [..., N] in x's dtype, for a `PanelWeight` or a `QuantPanelWeight`."""
     N, K = weight.out_features, weight.in_features
-    a = _input(x, K)
+    a = input_rows(x, K)
     out_fp32 = x.dtype == torch.float32 or bias is not None
     out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
     if a.shape[0]:
@@ -149,7 +150,7 @@ def grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor, ids: torch.Te
     16 gate and 16 up columns and the result is SwiGLU(gate, up) [T, N/2]; `scale` [T] fp32: each
     result row times its value (routing weights). Both round as the bf16 tensor ops they replace."""
     N, K = weight.out_features, weight.in_features
-    a = _input(x, K)
+    a = input_rows(x, K)
     offsets = offsets.to(torch.int64).contiguous()
     ids = ids.to(torch.int64).contiguous()
     if rows is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .build import library
+from .panels import input_rows
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -42,18 +43,13 @@ def _scale(norm) -> torch.Tensor:
     return kernel_constants(norm, (norm.weight,), lambda: (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
 
 
-def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
-    t = t.reshape(-1, H)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 h [..., H] (+ delta) → (the sum, or h itself without delta; its normalised rows)."""
     H = h.shape[-1]
     if h.dtype != torch.bfloat16 or (delta is not None and (delta.dtype != torch.bfloat16 or delta.shape != h.shape)):
         raise ValueError("add_rmsnorm takes bf16 tensors of one shape")
-    a = _rows(h, H)
-    d = None if delta is None else _rows(delta, H)
+    a = input_rows(h, H)
+    d = None if delta is None else input_rows(delta, H)
     out_h = h if d is None else torch.empty(h.shape, dtype=torch.bfloat16)
     out_x = torch.empty(h.shape, dtype=torch.bfloat16)
     library().clover_add_rmsnorm(a.shape[0], H, a.data_ptr(), a.stride(0), None if d is None else d.data_ptr(),
