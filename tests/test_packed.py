@@ -95,7 +95,8 @@ def test_packed_weights_are_registered_state():
     for m in (a, b):
         assert pack_for_cpu(m) > 0
     keys = a.state_dict().keys()
-    assert any(k.endswith("fused_input.weight_packed") for k in keys) and any(k.endswith("gate_up_panels") for k in keys)
+    assert any(k.endswith("fused_input.weight_packed_panels") for k in keys)
+    assert any(k.endswith("gate_up_panels") for k in keys)
     ids = torch.randint(5, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         before = a(ids)

@@ -22,6 +22,7 @@ Backends: "reference" (PyTorch only), "cpu" (Clover's native CPU kernels, clover
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from .layers.attention import attention_reference
@@ -126,12 +127,7 @@ def _row_by_row(call: Callable, args: tuple, at: int):
     return out
 
 
-REFERENCE = None
-
-
+@functools.lru_cache(maxsize=None)
 def reference_backend() -> Backend:
     """The shared PyTorch-only backend (what an unpacked model uses)."""
-    global REFERENCE
-    if REFERENCE is None:
-        REFERENCE = Backend("reference")
-    return REFERENCE
+    return Backend("reference")

@@ -31,7 +31,6 @@ from .layers.norms import compute_dtype
 from .transfer import to_device
 
 PAGE_SIZE = 32
-_BYTES = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 class PoolFull(RuntimeError):
@@ -150,8 +149,7 @@ class BatchIndex:
         P = batch.pool.page_size
         B = len(batch.starts)
         starts = torch.tensor(batch.starts, dtype=torch.long)
-        width = max(1, max(len(p) for p in batch.pages))
-        table = torch.tensor([p + [0] * (width - len(p)) for p in batch.pages], dtype=torch.long)   # [B, pages]
+        table = batch.page_table().long()                                                       # [B, pages]
         write = batch.write_slots or [None] * B
         write_rows = torch.tensor([r for r, w in enumerate(write) if w is not None], dtype=torch.long)
         write_slots = torch.tensor([w for w in write if w is not None], dtype=torch.long)
@@ -159,9 +157,32 @@ class BatchIndex:
         parts = [read, write_rows, write_slots, starts, table.reshape(-1)]
         flat = to_device(torch.cat(parts), device)                       # one host-to-device copy
         out = list(torch.split(flat, [t.numel() for t in parts]))
-        out[4] = out[4].view(B, width)
+        out[4] = out[4].view(B, -1)
         return cls(*out, tokens=T, key_len=max(batch.starts) + T, page_size=P,
                    uniform=len(set(batch.starts)) == 1)
+
+
+class RefCounts:
+    """Reference-counted ids (the pool's K/V pages, or its GDN slots) and the free ones, `pinned` first
+    ids held for good."""
+
+    def __init__(self, count: int, pinned: int = 0):
+        self.refs = [1] * pinned + [0] * (count - pinned)
+        self.free = list(range(count - 1, pinned - 1, -1))
+
+    def take(self) -> int:
+        i = self.free.pop()
+        self.refs[i] = 1
+        return i
+
+    def ref(self, i: int) -> None:
+        self.refs[i] += 1
+
+    def drop(self, i: int | None) -> None:
+        if i is not None:
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                self.free.append(i)
 
 
 class _Holdings:
@@ -196,11 +217,8 @@ class StatePool:
             self._allocate(slots, pages, dev)
         self.has_gdn = bool(self.conv)
         self._lock = threading.RLock()
-        self._page_refs = [0] * pages
-        self._free_pages = list(range(pages - 1, -1, -1))
-        self._slot_refs = [0] * slots
-        self._slot_refs[0] = 1                      # the zero state: pinned, never written
-        self._free_slots = list(range(slots - 1, 0, -1))
+        self.page_ids = RefCounts(pages)
+        self.slot_ids = RefCounts(slots, pinned=1)      # slot 0, the zero state: pinned, never written
         self.reserved_pages = 0                     # promised to sequences, not yet taken
         self.reserved_slots = 0
         from .prefix_cache import PrefixCache
@@ -225,13 +243,13 @@ class StatePool:
     # ---- sizing ----------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_page(config, dtype, page_size: int = PAGE_SIZE) -> int:
-        e = _BYTES[dtype]
+        e = dtype.itemsize
         attn = sum(1 for k in config.layer_types if k != "linear_attention")
         return attn * 2 * page_size * config.num_key_value_heads * config.head_dim * e
 
     @staticmethod
     def bytes_per_slot(config, dtype) -> int:
-        e, se = _BYTES[dtype], _BYTES[compute_dtype(dtype)]
+        e, se = dtype.itemsize, compute_dtype(dtype).itemsize
         gdn = sum(1 for k in config.layer_types if k == "linear_attention")
         per = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * e
         per += config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * se
@@ -262,63 +280,36 @@ class StatePool:
     # ---- pages -----------------------------------------------------------------------------------
     @property
     def free_pages(self) -> int:
-        return len(self._free_pages)
+        return len(self.page_ids.free)
 
     @property
     def free_slots(self) -> int:
-        return len(self._free_slots)
+        return len(self.slot_ids.free)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
     def available_pages(self) -> int:
         """Pages a new reservation may count on: free ones, plus those only the prefix cache holds."""
-        return len(self._free_pages) + self.prefix.evictable_pages() - self.reserved_pages
+        return self.free_pages + self.prefix.evictable(self.page_ids) - self.reserved_pages
 
     def available_slots(self) -> int:
-        return len(self._free_slots) + self.prefix.evictable_slots() - self.reserved_slots
+        return self.free_slots + self.prefix.evictable(self.slot_ids) - self.reserved_slots
 
-    def _take_page(self) -> int:
-        while not self._free_pages:
+    def _take(self, ids: RefCounts) -> int:
+        """A free page or slot (`ids`), evicting cached prefixes while there is none."""
+        while not ids.free:
             if not self.prefix.evict_one():
-                raise PoolFull(f"the state pool's {self.num_pages} K/V pages ({self.num_pages * self.page_size} "
-                               "tokens) are all in use")
-        page = self._free_pages.pop()
-        self._page_refs[page] = 1
-        return page
-
-    def _drop_page(self, page: int) -> None:
-        self._page_refs[page] -= 1
-        if self._page_refs[page] == 0:
-            self._free_pages.append(page)
-
-    def _ref_page(self, page: int) -> None:
-        self._page_refs[page] += 1
+                what = (f"{self.num_pages} K/V pages ({self.num_pages * self.page_size} tokens)" if ids is self.page_ids
+                        else f"{self.num_slots} GDN state slots")
+                raise PoolFull(f"the state pool's {what} are all in use")
+        return ids.take()
 
     def page_refs(self, page: int) -> int:
-        return self._page_refs[page]
-
-    # ---- slots -----------------------------------------------------------------------------------
-    def _take_slot(self) -> int:
-        while not self._free_slots:
-            if not self.prefix.evict_one():
-                raise PoolFull(f"the state pool's {self.num_slots} GDN state slots are all in use")
-        slot = self._free_slots.pop()
-        self._slot_refs[slot] = 1
-        return slot
-
-    def _drop_slot(self, slot: int | None) -> None:
-        if slot is None:
-            return
-        self._slot_refs[slot] -= 1
-        if self._slot_refs[slot] == 0:
-            self._free_slots.append(slot)
-
-    def _ref_slot(self, slot: int) -> None:
-        self._slot_refs[slot] += 1
+        return self.page_ids.refs[page]
 
     def slot_refs(self, slot: int) -> int:
-        return self._slot_refs[slot]
+        return self.slot_ids.refs[slot]
 
     # ---- scratch ---------------------------------------------------------------------------------
     def take_scratch(self, tokens: int) -> tuple[list[int], int]:
@@ -328,15 +319,15 @@ class StatePool:
             need = self.pages_for(tokens)
             if self.available_pages() < need or (self.has_gdn and self.available_slots() < 1):
                 raise PoolFull(f"the state pool has no room for {need} scratch pages and a slot")
-            pages = [self._take_page() for _ in range(need)]
-            return pages, (self._take_slot() if self.has_gdn else 0)
+            pages = [self._take(self.page_ids) for _ in range(need)]
+            return pages, (self._take(self.slot_ids) if self.has_gdn else 0)
 
     def give_back_scratch(self, pages: list[int], slot: int) -> None:
         with self._lock:
             for page in pages:
-                self._drop_page(page)
+                self.page_ids.drop(page)
             if self.has_gdn:
-                self._drop_slot(slot)
+                self.slot_ids.drop(slot)
 
     # ---- sequences -------------------------------------------------------------------------------
     def new_sequence(self, reserve_tokens: int = 0) -> "SequenceState":
@@ -352,7 +343,7 @@ class StatePool:
             self.reserved_slots += slots
             held = _Holdings()
             held.reserved_pages, held.reserved_slots = pages, slots
-            self._ref_slot(0)
+            self.slot_ids.ref(0)
             return SequenceState(self, held)
 
     def can_reserve(self, tokens: int) -> bool:
@@ -363,12 +354,12 @@ class StatePool:
     def _release(self, held: _Holdings) -> None:
         with self._lock:
             for page in held.pages:
-                self._drop_page(page)
+                self.page_ids.drop(page)
             held.pages = []
-            self._drop_slot(held.slot)
-            self._drop_slot(held.saved_slot)
+            self.slot_ids.drop(held.slot)
+            self.slot_ids.drop(held.saved_slot)
             for slot in held.snapshot_slots:
-                self._drop_slot(slot)
+                self.slot_ids.drop(slot)
             held.slot, held.saved_slot, held.snapshot_slots, held.own_slots = None, None, [], []
             self.reserved_pages -= held.reserved_pages
             self.reserved_slots -= held.reserved_slots
@@ -379,10 +370,10 @@ class StatePool:
         if held.reserved_pages:
             held.reserved_pages -= 1
             self.reserved_pages -= 1
-        elif len(self._free_pages) + self.prefix.evictable_pages() - self.reserved_pages < 1:
+        elif self.available_pages() < 1:
             raise PoolFull(f"the state pool is out of K/V pages ({self.num_pages} of {self.page_size} tokens, "
                            f"{self.reserved_pages} reserved by running requests)")
-        return self._take_page()
+        return self._take(self.page_ids)
 
     def _grow(self, held: _Holdings, tokens: int) -> None:
         """Give a sequence pages up to `tokens` positions, its reservation first."""
@@ -395,19 +386,19 @@ class StatePool:
         P = self.page_size
         for i in range(start // P, min(self.pages_for(stop), len(held.pages))):
             page = held.pages[i]
-            if self._page_refs[page] > 1:
+            if self.page_ids.refs[page] > 1:
                 fresh = self._seq_take_page(held)
                 for d in (self.k, self.v):
                     for t in d.values():
                         t[fresh].copy_(t[page])
-                self._drop_page(page)
+                self.page_ids.drop(page)
                 held.pages[i] = fresh
 
     def _seq_take_slot(self, held: _Holdings) -> int:
         """A fresh slot for a sequence, out of its reservation while it has one left."""
         if not held.reserved_slots:
-            return self._take_slot()
-        slot = self._take_slot()
+            return self._take(self.slot_ids)
+        slot = self._take(self.slot_ids)
         held.reserved_slots -= 1
         self.reserved_slots -= 1
         held.own_slots.append(slot)
@@ -422,7 +413,7 @@ class StatePool:
             held.own_slots.remove(slot)
             held.reserved_slots += 1
             self.reserved_slots += 1
-        self._drop_slot(slot)
+        self.slot_ids.drop(slot)
 
     def flat_positions(self, pages: list[int], start: int, stop: int) -> torch.Tensor:
         """Rows of a `[pages · page_size, …]` view holding positions start … stop−1 of a page table."""
@@ -444,8 +435,7 @@ class StatePool:
     def page_table(self, pages_per_row: list[list[int]]) -> torch.Tensor:
         """Per-row page tables as one int32 [B, max pages] tensor (the native attention kernel's input)."""
         width = max(1, max(len(p) for p in pages_per_row))
-        table = torch.tensor([p + [0] * (width - len(p)) for p in pages_per_row], dtype=torch.int32)
-        return table
+        return torch.tensor([p + [0] * (width - len(p)) for p in pages_per_row], dtype=torch.int32)
 
     # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None) -> ForwardBatch:
@@ -491,8 +481,8 @@ class StatePool:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"pages": self.num_pages, "free_pages": len(self._free_pages), "reserved_pages": self.reserved_pages,
-                    "slots": self.num_slots, "free_slots": len(self._free_slots),
+            return {"pages": self.num_pages, "free_pages": self.free_pages, "reserved_pages": self.reserved_pages,
+                    "slots": self.num_slots, "free_slots": self.free_slots,
                     "reserved_slots": self.reserved_slots, "page_size": self.page_size, "bytes": self.nbytes(),
                     "page_bytes": self.bytes_per_page(self.config, self.dtype, self.page_size),
                     "slot_bytes": self.bytes_per_slot(self.config, self.dtype),
@@ -575,10 +565,10 @@ class SequenceState:
         with pool._lock:
             twin = pool.new_sequence()
             for p in self._held.pages:
-                pool._ref_page(p)
+                pool.page_ids.ref(p)
             twin._held.pages = list(self._held.pages)
-            pool._ref_slot(self._held.slot)
-            pool._drop_slot(twin._held.slot)
+            pool.slot_ids.ref(self._held.slot)
+            pool.slot_ids.drop(twin._held.slot)
             twin._held.slot = self._held.slot
             twin.length = self.length
             return twin
@@ -589,7 +579,7 @@ class SequenceState:
     # ---- plain snapshot / restore / truncate -----------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
         with self.pool._lock:
-            self.pool._ref_slot(self._held.slot)
+            self.pool.slot_ids.ref(self._held.slot)
             self._held.snapshot_slots.append(self._held.slot)
             return CacheSnapshot(self.length, self._held.slot)
 
@@ -599,7 +589,7 @@ class SequenceState:
         if snap.slot not in self._held.snapshot_slots:
             raise ValueError("this snapshot was not taken from this sequence")
         with self.pool._lock:
-            self.pool._ref_slot(snap.slot)
+            self.pool.slot_ids.ref(snap.slot)
             self.pool._seq_drop_slot(self._held, self._held.slot)
             self._held.slot = snap.slot
             self._close_speculation()
@@ -627,7 +617,7 @@ class SequenceState:
         with self.pool._lock:
             self._close_speculation()
             self.spec_start = self.length
-            self.pool._ref_slot(self._held.slot)
+            self.pool.slot_ids.ref(self._held.slot)
             self._held.saved_slot = self._held.slot
             self._records = {i: GDNRecord() for i in self.pool.conv} if self.has_gdn else None
 
@@ -652,7 +642,7 @@ class SequenceState:
         with pool._lock:
             if self.has_gdn and n != self.length:
                 if keep == 0:
-                    pool._ref_slot(held.saved_slot)
+                    pool.slot_ids.ref(held.saved_slot)
                     pool._seq_drop_slot(held, held.slot)
                     held.slot = held.saved_slot
                 else:

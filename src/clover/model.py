@@ -76,9 +76,9 @@ class CloverForCausalLM(nn.Module):
     def _apply(self, fn, recurse=True):
         # checked before any submodule is touched: a packed model refuses `.to()` / casts whole
         if getattr(self, "packed", None):
-            from .layers.packed import refuse_moving_packed
+            from .kernels.panels import refuse_moving
 
-            refuse_moving_packed(self, fn)
+            refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
     @property

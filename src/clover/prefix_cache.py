@@ -20,7 +20,7 @@ more than `max_entries` slots.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 
@@ -36,8 +36,8 @@ class PrefixCache:
         self.pool = pool
         self.max_entries = max_entries
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()     # least recently used first
-        self._page_holds: dict[int, int] = {}                             # page → entries holding it
-        self._slot_holds: dict[int, int] = {}
+        # per the pool's `RefCounts` (cache.py: its pages, its slots): id → entries holding it
+        self._holds = {pool.page_ids: Counter(), pool.slot_ids: Counter()}
         self.lookups = self.hits = self.reused_tokens = self.evictions = 0
 
     def __len__(self) -> int:
@@ -60,13 +60,11 @@ class PrefixCache:
             while len(self._entries) >= limit:
                 self.evict_one()
             pages = tuple(seq._held.pages[: n // pool.page_size])
-            for p in pages:
-                pool._ref_page(p)
-                self._page_holds[p] = self._page_holds.get(p, 0) + 1
             slot = seq._held.slot if pool.has_gdn else None
-            if slot is not None:
-                pool._ref_slot(slot)
-                self._slot_holds[slot] = self._slot_holds.get(slot, 0) + 1
+            for ids, held in ((pool.page_ids, pages), (pool.slot_ids, () if slot is None else (slot,))):
+                for i in held:
+                    ids.ref(i)
+                    self._holds[ids][i] += 1
             self._entries[h] = PrefixEntry(key, pages, slot)
             return True
 
@@ -94,15 +92,15 @@ class PrefixCache:
             raise ValueError("a cached prefix can only start an empty sequence")
         with pool._lock:
             for p in entry.pages:
-                pool._ref_page(p)
+                pool.page_ids.ref(p)
             held.pages = list(entry.pages)
             # the shared pages need no reservation of their own
             give_back = min(held.reserved_pages, len(entry.pages))
             held.reserved_pages -= give_back
             pool.reserved_pages -= give_back
             if entry.slot is not None:
-                pool._ref_slot(entry.slot)
-                pool._drop_slot(held.slot)
+                pool.slot_ids.ref(entry.slot)
+                pool.slot_ids.drop(held.slot)
                 held.slot = entry.slot
             seq.length = len(entry.tokens)
         return len(entry.tokens)
@@ -114,16 +112,14 @@ class PrefixCache:
             if not self._entries:
                 return False
             _, entry = self._entries.popitem(last=False)
-            for p in entry.pages:
-                self._page_holds[p] -= 1
-                if not self._page_holds[p]:
-                    del self._page_holds[p]
-                self.pool._drop_page(p)
-            if entry.slot is not None:
-                self._slot_holds[entry.slot] -= 1
-                if not self._slot_holds[entry.slot]:
-                    del self._slot_holds[entry.slot]
-                self.pool._drop_slot(entry.slot)
+            for ids, held in ((self.pool.page_ids, entry.pages), (self.pool.slot_ids, (entry.slot,))):
+                for i in held:
+                    if i is not None:
+                        holds = self._holds[ids]
+                        holds[i] -= 1
+                        if not holds[i]:
+                            del holds[i]
+                        ids.drop(i)
             self.evictions += 1
             return True
 
@@ -131,14 +127,10 @@ class PrefixCache:
         while self.evict_one():
             pass
 
-    def evictable_pages(self) -> int:
-        """Pages that only entries hold (evicting every entry would free them)."""
-        refs = self.pool._page_refs
-        return sum(1 for p, n in self._page_holds.items() if refs[p] == n)
-
-    def evictable_slots(self) -> int:
-        refs = self.pool._slot_refs
-        return sum(1 for s, n in self._slot_holds.items() if refs[s] == n)
+    def evictable(self, ids) -> int:
+        """Pages (`pool.page_ids`) or slots (`pool.slot_ids`) that only entries hold: evicting every
+        entry would free them."""
+        return sum(1 for i, n in self._holds[ids].items() if ids.refs[i] == n)
 
     def stats(self) -> dict:
         return {"prefix_entries": len(self._entries), "prefix_lookups": self.lookups, "prefix_hits": self.hits,

@@ -25,6 +25,7 @@ import torch
 from .backend import Backend, reference_backend
 from .cache import SequenceState, StatePool
 from .kernels.decode_plan import DecodePlans
+from .layers.expert_selection import validate_block_expert_top_p
 from .transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ class ModelRunner:
         try:
             logits = None
             if T == 1 and not block_len and stats is None and logits_at in ("last", "all"):
-                logits = self._decode_plan_step(ids, batch)        # None where no plan fits
+                self._plans = self._plans or DecodePlans(self.model)
+                logits = self._plans.step(self.model, ids, batch)        # None where no plan fits
             if logits is None and self.graph_replay is not None and pool is self._pool:
                 graphs = self.step_graphs()
                 if graphs is not None:
@@ -221,13 +223,6 @@ class ModelRunner:
             raise
         pool.finish(batch, caches)
         return logits
-
-    def _decode_plan_step(self, ids, batch):
-        if getattr(self.model, "packed", None) != "clover-kernels":
-            return None
-        if self._plans is None:
-            self._plans = DecodePlans(self.model)
-        return self._plans.step(self.model, ids, batch)
 
     @staticmethod
     def positions(ids, batch, T):
@@ -266,8 +261,7 @@ class ModelRunner:
         t = torch.as_tensor(block_top_p, dtype=torch.float32).flatten()
         if t.numel() == 1:
             t = t.expand(B)
-        if bool((t <= 0).any() or (t > 1).any() or torch.isnan(t).any()):
-            raise ValueError(f"block_expert_top_p must lie in (0, 1], got {t.tolist()}")
+        validate_block_expert_top_p(t)
         if bool((t >= 1).all()):
             return None
         return to_device(t, self.model.device)

@@ -43,14 +43,19 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H] (what `Experts.forward` computes)."""
+    """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H] (what `Experts.forward` computes).
+    Quantized stacks: per slot below E slots, all experts dequantized at or above."""
     first = getattr(experts, "first", None)
     if first is not None:
         indices, weights = _local_routing(indices, weights, first, experts.num_experts)
-    if experts.quantized:
-        return quantized_experts(experts, x, indices, weights)
+    if experts.quantized and indices.numel() < experts.num_experts:
+        return _per_slot(x, indices, weights, experts.gate_up_proj, experts.down_proj)
     if not grouped_mm_available(x):
         return Experts.forward(experts, x, indices, weights)      # (over the local routing, for a shard too)
+    if experts.quantized:
+        # down's float stack made only once gate/up's is freed: the transient peak is the larger of the two
+        return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj.dequantize(x.dtype),
+                             lambda: experts.down_proj.dequantize(x.dtype))
     return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj, experts.down_proj)
 
 
@@ -62,18 +67,6 @@ def _local_routing(indices, weights, first: int, count: int):
     local = indices - first
     mine = (local >= 0) & (local < count)
     return torch.where(mine, local, 0), torch.where(mine, weights, 0)
-
-
-def quantized_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`grouped_experts` for quantized expert stacks: per slot below E slots, all experts at or above."""
-    N, k = indices.shape
-    if N * k < experts.num_experts:
-        return _per_slot(x, indices, weights, experts.gate_up_proj, experts.down_proj)
-    if not grouped_mm_available(x):
-        return Experts.forward(experts, x, indices, weights)
-    # down's float stack made only once gate/up's is freed: the transient peak is the larger of the two
-    return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj.dequantize(x.dtype),
-                         lambda: experts.down_proj.dequantize(x.dtype))
 
 
 def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:

@@ -172,8 +172,7 @@ class _StaticForward:
         if self.graph is not None:
             self.graph.replay()
             return self.outputs
-        logits, stats = self.forward()                  # eager replay: same buffers, run again
-        self.outputs = (logits, stats)
+        self.outputs = self.forward()                   # eager replay: same buffers, run again
         return self.outputs
 
 
@@ -181,8 +180,6 @@ class StepGraphs:
     """The graphs of one model over one state pool (a new pool — new addresses — needs a new runner)."""
 
     def __init__(self, model, pool, replay: str = "cuda"):
-        if replay not in ("cuda", "eager"):
-            raise ValueError(f"replay must be 'cuda' or 'eager', got {replay!r}")
         self.model, self.pool, self.replay = model, pool, replay
         self.device = next(iter({**pool.k, **pool.conv}.values())).device
         self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()

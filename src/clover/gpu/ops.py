@@ -20,8 +20,7 @@ def _any_call(*args) -> bool:
 
 
 def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
-    ex = moe.experts
-    return x.dim() == 3 and ex.panels is None
+    return x.dim() == 3 and moe.experts.panels is None
 
 
 def moe_cuda(moe, x, block_len, block_top_p):

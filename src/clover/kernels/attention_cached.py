@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .build import library
+from .panels import check_status
 from .rmsnorm import _scale
 
 MAX_TOKENS = 64   # longer inputs (prefill chunks) stay with PyTorch's flash attention, which blocks over queries
@@ -52,8 +53,5 @@ def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, sta
         _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos.data_ptr(),
         sin.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), page_table.data_ptr(), page, start, out.data_ptr(),
         out.stride(0), torch.get_num_threads())
-    if status == -1:
-        raise MemoryError("attention_cached: out of memory")
-    if status != 0:
-        raise ValueError(f"attention_cached: unsupported sizes (head_dim {D}, rotary dims {R})")
+    check_status(status, "attention_cached", f"unsupported sizes (head_dim {D}, rotary dims {R})")
     return out

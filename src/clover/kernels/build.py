@@ -58,8 +58,6 @@ SIGNATURES = {
     "clover_panel_gemm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _i32, _ptr, _i64, _i32, _i32], _i32),
     "clover_panel_set_pairs": ([_i32], None),
     "clover_panel_pairs": ([], _i32),
-    "clover_panel_gemm_grouped": ([_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _i32, _ptr, _i64, _i32,
-                                   _i32, _ptr, _i32], _i32),
     "clover_weights_gemm": ([_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _i32, _i32], _i32),
     "clover_weights_gemm_grouped": ([_ptr, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32,
                                      _ptr, _i32], _i32),

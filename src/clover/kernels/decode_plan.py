@@ -44,7 +44,8 @@ from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
-from .rmsnorm import _scale, tensor_version
+from .gdn_short import gdn_short_args
+from .rmsnorm import _scale, versions
 
 log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
@@ -85,13 +86,6 @@ def _sources(model) -> list:
         else:
             out += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
     return out
-
-
-def _versions(tensors) -> int:
-    try:
-        return sum(t._version for t in tensors)
-    except RuntimeError:                 # an inference tensor among them: it keeps no counter
-        return sum(tensor_version(t) for t in tensors)
 
 
 def refusal(model) -> str | None:
@@ -262,11 +256,12 @@ class _Plan:
             self._moe(layer.mlp)
             h_prev, delta = buf.h2, buf.moe
         self._norm(h_prev, delta, model.model.norm, buf.final_h, buf.final_x)
-        head = _linear_weight(model.lm_head)
-        self.head = None if head is None else (head, self._gemm(buf.final_x, head, None))
+        self.head = _linear_weight(model.lm_head)       # the last call (its output pointer set per step)
+        if self.head is not None:
+            self._gemm(buf.final_x, self.head, None)
         self.threads = None
-        # the same calls as one op list (the lm head last); per row, its attention calls' slots
-        self.steps = _Steps(self.calls + ([self.head[1]] if self.head else []))
+        # the same calls as one op list; per row, its attention calls' slots
+        self.steps = _Steps(self.calls)
         slots = dict(zip(map(id, (args for _, args in self.calls)), self.steps.slots))
         self.attn_slots = [[slots[id(args)] for args in rows] for _, rows in self.attn]
 
@@ -285,16 +280,13 @@ class _Plan:
                    1])
 
     def _gemm(self, x, weight, out):
-        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear, no bias), for any packed form;
-        `out` None: the call is returned, not added (its output pointer is set per step)."""
+        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear, no bias), for any packed form
+        (`out` None: its pointer is set per step)."""
         K, N = weight.in_features, weight.out_features
-        ptr = None if out is None else out.data_ptr()
         struct = weight.struct()
         self.keep += [weight, struct]
-        call = ("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N, ptr, N, 0, 1])
-        if out is not None:
-            self.calls.append(call)
-        return call
+        self._add("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N,
+                                          None if out is None else out.data_ptr(), N, 0, 1])
 
     def _project(self, module, tag):
         """The module's fused input projections of buf.x → its pieces as [B, 1, n] views of scratch."""
@@ -310,18 +302,11 @@ class _Plan:
         u, z, b, a = self._project(m, "gdn")
         if b.stride()[:2] != a.stride()[:2]:
             raise ValueError("decode plan: GDN b and a not from one stacked projection")
-        conv_w, right_w, A_log, dt_bias, mix, norm_w = consts = gdn_constants(m)
-        self.keep.append(consts)
+        self.keep.append(gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, 1, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
-        self._add("clover_gdn_short",
-                  [B, 1, 1, m.num_k_heads, m.num_v_heads, m.dk, m.dv, m.kernel, right_w.shape[0],
-                   u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
-                   b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
-                   *(ctypes.addressof(p) for p in ptrs[:2]), conv_w.data_ptr(), right_w.data_ptr(),
-                   A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), *(ctypes.addressof(p) for p in ptrs[2:]),
-                   norm_w.data_ptr(), m.norm.eps, m.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), 1])
+        self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out, 1, 1))
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
 
     def _attention(self, attn):
@@ -367,8 +352,6 @@ class _Plan:
         if threads != self.threads:                      # every call's last argument
             for _, args in self.calls:
                 args[-1] = threads
-            if self.head is not None:
-                self.head[1][1][-1] = threads
             self.threads = threads
         embed = model.model.embed_tokens
         if isinstance(embed, nn.Embedding):
@@ -402,35 +385,23 @@ class _Plan:
                     args[3] = R
                     args[14:21] = c, s, kp, vp, t + width * r, page, starts[r]
         lib = library()
-        if one:
-            return self._run_one_region(model, lib, threads)
-        for name, args in self.calls:
-            status = getattr(lib, name)(*args)
-            if status:
-                raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {name} returned {status}")
-        if self.head is None:
-            return model.lm_head(buf.final_x)
-        weight, (name, args) = self.head
-        logits = torch.empty(B, weight.out_features, dtype=_BF16)     # the caller's: new every step
-        args[7] = logits.data_ptr()
-        status = getattr(lib, name)(*args)
-        if status:
-            raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: lm_head {name} returned {status}")
-        return logits.view(B, 1, -1)
-
-    def _run_one_region(self, model, lib, threads: int) -> torch.Tensor:
-        """The bound calls, lm head included, as one `clover_run_steps` call."""
         logits = None
         if self.head is not None:
-            logits = torch.empty(self.B, self.head[0].out_features, dtype=_BF16)   # the caller's: new every step
-            self.steps.slots[-1][7] = logits.data_ptr()
-        status, name, index = self.steps.run(lib, threads)
+            logits = torch.empty(B, self.head.out_features, dtype=_BF16)     # the caller's: new every step
+            self.calls[-1][1][7] = self.steps.slots[-1][7] = logits.data_ptr()
+        if one:                   # the bound calls, lm head included, as one `clover_run_steps` call
+            status, name, index = self.steps.run(lib, threads)
+        else:
+            for index, (name, args) in enumerate(self.calls):
+                status = getattr(lib, name)(*args)
+                if status:
+                    break
         if status:
-            what = "lm_head " + name if self.head is not None and index == len(self.calls) else name
+            what = "lm_head " + name if self.head is not None and index == len(self.calls) - 1 else name
             raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {what} returned {status}")
         if logits is None:
-            return model.lm_head(self.buf.final_x)
-        return logits.view(self.B, 1, -1)
+            return model.lm_head(buf.final_x)
+        return logits.view(B, 1, -1)
 
 
 class DecodePlans:
@@ -444,7 +415,7 @@ class DecodePlans:
         if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.runner.ranks == 1:
             log.info("decode steps of this model run through its layers, not a prepared plan: %s", why)
         self.sources = _sources(model) if self.ok else []
-        self.version = _versions(self.sources)
+        self.version = versions(self.sources)
         self.plans: OrderedDict = OrderedDict()
         self.rotary = RotaryTable(model.model.rotary) if self.ok else None
         self.has_gdn = any(layer.kind == "linear_attention" for layer in model.model.layers)
@@ -460,7 +431,7 @@ class DecodePlans:
         if not self.lock.acquire(blocking=False):     # another thread is stepping this model
             return None
         try:
-            version = _versions(self.sources)
+            version = versions(self.sources)
             if version != self.version:             # parameters rewritten: constants and plans anew
                 self.plans.clear()
                 self.version = version

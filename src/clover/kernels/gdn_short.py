@@ -15,27 +15,22 @@ import ctypes
 import torch
 
 from .build import library
-from .rmsnorm import tensor_version
+from .panels import check_status
+from .rmsnorm import kernel_constants
 
 MAX_TOKENS = 64
 
 
 def _constants(mixer):
-    """fp32 copies of the parameters the kernel reads, made once and again whenever a parameter was
-    written since (a weight reload through `load_state_dict` copies into them, bumping their versions;
-    the versions only grow, so their sum changes with any of them)."""
-    cached = mixer.__dict__.get("_kernel_constants")
-    if cached is not None and cached[0] == sum(tensor_version(t) for t in cached[1]):
-        return cached[2]
-    sources = (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
-               mixer.norm.weight)
+    """fp32 copies of the parameters the kernel reads (kept on the mixer, made again after a reload)."""
     f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
-    consts = (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
-              f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
-              f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
-              f32(mixer.norm.weight))
-    mixer.__dict__["_kernel_constants"] = (sum(tensor_version(t) for t in sources), sources, consts)
-    return consts
+    return kernel_constants(
+        mixer, (mixer.conv1d.weight, mixer.conv1d_right.weight, mixer.A_log, mixer.dt_bias, mixer.block_mix_logits,
+                mixer.norm.weight),
+        lambda: (f32(mixer.conv1d.weight.reshape(mixer.conv_dim, -1).t()),              # [K, C]
+                 f32(mixer.conv1d_right.weight.reshape(mixer.conv_dim, -1).t()),        # [Kr, C]
+                 f32(mixer.A_log), f32(mixer.dt_bias), f32(torch.softmax(mixer.block_mix_logits.float(), dim=-1)),
+                 f32(mixer.norm.weight)))
 
 
 def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
@@ -44,6 +39,20 @@ def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
     over the call."""
     base, step = pool.data_ptr(), pool.stride(0) * pool.element_size()
     return (ctypes.c_int64 * len(slots))(*[base + s * step for s in slots])
+
+
+def gdn_short_args(mixer, u, z, b, a, slot_arrays, out, causal: int, threads: int) -> list:
+    """`clover_gdn_short`'s arguments (the face's and the decode plan's): the projections [B, T, ·], the
+    addresses of the four slot-pointer arrays (conv tails read / written, states read / written), the
+    output [B, T, Hv·dv], the number of causal tokens."""
+    B, T = u.shape[:2]
+    conv_w, right_w, A_log, dt_bias, mix, norm_w = _constants(mixer)
+    tails, new_tails, states, new_states = slot_arrays
+    return [B, T, causal, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
+            u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
+            b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1), tails, new_tails, conv_w.data_ptr(),
+            right_w.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), states, new_states,
+            norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), threads]
 
 
 def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, read_slots, write_slots,
@@ -61,7 +70,6 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
         ba = torch.cat([b, a], dim=-1)         # (a GGUF mix may store ssm_beta and ssm_alpha in two types)
         b, a = ba[..., :b.shape[-1]], ba[..., b.shape[-1]:]
     P = T - block_len
-    conv_w, right_w, A_log, dt_bias, mix, norm_w = _constants(mixer)
     if not (conv.is_contiguous() and conv.dtype == torch.bfloat16 and recurrent.is_contiguous()
             and recurrent.dtype == torch.float32):
         raise ValueError("gdn_short needs contiguous bf16 conv slots and fp32 recurrent slots")
@@ -72,17 +80,8 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
     # the pointer arrays must outlive the call: name them
     tail_ptrs, new_tail_ptrs = _slot_pointers(conv, read_slots), _slot_pointers(conv, written)
     state_ptrs, new_state_ptrs = _slot_pointers(recurrent, read_slots), _slot_pointers(recurrent, written)
-    status = library().clover_gdn_short(
-        B, T, P, mixer.num_k_heads, mixer.num_v_heads, mixer.dk, mixer.dv, mixer.kernel, right_w.shape[0],
-        u.data_ptr(), u.stride(0), u.stride(1), z.data_ptr(), z.stride(0), z.stride(1),
-        b.data_ptr(), a.data_ptr(), b.stride(0), b.stride(1),
-        ctypes.addressof(tail_ptrs), ctypes.addressof(new_tail_ptrs), conv_w.data_ptr(), right_w.data_ptr(),
-        A_log.data_ptr(), dt_bias.data_ptr(), mix.data_ptr(), ctypes.addressof(state_ptrs),
-        ctypes.addressof(new_state_ptrs),
-        norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1),
-        torch.get_num_threads())
-    if status == -1:
-        raise MemoryError("gdn_short: out of memory")
-    if status != 0:
-        raise ValueError(f"gdn_short: unsupported shape (T={T}, conv kernel {mixer.kernel})")
+    status = library().clover_gdn_short(*gdn_short_args(
+        mixer, u, z, b, a, [ctypes.addressof(p) for p in (tail_ptrs, new_tail_ptrs, state_ptrs, new_state_ptrs)],
+        out, P, torch.get_num_threads()))
+    check_status(status, "gdn_short", f"unsupported shape (T={T}, conv kernel {mixer.kernel})")
     return out

@@ -14,29 +14,23 @@ import ctypes
 import torch
 
 from .build import library
+from .panels import check_status
+from .rmsnorm import kernel_constants
 
 
 def _moe_constants(moe):
     """The C descriptors of the packed matrices the kernel reads, built once (a packed model is
     inference-only): the input maps (one stack, or the bf16 router part and the quantized shared
     expert part), the experts' stacks and the shared expert's down projection."""
-    consts = getattr(moe, "_kernel_constants", None)
-    if consts is None:
+    def make():
         if not packed_for_kernels(moe):
             raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu, its router and "
                              "shared expert input maps stacked as the kernel reads them")
         fused, (gate_up, down) = moe.fused_input, moe.experts.panels
         shared_down = moe.shared_expert.down_proj.packed
-        Is = shared_down.in_features
-        structs = [part[0].struct() for part in fused.parts]
-        structs += [gate_up.struct(), down.struct(), shared_down.struct()]
-        consts = (structs, len(fused.parts) == 2, gate_up.out_features // 2, Is)
-        moe._kernel_constants = consts
-    return consts
-
-
-def _kernel_packed(packed) -> bool:
-    return hasattr(packed, "panels") or hasattr(packed, "struct")
+        structs = [part[0].struct() for part in fused.parts] + [gate_up.struct(), down.struct(), shared_down.struct()]
+        return structs, len(fused.parts) == 2, gate_up.out_features // 2, shared_down.in_features
+    return kernel_constants(moe, (), make)
 
 
 def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: torch.Tensor | None = None):
@@ -72,8 +66,7 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     if status == -3:
         raise ValueError(f"moe_block: experts {getattr(experts, 'first', 0)}… ({experts.num_experts}) outside the "
                          f"router's {moe.num_experts}")
-    if status != 0:
-        raise ValueError(f"moe_block: unsupported top-k {moe.top_k} of {moe.num_experts} experts")
+    check_status(status, "moe_block", f"unsupported top-k {moe.top_k} of {moe.num_experts} experts")
     return out, distinct
 
 
@@ -86,7 +79,7 @@ def packed_for_kernels(moe) -> bool:
         return True
     fused = moe.fused_input
     if (fused is None or moe.experts.panels is None or getattr(moe.shared_expert.down_proj, "packed", None) is None
-            or not all(_kernel_packed(part[0]) for part in fused.parts)):
+            or not all(hasattr(part[0], "struct") for part in fused.parts)):     # kernel weights (panels.py)
         return False
     E, Is = moe.num_experts, moe.shared_expert.down_proj.packed.in_features
     return [sizes for _, _, sizes in fused.parts] in ([[E, 1, Is, Is]], [[E, 1], [Is, Is]])

@@ -94,14 +94,10 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
     return x.dim() == 3 and _plain_bf16(x) and packed_for_kernels(moe)
 
 
-def moe_cpu(moe, x, block_len, block_top_p):
-    return moe_block(moe, x, block_len, block_top_p)
-
-
 # op → (implementation, which calls it takes, whether it runs right-padded batches itself): backend.py
 IMPLEMENTATIONS = {
     "add_rmsnorm": (add_rmsnorm, _add_rmsnorm_qualifies, False),
     "gdn_core": (gdn_core_cpu, _gdn_qualifies, False),
     "attention": (attention_cpu, _attention_qualifies, False),
-    "moe": (moe_cpu, _moe_qualifies, False),
+    "moe": (moe_block, _moe_qualifies, False),
 }

@@ -84,6 +84,10 @@ class PanelWeight:
         self.panels = pack_panels(weight)
         self._struct = None
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors behind the weight (a module registers them as buffers: `layers/packed.py`)."""
+        return {"panels": self.panels}
+
     def struct(self) -> Weights:
         """The C descriptor; built once (the panels never move)."""
         if self._struct is None:
@@ -104,7 +108,8 @@ def refuse_moving(module, fn) -> None:
             "device and dtype you want (clover.load(..., backend='reference') keeps plain weights)")
 
 
-def _input(x: torch.Tensor, K: int) -> torch.Tensor:
+def input_rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x [..., K] as the rows [M, K] a kernel reads (K features, bf16 or fp32, contiguous elements)."""
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {K}")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -113,19 +118,18 @@ def _input(x: torch.Tensor, K: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()      # rows may be strided (lda), elements not
 
 
-def check_status(status: int, what: str, N: int | None = None):
+def check_status(status: int, what: str, unsupported: str = "unsupported shape or group size"):
     """A kernel's status as an exception: −1 out of memory, −2 (any other) arguments it cannot take."""
     if status == -1:
         raise MemoryError(f"{what}: the kernel could not allocate its buffers")
     if status:
-        swiglu = "" if N is None else f" (a SwiGLU epilogue needs N a multiple of {PANEL}, got {N})"
-        raise ValueError(f"{what}: unsupported shape or group size{swiglu}")
+        raise ValueError(f"{what}: {unsupported}")
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · Wᵀ (+ bias) → [..., N] in x's dtype, for a `PanelWeight` or a `QuantPanelWeight`."""
     N, K = weight.out_features, weight.in_features
-    a = _input(x, K)
+    a = input_rows(x, K)
     out_fp32 = x.dtype == torch.float32 or bias is not None
     out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
     if a.shape[0]:
@@ -146,7 +150,7 @@ def grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor, ids: torch.Te
     16 gate and 16 up columns and the result is SwiGLU(gate, up) [T, N/2]; `scale` [T] fp32: each
     result row times its value (routing weights). Both round as the bf16 tensor ops they replace."""
     N, K = weight.out_features, weight.in_features
-    a = _input(x, K)
+    a = input_rows(x, K)
     offsets = offsets.to(torch.int64).contiguous()
     ids = ids.to(torch.int64).contiguous()
     if rows is not None:
@@ -168,7 +172,8 @@ def grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor, ids: torch.Te
             ctypes.byref(weight.struct()), a.data_ptr(), 0 if same_row else a.stride(0), int(a.dtype == torch.bfloat16),
             len(ids), offsets.data_ptr(), ids.data_ptr(), None if rows is None else rows.data_ptr(), K, N,
             out.data_ptr(), out.shape[1], int(x.dtype == torch.float32), int(swiglu),
-            None if scale is None else scale.data_ptr(), torch.get_num_threads()), "grouped linear", N)
+            None if scale is None else scale.data_ptr(), torch.get_num_threads()), "grouped linear",
+            f"unsupported shape or group size (a SwiGLU epilogue needs N a multiple of {PANEL}, got {N})")
     return out
 
 

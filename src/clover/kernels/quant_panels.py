@@ -132,14 +132,9 @@ class QuantPanelWeight:
         self._struct = None
 
     @staticmethod
-    def _rows(t, rows, p0, p1):
-        """Rows of panels p0:p1 of a per-row tensor t [c, N, ...] in packing order (padding rows zero)."""
-        if rows is None:
-            return t[:, p0 * PANEL:p1 * PANEL]
-        order = rows[p0 * PANEL:p1 * PANEL]
-        out = t[:, order.clamp(min=0)]
-        out[:, order < 0] = 0
-        return out
+    def _order(rows, p0, p1) -> torch.Tensor:
+        """The stored rows of panels p0:p1 in packing order (−1: a padding row)."""
+        return torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]
 
     @staticmethod
     def _pack_scales(s, dst, rows, e0, p0, p1, native: bool = True):
@@ -147,10 +142,13 @@ class QuantPanelWeight:
         p0:p1 of `dst` [stack, P, width, 32]: by `clover_quant_pack_scales`, or (no kernels, or
         `native=False`) by the PyTorch gather that defines it."""
         lib = library() if native else None
+        order = QuantPanelWeight._order(rows, p0, p1)
         if lib is None:
-            dst[e0:e0 + len(s), p0:p1].copy_(_panel_scales(QuantPanelWeight._rows(s, rows, p0, p1)))
+            picked = s[:, order.clamp(min=0)]
+            picked[:, order < 0] = 0                      # padding rows: zero scale
+            dst[e0:e0 + len(s), p0:p1].copy_(_panel_scales(picked))
             return
-        order = (torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]).to(torch.int64)
+        order = order.to(torch.int64)
         s, out, size = s.contiguous(), dst[e0:e0 + len(s), p0:p1], s.element_size()
         check_status(lib.clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s), size,
                                             s.shape[-1], order.contiguous().data_ptr(), p1 - p0, out.data_ptr(),
@@ -160,7 +158,7 @@ class QuantPanelWeight:
     def _pack_codes(self, q, rows, e0, e1, p0, p1, native: bool = True):
         """The codes of entries e0:e1, panels p0:p1, into `data`: by `clover_quant_pack_panels` in one
         pass, or (no kernels, or `native=False`: the definition tests compare it with) in PyTorch."""
-        order = torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]
+        order = self._order(rows, p0, p1)
         lib = library() if native else None
         if lib is not None:
             order = order.to(torch.int64).contiguous()

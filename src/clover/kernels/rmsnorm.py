@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .build import library
+from .panels import input_rows
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -21,18 +22,25 @@ def tensor_version(t: torch.Tensor) -> int:
         return 0
 
 
-def _scale(norm) -> torch.Tensor:
-    """The norm's fp32 `1 + w`, made once and again whenever the weight was written since (a reload)."""
-    cached = getattr(norm, "_kernel_scale", None)
-    version = tensor_version(norm.weight)
+def versions(tensors) -> int:
+    """The sum of the tensors' write counters: it changes whenever one of them was written (they only grow)."""
+    return sum(tensor_version(t) for t in tensors)
+
+
+def kernel_constants(module, sources, make):
+    """What `make()` builds from `sources` (the module's parameters the kernel reads, as fp32 copies or
+    C descriptors), kept on `module` and made again whenever a source was written since (a weight
+    reload through `load_state_dict` copies into them, bumping their versions)."""
+    version = versions(sources)
+    cached = module.__dict__.get("_kernel_constants")
     if cached is None or cached[0] != version:
-        cached = norm._kernel_scale = (version, (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
+        cached = module.__dict__["_kernel_constants"] = (version, make())
     return cached[1]
 
 
-def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
-    t = t.reshape(-1, H)
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _scale(norm) -> torch.Tensor:
+    """The norm's fp32 `1 + w`."""
+    return kernel_constants(norm, (norm.weight,), lambda: (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
 
 
 def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +48,8 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torc
     H = h.shape[-1]
     if h.dtype != torch.bfloat16 or (delta is not None and (delta.dtype != torch.bfloat16 or delta.shape != h.shape)):
         raise ValueError("add_rmsnorm takes bf16 tensors of one shape")
-    a = _rows(h, H)
-    d = None if delta is None else _rows(delta, H)
+    a = input_rows(h, H)
+    d = None if delta is None else input_rows(delta, H)
     out_h = h if d is None else torch.empty(h.shape, dtype=torch.bfloat16)
     out_x = torch.empty(h.shape, dtype=torch.bfloat16)
     library().clover_add_rmsnorm(a.shape[0], H, a.data_ptr(), a.stride(0), None if d is None else d.data_ptr(),

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norms import ZeroCenteredRMSNorm
+from .packed import project
 from .rotary import apply_rotary
 
 
@@ -34,11 +35,6 @@ class Attention(nn.Module):
 
     input_projections = ("q_proj", "k_proj", "v_proj")
 
-    def _project(self, x):
-        if self.fused_input is not None:
-            return self.fused_input(x)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     layer_index = 0   # this layer's place in the model (the state pool keys its K/V by it)
 
     def forward(self, x, cos, sin, batch=None, block_len: int = 0, backend=None):
@@ -48,7 +44,7 @@ class Attention(nn.Module):
         see every key. With a batch the keys also include each row's cached prefix, and every token's
         K/V is written into the row's pages (the block's as scratch past the row's length).
         `backend`: whose `attention` op runs (default: the reference)."""
-        qg, k, v = self._project(x)
+        qg, k, v = project(self, x)
         attend = backend.attention if backend is not None else attention_reference
         return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))
 
@@ -74,12 +70,7 @@ class Attention(nn.Module):
             elif block_len == 0 and start == 0:
                 outs.append(_sdpa(qb, keys, values, None, causal=True))  # a prompt's first chunk
             else:
-                key_pos = torch.arange(end, device=q.device)
-                query_pos = start + torch.arange(T, device=q.device)
-                visible = key_pos[None, :] <= query_pos[:, None]                            # causal rows
-                if block_len:
-                    visible[T - block_len:] = True
-                outs.append(_sdpa(qb, keys, values, visible[None, None]))
+                outs.append(_sdpa(qb, keys, values, _visible(start, T, block_len, q.device)[None, None]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -110,12 +101,18 @@ def attention_inputs(self: Attention, qg, k, v, cos, sin):
 
 def attend_uncached(q, k, v, block_len: int):
     """A forward from scratch: causal rows, the last `block_len` rows seeing the whole block."""
-    T = q.shape[2]
     if block_len:
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        mask[T - block_len:] = True
-        return _sdpa(q, k, v, mask)
+        return _sdpa(q, k, v, _visible(0, q.shape[2], block_len, q.device))
     return _sdpa(q, k, v, None, causal=True)
+
+
+def _visible(start: int, T: int, block_len: int, device) -> torch.Tensor:
+    """Bool [T, start + T] for T queries at positions start …: causal rows see the keys up to
+    themselves, the last `block_len` rows (a block) every key."""
+    visible = torch.arange(start + T, device=device)[None, :] <= start + torch.arange(T, device=device)[:, None]
+    if block_len:
+        visible[T - block_len:] = True
+    return visible
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is

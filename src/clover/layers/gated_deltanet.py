@@ -15,6 +15,7 @@ from torch import nn
 from ..transfer import device_tensor
 from .delta_rule import gated_delta_rule
 from .norms import GatedRMSNorm, compute_dtype
+from .packed import project
 
 
 def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -68,12 +69,6 @@ class GatedDeltaNet(nn.Module):
 
     input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
-    def _project(self, x):
-        """x [B, T, H] → pre-conv channels u, output gate z, and the β / decay inputs b, a."""
-        if self.fused_input is not None:
-            return self.fused_input(x)
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-
     # ---- pieces --------------------------------------------------------------------------------
     def _right_conv(self, u_block: torch.Tensor) -> torch.Tensor:
         """u_block [B, C, L] → Σ_j W_right[:, j−1]·u_{t+j}, zero past the block's end. [B, C, L]"""
@@ -89,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         Without a batch both start from a zero state. With one (a cached forward, cache.py) each row
         continues from its GDN slot: the causal part's state goes to the row's write slot, the block
         reads the state and writes nothing. `backend`: whose `gdn_core` runs (default: the reference)."""
-        u, z, b, a = self._project(x)
+        u, z, b, a = project(self, x)       # pre-conv channels u, output gate z, the β / decay inputs b, a
         core = backend.gdn_core if backend is not None else gdn_core_reference
         P = x.shape[1] - block_len
         if batch is not None and batch.records is not None and P:      # an open speculation: its rollback

@@ -62,6 +62,14 @@ def _kind(module):
     return ("bf16",) if weight is not None and weight.dtype == torch.bfloat16 else None
 
 
+def project(module: nn.Module, x: torch.Tensor) -> list:
+    """The maps `module` lists in `input_projections`, applied to x: one call to their stack once packed
+    (`module.fused_input`, a `FusedProjection`), else each map on its own."""
+    if module.fused_input is not None:
+        return module.fused_input(x)
+    return [module.get_submodule(name)(x) for name in module.input_projections]
+
+
 def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     from ..kernels.panels import linear
 
@@ -81,30 +89,21 @@ def pack_experts(experts, consume: bool = False) -> None:
         del gu
         down = QuantPanelWeight(**dn.stored(), consume=consume)
         del dn
-        experts.panels = (gate_up, down)
-        for part, packed in (("gate_up", gate_up), ("down", down)):
-            for key, tensor in packed.buffers().items():
-                experts.register_buffer(f"{part}_{key}", tensor)
-        return
-    # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
-    from ..kernels.panels import pack_gate_up
+    else:
+        # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
+        from ..kernels.panels import pack_gate_up
 
-    intermediate = experts.down_proj.shape[-1]
-    gate_up = pack_gate_up(experts.gate_up_proj.data, intermediate)
-    experts.gate_up_proj = None
-    down = experts.down_proj.data
-    if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
-        down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
-    experts.panels = (gate_up, _pack(down))
-    experts.down_proj = None
-    experts.register_buffer("gate_up_panels", experts.panels[0].panels)     # registered state (see PackedWeights)
-    experts.register_buffer("down_panels", experts.panels[1].panels)
-
-
-def refuse_moving_packed(module, fn) -> None:
-    from ..kernels.panels import refuse_moving
-
-    refuse_moving(module, fn)
+        intermediate = experts.down_proj.shape[-1]
+        gate_up = pack_gate_up(experts.gate_up_proj.data, intermediate)
+        experts.gate_up_proj = None
+        down = experts.down_proj.data
+        if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
+            down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
+        down = _pack(down)
+        experts.down_proj = None
+    experts.panels = (gate_up, down)
+    register_packed(experts, "gate_up", gate_up)           # registered state (see PackedWeights)
+    register_packed(experts, "down", down)
 
 
 class PackedWeights(nn.Module):
@@ -114,17 +113,17 @@ class PackedWeights(nn.Module):
     `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
 
     def _apply(self, fn, recurse=True):
-        refuse_moving_packed(self, fn)
+        from ..kernels.panels import refuse_moving
+
+        refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
-    def _register_packed(self, name: str, packed) -> None:
-        """Keep the tensors behind a packed weight (panels or quantized panels) as buffer `name`
-        (quantized: `name_qdata`, `name_qscales`, `name_qmins`)."""
-        if hasattr(packed, "buffers"):
-            for key, tensor in packed.buffers().items():
-                self.register_buffer(f"{name}_{key}", tensor)
-            return
-        self.register_buffer(name, packed.panels)
+
+def register_packed(module: nn.Module, name: str, packed) -> None:
+    """Keep the tensors behind a packed weight (panels or quantized panels) as `module`'s buffers
+    `name_panels` (quantized: `name_qdata`, `name_qscales`, `name_qmins`…)."""
+    for key, tensor in packed.buffers().items():
+        module.register_buffer(f"{name}_{key}", tensor)
 
 
 class FusedProjection(PackedWeights):
@@ -154,15 +153,12 @@ class FusedProjection(PackedWeights):
                 bias = torch.cat([torch.zeros(n, dtype=torch.bfloat16) if b is None else b.detach()
                                   for b, n in zip(biases, self.sizes[start:end])])
             index = len(self.parts)
-            self._register_packed("weight_packed" if index == 0 else f"weight_packed_{index}", packed)
+            register_packed(self, "weight_packed" if index == 0 else f"weight_packed_{index}", packed)
             self.register_buffer("bias" if index == 0 else f"bias_{index}", bias)
             self.parts.append((packed, bias, self.sizes[start:end]))
             start = end
-        self.packed = self.parts[0][0]
 
     def forward(self, x):
-        if len(self.parts) == 1:
-            return packed_linear(x, self.packed, self.parts[0][1]).split(self.sizes, dim=-1)
         return [piece for packed, bias, sizes in self.parts for piece in packed_linear(x, packed, bias).split(sizes, -1)]
 
 
@@ -174,7 +170,7 @@ class PackedLinear(PackedWeights):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = _pack_quantized([linear], consume) if _quantized(linear) else _pack(linear.weight)
-        self._register_packed("weight_packed", self.packed)
+        register_packed(self, "weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x):
@@ -217,11 +213,10 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
     """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
     part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
     the stored forms of the whole model never sit beside the packed ones). `consume`: quantized expert
-    stacks (Experts.pack) and large quantized matrices (the vocabulary projection) are consumed slab by
+    stacks (`pack_experts`) and large quantized matrices (the vocabulary projection) are consumed slab by
     slab as they are packed, so not even one layer's stored experts sit whole beside their packed
     copy — only for a model nothing else references."""
     from ..runtime import release_free_memory
-    from .moe import Experts
 
     def inside(name: str) -> bool:
         return not prefix or name == prefix or name.startswith(prefix + ".")
@@ -234,13 +229,13 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
              if inside(name) and (
                  (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
                  or _quantized(m)
-                 or (isinstance(m, Experts) and m.gate_up_proj is not None
+                 or (getattr(m, "gate_up_proj", None) is not None        # an `Experts` stack (moe.py)
                      and (m.quantized or m.gate_up_proj.dtype == torch.bfloat16)))]
     for qualified in names:
         parent_name, _, name = qualified.rpartition(".")
         parent = model.get_submodule(parent_name)
         child = getattr(parent, name)
-        if isinstance(child, Experts):
+        if hasattr(child, "gate_up_proj"):
             pack_experts(child, consume)
             count += 2 * child.num_experts
             del child
