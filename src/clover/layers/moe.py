@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .expert_selection import route_top_k, select_block_experts_batched
+from .packed import project
 
 
 class SwiGLU(nn.Module):
@@ -32,8 +33,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
 
     def forward(self, x):
-        """x [N, H] → router probabilities [N, E] in float32 (float64 for float64 models)."""
-        return router_probs(F.linear(x, self.weight))
+        """x [N, H] → router logits [N, E] (`router_probs` turns them into probabilities)."""
+        return F.linear(x, self.weight)
 
 
 def router_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -128,11 +129,9 @@ class SparseMoE(nn.Module):
 
     def _router_and_shared(self, flat):
         """flat [N, H] → (router probabilities [N, E], gated shared-expert output [N, H])."""
-        if self.fused_input is not None:
-            logits, shared_gate, gate, up = self.fused_input(flat)
-            shared = self.shared_expert.down_proj(F.silu(gate) * up)
-            return router_probs(logits), torch.sigmoid(shared_gate) * shared
-        return self.gate(flat), torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        logits, shared_gate, gate, up = project(self, flat)
+        shared = self.shared_expert.down_proj(F.silu(gate) * up)
+        return router_probs(logits), torch.sigmoid(shared_gate) * shared
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """The block's output as the next layer adds it, after whichever backend computed it: this

@@ -159,8 +159,6 @@ KEPT = ("shared_expert_gate",)
 def quantizable(model, spec: QuantSpec) -> list[str]:
     """Names of the matrices `quantize_model` converts: every nn.Linear but the kept ones (and the
     lm_head when it is tied to the embeddings), and each layer's routed experts, where K fits the group."""
-    from ..layers.moe import Experts
-
     tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", False)
     names = []
     for name, m in model.named_modules():
@@ -168,7 +166,7 @@ def quantizable(model, spec: QuantSpec) -> list[str]:
         if isinstance(m, nn.Linear) and leaf not in KEPT and not (tied and m is model.lm_head):
             if spec.fits(m.in_features):
                 names.append(name)
-        elif isinstance(m, Experts) and isinstance(m.gate_up_proj, torch.Tensor):
+        elif isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):       # an `Experts` stack (layers/moe.py)
             if spec.fits(m.gate_up_proj.shape[-1]) and spec.fits(m.down_proj.shape[-1]):
                 names.append(name)
     return names
@@ -182,14 +180,13 @@ def quantize_model(model, spec: QuantSpec | None, names=None, fill: bool = True,
     `specs`: per-matrix overrides of `spec`, by module name (experts: `….experts.gate_up_proj` /
     `….experts.down_proj`), for checkpoints that mix precisions (GGUF's Q4_K_M). Returns the names converted."""
     specs = specs or {}
-    from ..layers.moe import Experts
 
     names = quantizable(model, spec) if names is None else list(names)
     for qualified in names:
         parent_name, _, leaf = qualified.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, leaf)
-        if isinstance(old, Experts):
+        if hasattr(old, "gate_up_proj"):                 # an `Experts` stack (layers/moe.py)
             for part in ("gate_up_proj", "down_proj"):
                 weight = getattr(old, part)
                 key = f"{qualified}.{part}"

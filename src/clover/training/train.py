@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from clover.checkpoint import write_checkpoint
 from clover.config import CloverConfig
+from clover.layers.moe import router_probs
 from clover.model import CloverForCausalLM
 from clover.progress import beside
 from clover.progress import progress as progress_bar
@@ -171,7 +172,7 @@ class RouterBalance:
     def __init__(self, model: CloverForCausalLM):
         self.k = model.config.num_experts_per_tok
         self.probs: list[torch.Tensor] = []
-        self.handles = [layer.mlp.gate.register_forward_hook(lambda m, i, o: self.probs.append(o))
+        self.handles = [layer.mlp.gate.register_forward_hook(lambda m, i, o: self.probs.append(router_probs(o)))
                         for layer in model.model.layers]
 
     def loss(self) -> torch.Tensor:
