@@ -33,6 +33,12 @@ from .transfer import to_device
 PAGE_SIZE = 32
 
 
+def page_rows(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Rows of a `[pages · page_size, …]` view holding positions `pos` of page table `table` (`table`
+    [pages] with `pos` [n], or `table` [B, pages] with `pos` [B, n], a table per row)."""
+    return table.gather(-1, pos // page_size) * page_size + pos % page_size
+
+
 class PoolFull(RuntimeError):
     """The state pool has no free page or slot left, even after evicting cached prefixes."""
 
@@ -128,9 +134,8 @@ class BatchIndex:
     def new_rows(self) -> torch.Tensor:
         """[B·T]: the flat K/V rows (`[pages · page_size]` view) of each row's new tokens."""
         if "new_rows" not in self.derived:
-            P, T = self.page_size, self.tokens
-            pos = self.starts[:, None] + torch.arange(T, device=self.starts.device)[None, :]
-            self.derived["new_rows"] = (self.table.gather(1, pos // P) * P + pos % P).reshape(-1)
+            pos = self.starts[:, None] + torch.arange(self.tokens, device=self.starts.device)[None, :]
+            self.derived["new_rows"] = page_rows(self.table, pos, self.page_size).reshape(-1)
         return self.derived["new_rows"]
 
     @property
@@ -138,10 +143,9 @@ class BatchIndex:
         """[B, S]: flat rows of positions 0 … S−1; a row's entries past its own end repeat its last row
         (attention masks them)."""
         if "key_rows" not in self.derived:
-            P = self.page_size
             pos = torch.arange(self.key_len, device=self.starts.device)[None, :]
             pos = torch.minimum(pos, self.key_ends[:, None] - 1)                               # [B, S]
-            self.derived["key_rows"] = self.table.gather(1, pos // P) * P + pos % P
+            self.derived["key_rows"] = page_rows(self.table, pos, self.page_size)
         return self.derived["key_rows"]
 
     @classmethod
@@ -404,6 +408,14 @@ class StatePool:
         held.own_slots.append(slot)
         return slot
 
+    def _seq_set_slot(self, held: _Holdings, slot: int, taken: bool = False) -> None:
+        """Move a sequence to GDN slot `slot`, letting go of its current one. `taken`: the caller already
+        holds `slot`'s reference for it (a slot just taken), else one is added."""
+        if not taken:
+            self.slot_ids.ref(slot)
+        old, held.slot = held.slot, slot
+        self._seq_drop_slot(held, old)
+
     def _seq_drop_slot(self, held: _Holdings, slot: int | None) -> None:
         """A sequence lets go of one reference to `slot`; a slot it took out of its reservation gives
         the reservation back (a sequence is promised two slots at a time, not two in its life)."""
@@ -417,10 +429,8 @@ class StatePool:
 
     def flat_positions(self, pages: list[int], start: int, stop: int) -> torch.Tensor:
         """Rows of a `[pages · page_size, …]` view holding positions start … stop−1 of a page table."""
-        P = self.page_size
-        pos = torch.arange(start, stop)
         table = torch.tensor(pages[: self.pages_for(stop)], dtype=torch.long)
-        return table[pos // P] * P + pos % P
+        return page_rows(table, torch.arange(start, stop), self.page_size)
 
     def span(self, pages: list[int], start: int, stop: int):
         """Positions start … stop−1 of a page table in a `[pages · page_size, …]` view: a slice when
@@ -470,9 +480,7 @@ class StatePool:
             for b, s in enumerate(seqs):
                 s.length += batch.commits[b]
                 if batch.write_slots is not None and batch.write_slots[b] is not None:
-                    old = s._held.slot
-                    s._held.slot = batch.write_slots[b]
-                    self._seq_drop_slot(s._held, old)
+                    self._seq_set_slot(s._held, batch.write_slots[b], taken=True)
 
     def abort(self, batch: ForwardBatch, seqs: list["SequenceState"]) -> None:
         with self._lock:
@@ -551,8 +559,7 @@ class SequenceState:
                 for i in pool.conv:
                     pool.conv[i][fresh].copy_(pool.conv[i][self._held.slot])
                     pool.recurrent[i][fresh].copy_(pool.recurrent[i][self._held.slot])
-                pool._seq_drop_slot(self._held, self._held.slot)
-                self._held.slot = fresh
+                pool._seq_set_slot(self._held, fresh, taken=True)
             pool.conv[layer][self._held.slot].copy_(conv)
             pool.recurrent[layer][self._held.slot].copy_(recurrent)
 
@@ -567,9 +574,7 @@ class SequenceState:
             for p in self._held.pages:
                 pool.page_ids.ref(p)
             twin._held.pages = list(self._held.pages)
-            pool.slot_ids.ref(self._held.slot)
-            pool.slot_ids.drop(twin._held.slot)
-            twin._held.slot = self._held.slot
+            pool._seq_set_slot(twin._held, self._held.slot)
             twin.length = self.length
             return twin
 
@@ -589,9 +594,7 @@ class SequenceState:
         if snap.slot not in self._held.snapshot_slots:
             raise ValueError("this snapshot was not taken from this sequence")
         with self.pool._lock:
-            self.pool.slot_ids.ref(snap.slot)
-            self.pool._seq_drop_slot(self._held, self._held.slot)
-            self._held.slot = snap.slot
+            self.pool._seq_set_slot(self._held, snap.slot)
             self._close_speculation()
             self.length = snap.length
 
@@ -642,9 +645,7 @@ class SequenceState:
         with pool._lock:
             if self.has_gdn and n != self.length:
                 if keep == 0:
-                    pool.slot_ids.ref(held.saved_slot)
-                    pool._seq_drop_slot(held, held.slot)
-                    held.slot = held.saved_slot
+                    pool._seq_set_slot(held, held.saved_slot)
                 else:
                     target = held.slot
                     if pool.slot_refs(target) > 1 or target in (held.saved_slot, 0):
@@ -656,8 +657,7 @@ class SequenceState:
                         u, z, b, a = (torch.cat(parts)[None, :keep] for parts in zip(*record.inputs))
                         gdn_core(mixer, u, z, b, a, replay, 0)        # (the output is not needed)
                     if target != held.slot:
-                        pool._seq_drop_slot(held, held.slot)
-                        held.slot = target
+                        pool._seq_set_slot(held, target, taken=True)
             self.length = n
             self._close_speculation()
 

@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from ..cache import page_rows
 from ..options import current as runtime_options
 from .graphs import batch_bucket
 
@@ -116,7 +117,7 @@ def _tail_rows(idx):
     past = pos % P != 0
     past = past & (torch.cumsum((~past).to(torch.int32), 1) == 0)      # stop at the next page boundary
     pos = torch.where(past, pos, ends[:, None] - 1)
-    return (idx.table.gather(1, pos // P) * P + pos % P).reshape(-1), past.reshape(-1)
+    return page_rows(idx.table, pos, P).reshape(-1), past.reshape(-1)
 
 
 def clear_tails(k_pool: torch.Tensor, v_pool: torch.Tensor, idx) -> None:
