@@ -119,7 +119,7 @@ def test_cache_budget_limits_the_batch(model):
     assert cache_bytes(model.config, model.dtype, 4, 16, 4) > 0
     slot = StatePool.bytes_per_slot(model.config, model.dtype)
     page = StatePool.bytes_per_page(model.config, model.dtype)
-    slots = 1 + 2 * 8 + 8                      # the pool's slots for 8 sequences (see StatePool.for_budget)
+    slots = 1 + 2 * 8 + 8                      # the pool's slots for 8 sequences (see StatePool.slots_for)
     seen = []
     with Engine(model, EngineOptions(max_batch=8, max_sequences=8, max_queue=8, max_cache_bytes=slots * slot + 2 * page + 1)) as engine:
         assert engine.pool.num_pages == 2

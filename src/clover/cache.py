@@ -259,14 +259,18 @@ class StatePool:
         per += config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * se
         return gdn * per
 
+    @staticmethod
+    def slots_for(max_sequences: int, prefix_slots: int | None = None) -> int:
+        """GDN slots for `max_sequences`: slot 0, two per sequence (a forward writes a new one before
+        dropping the old) and `prefix_slots` (default max_sequences) for cached prefixes."""
+        return 1 + 2 * max_sequences + (max_sequences if prefix_slots is None else prefix_slots)
+
     @classmethod
     def for_budget(cls, config, dtype, memory_bytes: int, *, max_sequences: int = 16, prefix_slots: int | None = None,
                    page_size: int = PAGE_SIZE, devices=None) -> "StatePool":
-        """A pool that fits `memory_bytes`: two GDN slots per sequence (a forward writes a new one before
-        dropping the old) plus `prefix_slots` (default max_sequences) for cached prefixes; pages of K/V
-        from what is left (at most enough for every sequence at the full context)."""
-        prefix_slots = max_sequences if prefix_slots is None else prefix_slots
-        slots = 1 + 2 * max_sequences + prefix_slots
+        """A pool that fits `memory_bytes`: the GDN slots of `slots_for`; pages of K/V from what is left
+        (at most enough for every sequence at the full context)."""
+        slots = cls.slots_for(max_sequences, prefix_slots)
         slot_bytes, page_bytes = cls.bytes_per_slot(config, dtype), cls.bytes_per_page(config, dtype, page_size)
         left = memory_bytes - slots * slot_bytes
         ceiling = max_sequences * math.ceil(config.max_position_embeddings / page_size) + 1

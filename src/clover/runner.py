@@ -140,7 +140,7 @@ class ModelRunner:
         pages of K/V — by default the smallest default pool: 64K tokens (the real model's slots alone
         take ~3 GB for 16 sequences)."""
         config, dtype = self.state_config or self.model.config, self.model.dtype
-        slots = 1 + 3 * max_sequences if prefix_slots is None else 1 + 2 * max_sequences + prefix_slots
+        slots = StatePool.slots_for(max_sequences, prefix_slots)
         return slots * StatePool.bytes_per_slot(config, dtype) + pages * StatePool.bytes_per_page(config, dtype)
 
     def make_cache(self, capacity: int = 0) -> SequenceState:
