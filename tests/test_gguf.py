@@ -458,6 +458,33 @@ def test_native_decoder_equals_the_pytorch_one(name):
                     dest.super_mins)
 
 
+@pytest.mark.parametrize("name", list(SCALE_BYTES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_row_dequantizer_equals_dequantizing_the_stored_rows(name, dtype):
+    """kernels/gguf_decode.c's rows-to-values path (a token table's lookup) gives, bit for bit, what
+    `quantization.format.dequantize` gives for the rows blocks.py's PyTorch decoders store; a row with
+    an infinite scale is refused, naming it."""
+    from clover.gguf.blocks import dequantize_rows
+    from clover.kernels import available
+
+    if not available():
+        pytest.skip("the native kernels do not build here")
+    fmt, K, rows = FORMATS[name], 512, 5
+    rng = np.random.default_rng(12)
+    raw = rng.integers(0, 256, size=(rows, K // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    for at in SCALE_BYTES[name]:                                  # finite scales (subnormal to large), random codes
+        raw[..., at:at + 2] = (10 ** rng.uniform(-7, 3, size=raw.shape[:2])).astype(np.float16)[..., None].view(np.uint8)
+    flat = torch.from_numpy(raw.reshape(-1))
+    c = decode_codes(fmt, flat, K)
+    want = dequantize(c.qweight, c.scales, c.mins, c.bits, dtype=dtype, super_scales=c.super_scales,
+                      super_mins=c.super_mins)
+    got = dequantize_rows(fmt, flat, K, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    raw[3, 1, SCALE_BYTES[name][0]:SCALE_BYTES[name][0] + 2] = np.array([0x00, 0x7C], dtype=np.uint8)   # +inf
+    with pytest.raises(ValueError, match="row 3 has a non-finite fp16 scale"):
+        dequantize_rows(fmt, torch.from_numpy(raw.reshape(-1)), K, dtype)
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("tensor, block, table_in_file", [("blk.1.ffn_down_exps.weight", 1, False),
                                                           ("token_embd.weight", 3, True)])
@@ -578,17 +605,18 @@ def test_k_quant_model_on_cuda_equals_the_cpu_reference(tmp_path):
 
 # ---- a token table left in the file ---------------------------------------------------------------
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_token_table_left_in_the_file_reads_the_rows_loading_would_hold(tmp_path, monkeypatch, qtype, native):
     """`table_in_file=True` (clover.load's CPU path): the quantized token table is not loaded but read
     from the file on lookup; every lookup (repeats, any order, the last id) and the model's logits are
     exactly those of the table loaded into memory, by the native decoder and the PyTorch one alike; a
     bad id raises IndexError; a file rewritten after loading is refused with its name."""
-    from clover.gguf import loader
+    from clover.gguf import embedding, loader
     from clover.gguf.embedding import QuantizedFileEmbedding
 
     if not native:
         monkeypatch.setattr(loader, "decode_into", lambda *a, **k: False)
+        monkeypatch.setattr(embedding, "dequantize_rows", lambda *a, **k: None)
     model = tiny(seed=3, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                  linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
     path = tmp_path / "t.gguf"

@@ -265,6 +265,30 @@ def decode_into(fmt: GGMLFormat, raw: torch.Tensor, K: int, first: int, dest_row
     return True
 
 
+def dequantize_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Whole rows of a quantized type (`raw`) → values [rows, K] in `dtype` (bf16 or fp32) by the native
+    decoder in one call: the bits `quantization.format.dequantize` gives for the rows in the type's own
+    stored form. None where the native kernels are unavailable or `dtype` is another type (the caller
+    converts and dequantizes in PyTorch). Raises ValueError on a non-finite scale."""
+    from ..kernels.build import library
+
+    lib = library()
+    if lib is None or fmt.name not in NATIVE or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    rows = raw.numel() // fmt.row_bytes(K)
+    raw = raw.contiguous()
+    out = torch.empty(rows, K, dtype=dtype)
+    status = lib.clover_gguf_dequantize(NATIVE.index(fmt.name), raw.data_ptr(), fmt.row_bytes(K), rows, K,
+                                        out.data_ptr(), int(dtype == torch.bfloat16))
+    if status == -2:
+        raise ValueError(f"{K} columns are not whole {fmt.name} blocks")
+    if status == -3:
+        raise MemoryError("the GGUF row decoder could not allocate its buffers")
+    if status > 0:
+        raise ValueError(f"row {status - 1} has a non-finite fp16 scale (the file is corrupt)")
+    return out
+
+
 def decode_float(fmt: GGMLFormat, raw: torch.Tensor, K: int) -> torch.Tensor:
     """Raw bytes of whole rows → values [R, K]: float types in their own dtype (a view of the bytes
     where they are aligned: the caller converts once, into the destination), quantized types

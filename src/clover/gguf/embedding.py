@@ -1,5 +1,6 @@
 """A GGUF file's quantized token embedding left in the file (`layers/file_embedding.py` says why):
-each lookup converts the rows it read exactly as loading converts the table (`loader.convert_rows`,
+each lookup decodes the rows it read to the values loading's stored table would give: a few rows in one
+native call (`blocks.dequantize_rows`), more as loading converts the table (`loader.convert_rows`,
 the native decoder where it exists) and dequantizes them as `QuantizedEmbedding` does, so the values
 are the same bits. Used by `clover.load` when it packs the model for the CPU
 (`load_gguf(table_in_file=True)`, which still checks the table's scales at load).
@@ -14,11 +15,11 @@ import torch
 from ..layers.file_embedding import FileEmbedding
 from ..quantization.format import QuantSpec, dequantize
 from ..quantization.modules import QuantizedWeight
-from .blocks import FORMATS
+from .blocks import FORMATS, dequantize_rows
 from .file import GGUFError, TensorInfo
 
 
-FEW_ROWS = 64      # lookups up to this many rows decode on one thread (a decode step's: one row)
+FEW_ROWS = 64      # lookups up to this many rows decode in one native call (a decode step's: one row)
 
 
 class QuantizedFileEmbedding(FileEmbedding):
@@ -30,11 +31,21 @@ class QuantizedFileEmbedding(FileEmbedding):
         rows, dim = info.shape
         super().__init__(path, info.offset, rows, dim, fmt.row_bytes(dim), dtype, name=info.describe())
         self.fmt, self.spec, self.mins = fmt, spec, mins
+        # the table is held in the type's own stored form (not widened): the native decoder's values
+        self.native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == (
+            spec.bits, spec.group_size, mins, spec.super_group)
 
     def error(self, message: str) -> Exception:
         return GGUFError(message)
 
     def decode(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        if rows <= FEW_ROWS and self.native:      # a lookup's few rows: one native call, the same bits
+            try:
+                values = dequantize_rows(self.fmt, raw, self.embedding_dim, self.compute_dtype)
+            except ValueError as exc:
+                raise self.error(f"{self.path}: tensor {self.name}: {exc}") from None
+            if values is not None:
+                return values
         return dequantize(**self.stored_rows(raw, rows).stored(), dtype=self.compute_dtype)
 
     def stored_rows(self, raw: torch.Tensor, rows: int) -> QuantizedWeight:

@@ -65,6 +65,7 @@ SIGNATURES = {
     "clover_quant_pack_scales": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _i32, _ptr, _i64], _i32),
     "clover_gguf_decode": ([_i32, _ptr, _i64, _i64, _i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
                             _i32], _i32),
+    "clover_gguf_dequantize": ([_i32, _ptr, _i64, _i64, _i32, _ptr, _i32], _i32),
     "clover_gdn_short": ([_i32] * 9 + [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64] + [_ptr] * 10
                          + [_f32, _f32, _ptr, _i64, _i64, _i32], _i32),
     "clover_add_rmsnorm": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i32], None),

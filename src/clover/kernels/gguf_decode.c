@@ -8,6 +8,7 @@
  * 2-bit tops (row byte K/2 + j: inputs 4j…4j+3, input 4j+i at bits 2i). Scales are the file's own
  * bits: fp16 per group for the legacy types; for the K-quants int8 sub-scale codes with the block's
  * fp16 super-scale (and −dmin as the mins' super-scale, a sign flip). */
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -139,4 +140,72 @@ int clover_gguf_decode(int type, const uint8_t *raw, long row_bytes, long rows, 
             bad = r;
     }
     return bad < 0 ? 0 : (int)(1 + bad);
+}
+
+/* fp16 bits → fp32 (exact; subnormals, infinities and NaN kept) */
+static float half_value(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    float f;
+    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        f = (float)man * 0x1p-24f;             /* a subnormal (or zero): exact in fp32 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t bf16_bits(float f) {          /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* `rows` whole rows straight to values, [rows, K] bf16 (out_bf16) or fp32: what loading's stored form
+ * dequantizes to (quantization/format.py `dequantize`, which tests compare with bit for bit): per group
+ * s·(u − z), or s·u + m with mins, in fp32 with each product and sum rounded (the build's
+ * -ffp-contract=off), then rounded once; a two-level scale is super · code (exact). For a token table
+ * left in the file: a lookup's few rows in one call, where the PyTorch path takes ~10 tensor ops a row.
+ * Returns as clover_gguf_decode does (0; −2; 1 + r for a row with a non-finite scale). */
+int clover_gguf_dequantize(int type, const uint8_t *raw, long row_bytes, long rows, int K, void *out, int out_bf16) {
+    if (type < Q8_0 || type > Q6_K || K % (type >= Q4_K ? 256 : 32)) return -2;
+    int bits = type == Q8_0 ? 8 : (type == Q4_0 || type == Q4_1 || type == Q4_K) ? 4 : 6;
+    int has_mins = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    int group = type == Q6_K ? 16 : 32, two_level = type >= Q4_K;
+    int zero = has_mins ? 0 : bits == 8 ? 0 : bits == 6 ? 32 : 8;
+    uint8_t *q = malloc((size_t)K), *sc = malloc((size_t)K / 16 * 2), *mn = malloc((size_t)K / 16 * 2);
+    uint16_t *sup = malloc((size_t)K / 256 * 2 + 2), *supm = malloc((size_t)K / 256 * 2 + 2);
+    int status = 0;
+    if (!q || !sc || !mn || !sup || !supm) status = -3;
+    for (long r = 0; r < rows && !status; r++) {
+        if (decode_row(type, raw + r * row_bytes, K, q, sc, has_mins ? mn : 0, sup, supm)) {
+            status = (int)(1 + r);
+            break;
+        }
+        for (int g = 0; g < K / group; g++) {
+            float s, m = 0.0f;
+            if (two_level) {
+                s = half_value(sup[g * group / 256]) * (float)((int8_t *)sc)[g];
+                if (has_mins) m = half_value(supm[g * group / 256]) * (float)((int8_t *)mn)[g];
+            } else {
+                s = half_value(((uint16_t *)sc)[g]);
+                if (has_mins) m = half_value(((uint16_t *)mn)[g]);
+            }
+            for (int i = 0; i < group; i++) {
+                int k = g * group + i, u;
+                if (bits == 8) u = (int8_t)q[k];
+                else if (bits == 4) u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
+                else u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4);
+                float w = has_mins ? s * (float)u + m : s * (float)(u - zero);
+                if (out_bf16) ((uint16_t *)out)[r * K + k] = bf16_bits(w);
+                else ((float *)out)[r * K + k] = w;
+            }
+        }
+    }
+    free(q), free(sc), free(mn), free(sup), free(supm);
+    return status;
 }
