@@ -467,8 +467,8 @@ def summarize(rounds: list[dict], bytes_per_token: dict, file_bytes: dict, names
             r["decode_vs_llama"] = r["decode_tok_s"] / by_name[other]["decode_tok_s"]
     bw = [r["bandwidth"]["read_gbps"] for r in rounds]
     lines = [
-        f"Clover vs llama.cpp — random `{VARIANT}` Qwen3.5-MoE, {args.threads} threads, prompt {args.prompt}, "
-        f"greedy decode {args.decode}, {len(rounds)} round(s) × {args.repeats} samples; read bandwidth "
+        f"Clover vs llama.cpp — random `{VARIANT}` Qwen3.5-MoE, {args.threads} thread{'s' if args.threads != 1 else ''}, "
+        f"prompt {args.prompt}, greedy decode {args.decode}, {len(rounds)} round(s) × {args.repeats} samples; read bandwidth "
         f"{statistics.median(bw):.1f} GB/s ({min(bw):.1f}–{max(bw):.1f})",
         "",
         "| engine | file GB | MB read / token | prefill tok/s (min–max) | decode tok/s (min–max) | decode % read BW "
