@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
@@ -157,14 +159,6 @@ static float half_value(uint16_t h) {
     return f;
 }
 
-static uint16_t bf16_bits(float f) {          /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* `rows` whole rows straight to values, [rows, K] bf16 (out_bf16) or fp32: what loading's stored form
  * dequantizes to (quantization/format.py `dequantize`, which tests compare with bit for bit): per group
  * s·(u − z), or s·u + m with mins, in fp32 with each product and sum rounded (the build's
@@ -201,7 +195,7 @@ int clover_gguf_dequantize(int type, const uint8_t *raw, long row_bytes, long ro
                 else if (bits == 4) u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
                 else u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4);
                 float w = has_mins ? s * (float)u + m : s * (float)(u - zero);
-                if (out_bf16) ((uint16_t *)out)[r * K + k] = bf16_bits(w);
+                if (out_bf16) ((uint16_t *)out)[r * K + k] = f32_to_bf16(w);
                 else ((float *)out)[r * K + k] = w;
             }
         }
