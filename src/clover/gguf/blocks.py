@@ -81,6 +81,10 @@ class GGMLFormat:
     def row_bytes(self, K: int) -> int:
         return K // self.block * self.block_bytes
 
+    def form(self) -> tuple:
+        """Clover's stored form of this type as `Codes.form()` gives it: (bits, group, mins, super-group)."""
+        return self.bits, self.group_size, self.asymmetric, self.super_group
+
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 from the last axis of 2 bytes → float32 (one value per leading index)."""
@@ -258,11 +262,18 @@ def decode_into(fmt: GGMLFormat, raw: torch.Tensor, K: int, first: int, dest_row
                                     ptr(super_scales), ptr(super_mins),
                                     0 if super_scales is None else super_scales.stride(0),
                                     threads or torch.get_num_threads())
+    _check_decoder(status, fmt, K, first)
+    return True
+
+
+def _check_decoder(status: int, fmt: GGMLFormat, K: int, first: int = 0) -> None:
+    """gguf_decode.c's status as an exception (rows counted from source row `first`)."""
     if status == -2:
         raise ValueError(f"{K} columns are not whole {fmt.name} blocks")
+    if status == -3:
+        raise MemoryError("the GGUF row decoder could not allocate its buffers")
     if status > 0:
         raise ValueError(f"row {first + status - 1} has a non-finite fp16 scale (the file is corrupt)")
-    return True
 
 
 def dequantize_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -280,12 +291,7 @@ def dequantize_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, dtype: torch.dty
     out = torch.empty(rows, K, dtype=dtype)
     status = lib.clover_gguf_dequantize(NATIVE.index(fmt.name), raw.data_ptr(), fmt.row_bytes(K), rows, K,
                                         out.data_ptr(), int(dtype == torch.bfloat16))
-    if status == -2:
-        raise ValueError(f"{K} columns are not whole {fmt.name} blocks")
-    if status == -3:
-        raise MemoryError("the GGUF row decoder could not allocate its buffers")
-    if status > 0:
-        raise ValueError(f"row {status - 1} has a non-finite fp16 scale (the file is corrupt)")
+    _check_decoder(status, fmt, K)
     return out
 
 

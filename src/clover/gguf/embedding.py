@@ -32,21 +32,20 @@ class QuantizedFileEmbedding(FileEmbedding):
         super().__init__(path, info.offset, rows, dim, fmt.row_bytes(dim), dtype, name=info.describe())
         self.fmt, self.spec, self.mins = fmt, spec, mins
         # the table is held in the type's own stored form (not widened): the native decoder's values
-        self.native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == (
-            spec.bits, spec.group_size, mins, spec.super_group)
+        self.native = fmt.form() == (spec.bits, spec.group_size, mins, spec.super_group)
 
     def error(self, message: str) -> Exception:
         return GGUFError(message)
 
     def decode(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
-        if rows <= FEW_ROWS and self.native:      # a lookup's few rows: one native call, the same bits
-            try:
+        try:
+            if rows <= FEW_ROWS and self.native:      # a lookup's few rows: one native call, the same bits
                 values = dequantize_rows(self.fmt, raw, self.embedding_dim, self.compute_dtype)
-            except ValueError as exc:
-                raise self.error(f"{self.path}: tensor {self.name}: {exc}") from None
-            if values is not None:
-                return values
-        return dequantize(**self.stored_rows(raw, rows).stored(), dtype=self.compute_dtype)
+                if values is not None:
+                    return values
+            return dequantize(**self.stored_rows(raw, rows).stored(), dtype=self.compute_dtype)
+        except ValueError as exc:                   # a corrupt scale: named with the file and tensor
+            raise self.error(f"{self.path}: tensor {self.name}: {exc}") from None
 
     def stored_rows(self, raw: torch.Tensor, rows: int) -> QuantizedWeight:
         """Raw GGML rows in Clover's stored form, as a [rows, dim] `QuantizedWeight`."""
@@ -54,10 +53,7 @@ class QuantizedFileEmbedding(FileEmbedding):
 
         out = QuantizedWeight((rows, self.embedding_dim), self.spec, mins=self.mins, dtype=self.compute_dtype)
         if rows:
-            try:
-                convert_rows(self.fmt, raw, self.embedding_dim, 0, rows, out, threads=1 if rows <= FEW_ROWS else None)
-            except ValueError as exc:
-                raise self.error(f"{self.path}: tensor {self.name}: {exc}") from None
+            convert_rows(self.fmt, raw, self.embedding_dim, 0, rows, out, threads=1 if rows <= FEW_ROWS else None)
         return out
 
 

@@ -362,7 +362,7 @@ def convert_rows(fmt: GGMLFormat, raw: torch.Tensor, K: int, r0: int, r1: int, m
     supers, super_mins = rows_of(module.super_scales), rows_of(module.super_mins)
     form = (module.bits, module.group_size, mins is not None, module.super_group)
     col_perm = None if layout is None else layout.col_perm
-    native = (fmt.bits, fmt.group_size, fmt.asymmetric, fmt.super_group) == form and col_perm is None
+    native = fmt.form() == form and col_perm is None
     if native and decode_into(fmt, raw, K, r0, src_rows, qweight, scales, mins, supers, super_mins, threads):
         return
     c = decode_codes(fmt, raw, K)
