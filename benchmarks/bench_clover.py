@@ -39,6 +39,7 @@ from benchmarks.common import (
     system_info,
     timeit,
 )
+from clover.generation.sequence import greedy_candidates
 
 
 def log(msg: str) -> None:
@@ -63,7 +64,9 @@ class CloverEngine(EngineAPI):
         return copy.deepcopy(state)
 
     def decode_step(self, state, token):
-        return self.model.step(token, [state], logits_at="last")[:, -1:].argmax(-1)
+        """One token through the model and the engine's greedy decision (`greedy_candidates`)."""
+        logits = self.model.step(token, [state], logits_at="last")[:, -1]
+        return greedy_candidates(logits, with_confidence=False)[0][:, None]
 
     def prompt_logits(self, input_ids):
         """float32 logits [V] of the prompt's last position (untimed: the engines' agreement check)."""

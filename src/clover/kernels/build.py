@@ -36,7 +36,7 @@ from ..options import current as runtime_options
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
-                                                          "attention_cached.c", "gguf_decode.c",
+                                                          "attention_cached.c", "gguf_decode.c", "decide.c",
                                                           "steps.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h",
                                                           "team.h")]
@@ -68,6 +68,7 @@ SIGNATURES = {
     "clover_gguf_dequantize": ([_i32, _ptr, _i64, _i64, _i32, _ptr, _i32], _i32),
     "clover_gdn_short": ([_i32] * 9 + [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64] + [_ptr] * 10
                          + [_f32, _f32, _ptr, _i64, _i64, _i32], _i32),
+    "clover_greedy": ([_i32, _i32, _ptr, _i64, _i32, _i64, _ptr, _ptr, _i32], _i32),
     "clover_add_rmsnorm": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i32], None),
     "clover_moe_block": ([_i32, _i32, _i32, _ptr] + [_i32] * 8 + [_ptr] * 9 + [_i32], _i32),
     "clover_attention_cached": ([_i32] * 6 + [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr,
