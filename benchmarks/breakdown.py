@@ -69,24 +69,20 @@ class Timers:
 
 
 def _linear_work(x, weight, bias=None):
-    rows = x.numel() // weight.in_features
-    return 2 * rows * weight.in_features * weight.out_features, 2 * weight.in_features * weight.out_features
-
-
-def _quantized_linear_work(x, weight, bias=None):
-    """The bytes a quantized product streams: its codes and scales (and offsets), as packed."""
+    """A product's arithmetic and the bytes it streams: its panels, or its codes and scales as packed."""
     rows = x.numel() // weight.in_features
     nbytes = sum(t.numel() * t.element_size() for t in weight.buffers().values())
     return 2 * rows * weight.in_features * weight.out_features, nbytes
 
 
+def _linear_label(x, w, b=None) -> str:
+    kind = f"int{w.bits} linear" if hasattr(w, "bits") else "linear"
+    return f"{kind} {x.numel() // w.in_features}×{w.in_features}→{w.out_features}"
+
+
 def instrument(timers: Timers, model) -> None:
-    panels = importlib.import_module("clover.kernels.panels")
-    timers.wrap(panels, "linear", lambda x, w, b=None: f"linear {x.numel() // w.in_features}×{w.in_features}→{w.out_features}",
-                _linear_work)
-    quant = importlib.import_module("clover.kernels.quant_panels")
-    timers.wrap(quant, "linear", lambda x, w, b=None: (f"int{w.bits} linear {x.numel() // w.in_features}×"
-                                                      f"{w.in_features}→{w.out_features}"), _quantized_linear_work)
+    panels = importlib.import_module("clover.kernels.panels")     # every packed form's product (bf16, int8, int4)
+    timers.wrap(panels, "linear", _linear_label, _linear_work)
     # the fused ops as the model calls them (clover/backend.py): kernel, or reference where a call does not qualify
     for op in BACKEND_OPS:
         timers.wrap(model.backend, op, lambda *a, op=op, **k: KERNEL_OF_OP[op])
