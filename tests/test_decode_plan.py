@@ -36,7 +36,7 @@ def _plan_runs(monkeypatch):
     run = decode_plan._Plan.run
 
     def counted(self, *args):
-        runs.append(self.B)
+        runs.append(self.B if self.T == 1 else (self.B, self.T))     # decode steps by batch size
         return run(self, *args)
     monkeypatch.setattr(decode_plan._Plan, "run", counted)
     return runs
@@ -104,6 +104,67 @@ def test_one_region_equals_the_calls_one_by_one(variant, bits, threads, monkeypa
     assert runs.count(1) == 24 and runs.count(3) == 24
 
 
+def _block_steps_both(model, monkeypatch, switch="ENABLED", seed=0):
+    """Block steps (expert selection off, on for all rows, per row; logits for every position, for a
+    mask of them, for none), fused commits and short causal passes over three rows of different
+    lengths, through the plan and, on forked caches, with `switch` off: the same logits, expert
+    statistics and states bit for bit (twelve steps of the three rows)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = model.config.mask_token_id
+    caches = []
+    for n in (20, 31, 7):
+        c = model.make_cache(capacity=n + 80)
+        model.step(torch.randint(5, 90, (1, n), generator=g), [c])
+        caches.append(c)
+    forks = [c.fork() for c in caches]
+
+    def both(ids, **kw):
+        out = []
+        for on, rows in ((True, caches), (False, forks)):
+            monkeypatch.setattr(decode_plan, switch, on)
+            stats = []
+            out.append((model.step(ids, rows, stats=stats, **kw), stats))
+        monkeypatch.setattr(decode_plan, switch, True)
+        (planned, planned_stats), (layers, layers_stats) = out
+        assert (planned is None and layers is None) or torch.equal(planned, layers), kw
+        assert len(planned_stats) == len(layers_stats) and all(map(torch.equal, planned_stats, layers_stats)), kw
+
+    for _ in range(2):
+        block = torch.randint(5, 90, (3, 8), generator=g)
+        block[:, ::2] = mask
+        picked = torch.rand(3, 8, generator=g) > 0.4
+        both(block, block=True)
+        both(block, block=True, block_top_p=0.7)
+        both(block, block=True, logits_at=picked, block_top_p=torch.tensor([0.5, 1.0, 0.8]))
+        both(block, block=True, logits_at="none")
+        both(torch.cat([torch.randint(5, 90, (3, 6), generator=g), block], 1), block_len=8, logits_at="block",
+             block_top_p=0.7)                                          # a commit fused with the next block
+        both(torch.randint(5, 90, (3, 5), generator=g), logits_at="all")   # a short causal pass
+        assert [c.length for c in caches] == [c.length for c in forks]
+
+
+@pytest.mark.parametrize("variant", ["base", "tied_gqa4", "gdn_heavy", "attn_first", "attn_only"])
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_block_steps_and_commits_equal_the_layers(variant, bits, monkeypatch):
+    model = _packed(variant, bits)
+    runs = _plan_runs(monkeypatch)
+    with torch.inference_mode():
+        _block_steps_both(model, monkeypatch)
+    assert sum(isinstance(r, tuple) and r[0] == 3 for r in runs) == 12          # every one through the plan
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_block_steps_in_one_region_equal_the_calls_one_by_one(threads, monkeypatch):
+    model = _packed("tied_gqa4", 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            _block_steps_both(model, monkeypatch, switch="ONE_REGION", seed=threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_failing_op_is_reported():
     """An op that fails (here: sizes the GDN kernel refuses) stops nothing — every thread meets the same
     barriers — and the walk reports the first failing op; the ops around it still ran."""
@@ -134,7 +195,8 @@ def test_logits_are_new_every_step():
 
 
 def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
-    """Autograd on, an open speculation, a step of two tokens, a bf16 model left unpacked: no plan step."""
+    """Autograd on, an open speculation, a pass of more than 64 tokens, a bf16 model left unpacked: no
+    plan step."""
     model = _packed()
     runs = _plan_runs(monkeypatch)
     ids = torch.arange(5, 25)[None]
@@ -142,18 +204,18 @@ def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
     with torch.no_grad():
         model.step(ids, [c])
         model.step(torch.tensor([[9]]), [c])                 # autograd off: the plan
-    assert runs == [1]
+    assert runs == [(1, 20), 1]
     model.step(torch.tensor([[9]]), [c])                     # autograd on: the layers (the reference ops)
     with torch.inference_mode():
         c.begin_speculation()
         model.step(torch.tensor([[10]]), [c])
         c.end_speculation()
-        model.step(torch.tensor([[10, 11]]), [c])
+        model.step(torch.arange(5, 70)[None], [c])
         plain = make_model("base", seed=0, dtype=torch.bfloat16)
         d = plain.make_cache()
         plain.step(ids, [d])
         plain.step(torch.tensor([[9]]), [d])
-    assert runs == [1]
+    assert runs == [(1, 20), 1]
 
 
 def test_a_reload_rebuilds_the_plan():

@@ -60,30 +60,32 @@ def test_a_failed_pool_swap_keeps_the_old_pool():
 
 
 @pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable")
-def test_decode_steps_run_the_plan_and_nothing_else_does(monkeypatch):
-    """On a model packed for the kernels a decode step runs the prepared plan; block steps, commits and
-    prefill run the layers. Swapping the backend drops the prepared plans (they bind its kernels)."""
+def test_steps_of_up_to_64_tokens_run_the_plan_and_longer_ones_do_not(monkeypatch):
+    """On a model packed for the kernels a decode step, a block step, a fused commit and a short causal
+    pass run the prepared plan; a pass of more than 64 tokens (a prefill chunk) runs the layers.
+    Swapping the backend drops the prepared plans (they bind its kernels)."""
     model = make_model("base", seed=4, dtype=torch.bfloat16)
     assert pack_for_cpu(model) > 0
     planned = []
     real = decode_plan.DecodePlans.step
 
-    def counted(self, *args):
-        out = real(self, *args)
-        planned.append(out is not None)
-        return out
+    def counted(self, model, ids, *args):
+        ran, logits = real(self, model, ids, *args)
+        planned.append((ids.shape[1], ran))
+        return ran, logits
     monkeypatch.setattr(decode_plan.DecodePlans, "step", counted)
     mask = model.config.mask_token_id
     with torch.inference_mode():
+        _, cache = model.prefill(torch.arange(5, 70))
+        assert planned == []                       # 65 tokens: the layers
         _, cache = model.prefill(torch.arange(5, 25))
-        assert planned == []
         model.step(torch.full((1, 8), mask), [cache], block=True)
         model.step(torch.tensor([[5] * 8 + [mask] * 8]), [cache], block_len=8, logits_at="block")
-        assert planned == []
         model.step(torch.tensor([[7]]), [cache], logits_at="last")
-        assert planned == [True]
+        assert planned == [(20, True), (8, True), (16, True), (1, True)]
+        planned.clear()
         plans = model.runner._plans
         model.backend = Backend("cpu")
         assert model.runner._plans is None
         model.step(torch.tensor([[8]]), [cache], logits_at="last")
-        assert planned == [True, True] and model.runner._plans is not plans
+        assert planned == [(1, True)] and model.runner._plans is not plans

@@ -4,10 +4,11 @@ A `CloverForCausalLM` is its weights and one public forward (`model.run`). Every
 forward runs lives here, in the `ModelRunner` every model carries as `model.runner`:
   - the backend (backend.py: which implementation of each fused op);
   - the state pool (cache.py: K/V pages, GDN slots, the prefix cache), sized once;
-  - the executor of a cached forward, chosen in `_forward_cached` and nowhere else: a one-token decode
-    step runs the CPU's prepared kernel calls (kernels/decode_plan.py) where the model is packed for
-    them, short forwards replay as step graphs (gpu/graphs.py) where those are on, and every other
-    forward runs `model.run` eagerly. All three compute the same numbers (tests/test_executors.py);
+  - the executor of a cached forward, chosen in `_forward_cached` and nowhere else: a step of up to 64
+    tokens (decode, block step, commit) runs the CPU's prepared kernel calls (kernels/decode_plan.py)
+    where the model is packed for them, short forwards replay as step graphs (gpu/graphs.py) where
+    those are on, and every other forward runs `model.run` eagerly. All three compute the same numbers
+    (tests/test_decode_plan.py, tests/test_step_graphs.py);
   - chunked and right-padded prefill over the pool.
 
 The decoder, the engine, the HF wrapper and the distributed ranks call the runner; `model.step`,
@@ -24,6 +25,7 @@ import torch
 
 from .backend import Backend, reference_backend
 from .cache import SequenceState, StatePool
+from .kernels.decode_plan import MAX_TOKENS as PLANNED_TOKENS
 from .kernels.decode_plan import DecodePlans
 from .layers.expert_selection import validate_block_expert_top_p
 from .transfer import to_device
@@ -207,15 +209,15 @@ class ModelRunner:
         pool = caches[0].pool
         batch = pool.prepare(caches, T, block_len, valid_lens)
         try:
-            logits = None
-            if T == 1 and not block_len and stats is None and logits_at in ("last", "all"):
+            ran, logits = False, None
+            if T <= PLANNED_TOKENS:                  # the CPU's prepared kernel calls, where they fit
                 self._plans = self._plans or DecodePlans(self.model)
-                logits = self._plans.step(self.model, ids, batch)        # None where no plan fits
-            if logits is None and self.graph_replay is not None and pool is self._pool:
+                ran, logits = self._plans.step(self.model, ids, batch, block_len, block_top_p, logits_at, stats)
+            if not ran and self.graph_replay is not None and pool is self._pool:
                 graphs = self.step_graphs()
                 if graphs is not None:
                     logits = graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)
-            if logits is None:
+            if not ran and logits is None:
                 logits = self.model.run(ids, self.positions(ids, batch, T), batch, block_len, block_top_p,
                                         logits_at, stats)
         except BaseException:

@@ -49,7 +49,8 @@ from .rmsnorm import _scale, versions
 
 log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
-MAX_PLANS = 8          # batch sizes kept prepared (an engine's batch size moves between a few values)
+MAX_PLANS = 8          # step shapes kept prepared (an engine's batch size moves between a few values)
+MAX_TOKENS = 64        # tokens a planned step takes: the kernels' limit for a block (gdn_short, attention_cached)
 ENABLED = True         # off: every step runs the layers (benchmarks.breakdown times each call's wrapper)
 ONE_REGION = True      # off: a plan's calls run one by one, each its own parallel region
 
@@ -137,15 +138,15 @@ def supported(model) -> bool:
 
 
 class _Buffers:
-    """A step's intermediates for B rows, shared by layers where lifetimes allow: each layer's first
-    norm writes `h1` from (`h2`, `moe`), its second writes `h2` from (`h1`, `mixed`), no call writes a
-    tensor it reads."""
+    """A step's intermediates for B rows of T tokens, shared by layers where lifetimes allow: each
+    layer's first norm writes `h1` from (`h2`, `moe`), its second writes `h2` from (`h1`, `mixed`), no
+    call writes a tensor it reads."""
 
-    def __init__(self, B: int, H: int):
-        self.B = B
+    def __init__(self, B: int, T: int, H: int):
+        self.B, self.T = B, T
         new = lambda *shape: torch.empty(*shape, dtype=_BF16)  # noqa: E731
-        self.embed, self.h1, self.h2, self.x, self.mixed, self.moe = (new(B, 1, H) for _ in range(6))
-        self.final_h, self.final_x = new(B, 1, H), new(B, 1, H)
+        self.embed, self.h1, self.h2, self.x, self.mixed, self.moe = (new(B, T, H) for _ in range(6))
+        self.final_h, self.final_x = new(B, T, H), new(B, T, H)
         self._scratch: dict = {}
 
     def scratch(self, name: str, *shape) -> torch.Tensor:
@@ -157,7 +158,8 @@ class _Buffers:
 
 class RotaryTable:
     """cos / sin rows of the model's `RotaryEmbedding` by position, computed by the module itself for
-    blocks of `BLOCK` positions and kept: a decode step looks its rows up instead of running six tensor
+    blocks of `BLOCK` positions (plus the `MAX_TOKENS - 1` after them, so a step's tokens are always
+    consecutive rows of one table) and kept: a step looks its rows up instead of running six tensor
     ops. Bit-identical to computing them per step: every op of the module is elementwise, and PyTorch's
     vectorised cos / sin give each element the same result wherever it sits in a tensor (checked over
     positions in tests/test_decode_plan.py)."""
@@ -170,11 +172,12 @@ class RotaryTable:
         self.blocks: OrderedDict = OrderedDict()
 
     def rows(self, position: int):
-        """(cos, sin) tensors [BLOCK, R] bf16 holding `position` and its row in them."""
+        """(cos, sin) tensors [BLOCK + MAX_TOKENS − 1, R] bf16 holding `position` … `position + 63`, and
+        `position`'s row in them."""
         block, row = divmod(position, self.BLOCK)
         tables = self.blocks.get(block)
         if tables is None:
-            positions = torch.arange(block * self.BLOCK, (block + 1) * self.BLOCK)[None]
+            positions = torch.arange(block * self.BLOCK, (block + 1) * self.BLOCK + MAX_TOKENS - 1)[None]
             cos, sin = self.rotary(positions, _BF16)
             tables = self.blocks[block] = (cos[0].contiguous(), sin[0].contiguous())
             if len(self.blocks) > self.MAX_BLOCKS:
@@ -231,19 +234,28 @@ class _Steps:
         return status, (self.names[self.failed.value] if status else None), self.failed.value
 
 
-class _Plan:
-    """The bound calls of a one-token step for B rows (see the module docstring): [kernel name, args]
-    pairs, the kernel looked up in `library()` per step (benchmarks.breakdown --glue swaps it)."""
+class _Unplannable(Exception):
+    """A step shape the plan cannot bind for this model (the layers run it)."""
 
-    def __init__(self, model, B: int):
-        self.B = B
+
+class _Plan:
+    """The bound calls of a step of B rows × T tokens, the last `block_len` a block (see the module
+    docstring): [kernel name, args] pairs, the kernel looked up in `library()` per step
+    (benchmarks.breakdown --glue swaps it). A one-token causal step binds the lm head as its last call;
+    other steps project the rows they are asked for after the list has run."""
+
+    def __init__(self, model, B: int, T: int = 1, block_len: int = 0):
+        self.B, self.T, self.block_len = B, T, block_len
         H = model.config.hidden_size
-        buf = self.buf = _Buffers(B, H)
+        buf = self.buf = _Buffers(B, T, H)
         self.calls: list = []          # [kernel name, args list]
         self.gdn: list = []            # per GDN layer: (layer index, 4 slot-pointer arrays)
         self.attn: list = []           # per attention layer: (layer index, per-row args lists)
+        self.moe: list = []            # per MoE layer: its args list
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
         self.tables = _PageTables(B)
+        self.top_p = torch.ones(B, dtype=torch.float32)            # block expert selection, written per step
+        self.distinct = [torch.zeros(B, dtype=torch.int64) for layer in model.model.layers]
         h_prev, delta = buf.embed, None
         for layer in model.model.layers:
             h1 = buf.embed if delta is None else buf.h1
@@ -253,17 +265,22 @@ class _Plan:
             else:
                 self._attention(layer.self_attn)
             self._norm(h1, buf.mixed, layer.post_attention_layernorm, buf.h2, buf.x)
-            self._moe(layer.mlp)
+            self._moe(layer.mlp, self.distinct[len(self.moe)])
             h_prev, delta = buf.h2, buf.moe
         self._norm(h_prev, delta, model.model.norm, buf.final_h, buf.final_x)
-        self.head = _linear_weight(model.lm_head)       # the last call (its output pointer set per step)
+        # the lm head: bound as the last call of a one-token causal step (its output pointer set per step)
+        self.head = _linear_weight(model.lm_head) if T == 1 and not block_len else None
         if self.head is not None:
             self._gemm(buf.final_x, self.head, None)
         self.threads = None
-        # the same calls as one op list; per row, its attention calls' slots
+        # the same calls as one op list; per call, its slots (what a step writes, it writes in both)
         self.steps = _Steps(self.calls)
-        slots = dict(zip(map(id, (args for _, args in self.calls)), self.steps.slots))
-        self.attn_slots = [[slots[id(args)] for args in rows] for _, rows in self.attn]
+        self.slots = dict(zip(map(id, (args for _, args in self.calls)), self.steps.slots))
+
+    def _set(self, args: list, index: int, value) -> None:
+        """Argument `index` of a bound call, in its list and in its slots for the one-region run."""
+        args[index] = value
+        self.slots[id(args)][index] = value or 0
 
     # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
     def _add(self, name, args):
@@ -271,65 +288,68 @@ class _Plan:
         return args
 
     def _norm(self, h, delta, norm, out_h, out_x):
-        B, H = self.B, h.shape[-1]
+        N, H = self.B * self.T, h.shape[-1]
         scale = _scale(norm)
         self.keep.append(scale)
         self._add("clover_add_rmsnorm",
-                  [B, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
+                  [N, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
                    scale.data_ptr(), norm.eps, None if delta is None else out_h.data_ptr(), out_x.data_ptr(),
                    1])
 
     def _gemm(self, x, weight, out):
-        """x [B, 1, K] · Wᵀ → out [B, N] bf16 (kernels/panels.linear, no bias), for any packed form
+        """x [B, T, K] · Wᵀ → out [B·T, N] bf16 (kernels/panels.linear, no bias), for any packed form
         (`out` None: its pointer is set per step)."""
         K, N = weight.in_features, weight.out_features
         struct = weight.struct()
         self.keep += [weight, struct]
-        self._add("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B, K, N,
+        self._add("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B * self.T, K, N,
                                           None if out is None else out.data_ptr(), N, 0, 1])
 
     def _project(self, module, tag):
-        """The module's fused input projections of buf.x → its pieces as [B, 1, n] views of scratch."""
+        """The module's fused input projections of buf.x → its pieces as [B, T, n] views of scratch."""
         pieces = []
         for j, (packed, sizes) in enumerate(_fused_parts(module.fused_input)):
-            out = self.buf.scratch(f"{tag}{j}", self.B, packed.out_features)
+            out = self.buf.scratch(f"{tag}{j}", self.B * self.T, packed.out_features)
             self._gemm(self.buf.x, packed, out)
-            pieces += list(out.view(self.B, 1, -1).split(sizes, dim=-1))
+            pieces += list(out.view(self.B, self.T, -1).split(sizes, dim=-1))
         return pieces
 
     def _gdn(self, m):
-        B = self.B
+        B, T = self.B, self.T
         u, z, b, a = self._project(m, "gdn")
         if b.stride()[:2] != a.stride()[:2]:
             raise ValueError("decode plan: GDN b and a not from one stacked projection")
         self.keep.append(gdn_constants(m))
-        out = self.buf.scratch("gdn_out", B, 1, m.value_dim)
+        out = self.buf.scratch("gdn_out", B, T, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
-        self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out, 1, 1))
+        self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out,
+                                                     T - self.block_len, 1))
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
 
     def _attention(self, attn):
-        B = self.B
+        B, T = self.B, self.T
         Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         # k and v may come from different runs (a GGUF mix stores attn_v in another type than attn_k):
         # each row's call gets its own k and v pointers, and with one token the kernel never steps by
-        # the token stride it is given, so k's serves both
+        # the token stride it is given, so k's serves both; with more it must be v's too
         qg, k, v = self._project(attn, "attn")
-        out = self.buf.scratch("attn_out", B, 1, Hq * D)
+        if T > 1 and k.stride(1) != v.stride(1):
+            raise _Unplannable("attention K and V maps in runs of different widths")
+        out = self.buf.scratch("attn_out", B, T, Hq * D)
         self.keep += [_scale(attn.q_norm), _scale(attn.k_norm)]
         qs, ks = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
         rows = []
         for r in range(B):
             # R, cos, sin, K/V pages, page table, start: written per step (see `run`)
             rows.append(self._add("clover_attention_cached",
-                                  [Hq, Hkv, D, 0, 1, 1, qg[r].data_ptr(), qg[r].stride(0), k[r].data_ptr(),
-                                   v[r].data_ptr(), k[r].stride(0), qs, ks, attn.q_norm.eps, None, None, None, None,
-                                   None, 0, 0, out[r].data_ptr(), out[r].stride(0), 1]))
+                                  [Hq, Hkv, D, 0, T, T - self.block_len, qg[r].data_ptr(), qg[r].stride(0),
+                                   k[r].data_ptr(), v[r].data_ptr(), k[r].stride(0), qs, ks, attn.q_norm.eps, None,
+                                   None, None, None, None, 0, 0, out[r].data_ptr(), out[r].stride(0), 1]))
         self.attn.append((attn.layer_index, rows))
         self._gemm(out, _linear_weight(attn.o_proj), self.buf.mixed)
 
-    def _moe(self, moe):
+    def _moe(self, moe, distinct):
         from .moe_block import _moe_constants
 
         structs, split_input, I, Is = _moe_constants(moe)
@@ -339,26 +359,29 @@ class _Plan:
         shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
         experts = moe.experts
         addr = lambda s: None if s is None else ctypes.addressof(s)  # noqa: E731
-        self._add("clover_moe_block",
-                  [self.B, 1, 0, None, moe.min_block_experts, self.buf.x.shape[-1], moe.num_experts,
-                   getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, self.buf.x.data_ptr(), None,
-                   addr(w_in), addr(shared_in), addr(gate_up), addr(down), addr(shared_down), self.buf.moe.data_ptr(),
-                   None, 1])
+        # block expert selection's top-p [B] (argument 3): set per step, None when off
+        self.moe.append(self._add(
+            "clover_moe_block",
+            [self.B, self.T, self.block_len, None, moe.min_block_experts, self.buf.x.shape[-1], moe.num_experts,
+             getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, self.buf.x.data_ptr(), None,
+             addr(w_in), addr(shared_in), addr(gate_up), addr(down), addr(shared_down), self.buf.moe.data_ptr(),
+             distinct.data_ptr() if self.block_len else None, 1]))
 
     # ---- one step ----------------------------------------------------------------------------------
-    def run(self, model, ids, batch, rotary: RotaryTable) -> torch.Tensor:
-        buf, pool, B = self.buf, batch.pool, self.B
+    def run(self, model, ids, batch, rotary: RotaryTable, block_top_p=None, logits_at="last", stats=None):
+        buf, pool, B, T = self.buf, batch.pool, self.B, self.T
         threads = torch.get_num_threads()
         if threads != self.threads:                      # every call's last argument
             for _, args in self.calls:
-                args[-1] = threads
+                self._set(args, len(args) - 1, threads)
             self.threads = threads
         embed = model.model.embed_tokens
         if isinstance(embed, nn.Embedding):
-            torch.index_select(embed.weight, 0, ids.view(-1), out=buf.embed.view(B, -1))
+            torch.index_select(embed.weight, 0, ids.view(-1), out=buf.embed.view(B * T, -1))
         else:                     # a quantized table, or one left in its file: rows converted on lookup
-            buf.embed.view(B, -1).copy_(embed(ids.view(-1)))
-        read, write = batch.read_slots, batch.write_slots
+            buf.embed.view(B * T, -1).copy_(embed(ids.view(-1)))
+        read = batch.read_slots
+        write = batch.write_slots or read                # (a block step commits nothing: read only)
         for index, (tails, new_tails, states, new_states) in self.gdn:
             conv, rec = pool.conv[index], pool.recurrent[index]
             cb, cs = conv.data_ptr(), conv.stride(0) * conv.element_size()
@@ -367,7 +390,6 @@ class _Plan:
                 tails[r], new_tails[r] = cb + read[r] * cs, cb + write[r] * cs
                 states[r], new_states[r] = rb + read[r] * rs, rb + write[r] * rs
         keep = []                                        # the rotary blocks this step reads
-        one = ONE_REGION
         if self.attn:
             starts = batch.starts
             table = self.tables.update(batch.pages)
@@ -378,18 +400,25 @@ class _Plan:
                 keep.append(cos)
                 R = cos.shape[1]
                 rot.append((R, cos.data_ptr() + 2 * R * row, sin.data_ptr() + 2 * R * row))
-            for (index, rows), slots in zip(self.attn, self.attn_slots):
+            for index, rows in self.attn:
                 kp, vp = pool.k[index].data_ptr(), pool.v[index].data_ptr()
-                for r, args in enumerate(slots if one else rows):
+                for r, args in enumerate(rows):
                     R, c, s = rot[r]
-                    args[3] = R
-                    args[14:21] = c, s, kp, vp, t + width * r, page, starts[r]
+                    self._set(args, 3, R)
+                    for i, value in enumerate((c, s, kp, vp, t + width * r, page, starts[r])):
+                        self._set(args, 14 + i, value)
+        if self.block_len:
+            selecting = block_top_p is not None
+            if selecting:
+                self.top_p.copy_(block_top_p)
+            for args in self.moe:
+                self._set(args, 3, self.top_p.data_ptr() if selecting else None)
         lib = library()
         logits = None
         if self.head is not None:
             logits = torch.empty(B, self.head.out_features, dtype=_BF16)     # the caller's: new every step
-            self.calls[-1][1][7] = self.steps.slots[-1][7] = logits.data_ptr()
-        if one:                   # the bound calls, lm head included, as one `clover_run_steps` call
+            self._set(self.calls[-1][1], 7, logits.data_ptr())
+        if ONE_REGION:            # the bound calls, lm head included, as one `clover_run_steps` call
             status, name, index = self.steps.run(lib, threads)
         else:
             for index, (name, args) in enumerate(self.calls):
@@ -399,21 +428,37 @@ class _Plan:
         if status:
             what = "lm_head " + name if self.head is not None and index == len(self.calls) - 1 else name
             raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {what} returned {status}")
-        if logits is None:
-            return model.lm_head(buf.final_x)
-        return logits.view(B, 1, -1)
+        if stats is not None and self.block_len:
+            stats += [d.clone() for d in self.distinct[:len(self.moe)]]
+        if logits is not None:
+            return None if logits_at == "none" else logits.view(B, 1, -1)
+        return self._project_rows(model, logits_at)
+
+    def _project_rows(self, model, logits_at):
+        """The lm head over the rows `logits_at` asks for (as `CloverForCausalLM.run` picks them)."""
+        x, T, L = self.buf.final_x, self.T, self.block_len
+        if logits_at == "none":
+            return None
+        if torch.is_tensor(logits_at):
+            picked = logits_at.reshape(-1).nonzero().squeeze(1)
+            x = x[:, T - logits_at.shape[1]:].reshape(-1, x.shape[-1])[picked]
+        elif logits_at == "last":
+            x = x[:, -1:]
+        elif logits_at == "block":
+            x = x[:, T - L:]
+        return model.lm_head(x)
 
 
 class DecodePlans:
-    """A model's prepared one-token steps, one `_Plan` per batch size, built on first use (held by the
-    model's runner, which copies and pickles of the model do not carry over)."""
+    """A model's prepared steps, one `_Plan` per (batch size, tokens, block length), built on first use
+    (held by the model's runner, which copies and pickles of the model do not carry over)."""
 
     def __init__(self, model):
         self.backend = model.backend
         why = refusal(model)
         self.ok = why is None
         if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.runner.ranks == 1:
-            log.info("decode steps of this model run through its layers, not a prepared plan: %s", why)
+            log.info("steps of this model run through its layers, not a prepared plan: %s", why)
         self.sources = _sources(model) if self.ok else []
         self.version = versions(self.sources)
         self.plans: OrderedDict = OrderedDict()
@@ -421,28 +466,36 @@ class DecodePlans:
         self.has_gdn = any(layer.kind == "linear_attention" for layer in model.model.layers)
         self.lock = threading.Lock()
 
-    def step(self, model, ids, batch):
-        """The logits [B, 1, V] of a causal one-token forward of `model` over `batch` (ids [B, 1]) through
-        its prepared plan, or None when no plan applies (the runner then runs the layers)."""
-        if (not ENABLED or not self.ok or model.backend is not self.backend or batch.records is not None or batch.padded
-                or (batch.write_slots is None and self.has_gdn) or torch.is_grad_enabled()
+    def step(self, model, ids, batch, block_len=0, block_top_p=None, logits_at="last", stats=None):
+        """(True, the logits `CloverForCausalLM.run` returns) of a cached forward of `model` over
+        `batch` (ids [B, T], T ≤ 64, the last `block_len` a block) through its prepared plan, or
+        (False, None) when no plan applies (the runner then runs the layers)."""
+        B, T = ids.shape
+        if (not ENABLED or not self.ok or model.backend is not self.backend or not 0 < T <= MAX_TOKENS
+                or batch.records is not None or batch.padded
+                or (batch.write_slots is None and self.has_gdn and T > block_len) or torch.is_grad_enabled()
                 or ids.dtype != torch.long or ids.device.type != "cpu"):
-            return None
+            return False, None
         if not self.lock.acquire(blocking=False):     # another thread is stepping this model
-            return None
+            return False, None
         try:
             version = versions(self.sources)
             if version != self.version:             # parameters rewritten: constants and plans anew
                 self.plans.clear()
                 self.version = version
-            B = ids.shape[0]
-            plan = self.plans.get(B)
-            if plan is None:
-                plan = self.plans[B] = _Plan(model, B)
+            key = (B, T, block_len)
+            if key not in self.plans:
+                try:
+                    self.plans[key] = _Plan(model, B, T, block_len)
+                except _Unplannable as why:
+                    log.info("steps of %d × %d tokens run through the layers: %s", B, T, why)
+                    self.plans[key] = None
                 if len(self.plans) > MAX_PLANS:
                     self.plans.popitem(last=False)
-            else:
-                self.plans.move_to_end(B)
-            return plan.run(model, ids, batch, self.rotary)
+            self.plans.move_to_end(key)
+            plan = self.plans[key]
+            if plan is None:
+                return False, None
+            return True, plan.run(model, ids, batch, self.rotary, block_top_p, logits_at, stats)
         finally:
             self.lock.release()
