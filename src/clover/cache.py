@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layers.norms import compute_dtype
-from .transfer import to_device
+from .transfer import device_tensor, to_device
 
 PAGE_SIZE = 32
 
@@ -665,3 +665,19 @@ class SequenceState:
             self.length = n
             self._close_speculation()
 
+
+def logits_rows(logits_at, block_len: int, batch, device):
+    """What picks, from a forward's [B, T, ·] hidden states, the rows `logits_at` asks for ("all",
+    "last", "block", or a bool mask [B, L] over the block's positions: those rows, [N, ·])."""
+    if torch.is_tensor(logits_at):                     # only the positions that will be read
+        L = logits_at.shape[1]                         # (their indices found on the mask's device, the host's)
+        picked = to_device(logits_at.reshape(-1).nonzero().squeeze(1), device)
+        return lambda t: t[:, t.shape[1] - L:].reshape(-1, t.shape[-1])[picked]
+    if logits_at == "last":
+        if batch is not None and batch.padded:         # right-padded rows: each row's own last token
+            last = device_tensor(batch.commits, device) - 1
+            return lambda t: t[torch.arange(t.shape[0], device=t.device), last][:, None]
+        return lambda t: t[:, -1:]
+    if logits_at == "block":
+        return lambda t: t[:, t.shape[1] - block_len:]
+    return lambda t: t

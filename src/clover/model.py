@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cache import logits_rows
 from .config import CloverConfig
 from .layers.attention import Attention
 from .layers.gated_deltanet import GatedDeltaNet
@@ -20,7 +21,6 @@ from .layers.moe import SparseMoE
 from .layers.norms import ZeroCenteredRMSNorm
 from .layers.rotary import RotaryEmbedding
 from .runner import ModelRunner
-from .transfer import device_tensor, to_device
 
 
 class DecoderLayer(nn.Module):
@@ -135,20 +135,7 @@ class CloverForCausalLM(nn.Module):
                 stats.append(distinct)
         if logits_at == "none":
             return None
-        if torch.is_tensor(logits_at):                 # only the positions that will be read
-            L = logits_at.shape[1]                     # (their indices found on the mask's device, the host's)
-            picked = to_device(logits_at.reshape(-1).nonzero().squeeze(1), h.device)
-            rows = lambda t: t[:, t.shape[1] - L:].reshape(-1, t.shape[-1])[picked]  # noqa: E731
-        elif logits_at == "last":
-            if batch is not None and batch.padded:     # right-padded rows: each row's own last token
-                last = device_tensor(batch.commits, h.device) - 1
-                rows = lambda t: t[torch.arange(t.shape[0], device=t.device), last][:, None]  # noqa: E731
-            else:
-                rows = lambda t: t[:, -1:]  # noqa: E731
-        elif logits_at == "block":
-            rows = lambda t: t[:, t.shape[1] - block_len:]  # noqa: E731
-        else:
-            rows = lambda t: t  # noqa: E731
+        rows = logits_rows(logits_at, block_len, batch, h.device)
         _, x = backend.add_rmsnorm(rows(h), rows(delta), self.model.norm)
         return self.lm_head(x)
 

@@ -1,12 +1,15 @@
-"""One-token decode steps as a prepared list of kernel calls (the per-step Python glue, cut).
+"""Steps of up to 64 tokens — decode, block steps, commits — as a prepared list of kernel calls (the
+per-step Python glue, cut).
 
 On small models a decode step's time went mostly to the Python around its ~26 native calls: module
 calls, backend dispatch and `qualifies` tests, argument checks, `torch.empty` outputs, `data_ptr()` /
-`stride()` queries (the `tiny` bench model: 0.73 of ~1.0 ms). A `DecodePlan` makes those decisions
-once per model and batch size: every call's arguments (weights, constants, strides, sizes) are bound
-in a list, the intermediates live in buffers owned by the plan, and a step only writes what changes
-— the rows' GDN slot addresses, page tables, positions and rotary rows — then runs the list
-(tiny: glue 0.70 → 0.05 ms, a step 0.80 → 0.22 ms at 1 thread, `benchmarks.ab`).
+`stride()` queries (the `tiny` bench model: 0.73 of ~1.0 ms). A plan makes those decisions once per
+model and step shape (rows × tokens × block length): every call's arguments (weights, constants,
+strides, sizes) are bound in a list, the intermediates live in buffers owned by the plan, and a step
+only writes what changes — the rows' GDN slot addresses, page tables, positions and rotary rows, the
+block's expert-selection top-p — then runs the list (tiny: glue 0.70 → 0.05 ms, a step 0.80 → 0.22 ms
+at 1 thread, `benchmarks.ab`; the demo model's block step 2.1 → 1.3 ms). A one-token causal step binds
+the lm head as its last call; other steps project the rows they are asked for afterwards.
 
 The list runs as one native call (`ONE_REGION`, steps.c): one team of threads walks the whole step,
 each kernel's work split across it with a barrier between kernels, instead of a ctypes call and an
@@ -14,19 +17,21 @@ OpenMP parallel region (fork and join) per kernel. The team has `torch.get_num_t
 (PyTorch's default: the physical cores; `--threads` sets it). Off, the list runs call by call through
 the kernels' own entry points, the same arithmetic (tests/test_decode_plan.py compares the two).
 
-The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for a
-causal one-token step, so results are bit-identical (tests/test_decode_plan.py). It covers what those
-wrappers would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or
-quantized), no tensor-parallel shard, no autograd, no open speculation (its GDN records need the
-reference). Everything else, and every step the plan does not fit, goes through the layers as before.
+The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for the
+same step, so results are bit-identical (tests/test_decode_plan.py). It covers what those wrappers
+would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or quantized), no tensor-parallel
+shard, no autograd, no open speculation (its GDN records need the reference), no right-padded batch,
+at most 64 tokens (longer prefill chunks stay with the layers). Everything else goes through the
+layers as before.
 
 Buffer safety: only the intermediates between calls are reused; the logits a step returns are a new
 tensor every time. A plan runs one step at a time (a non-blocking lock: a second thread stepping the
-same model meanwhile takes the layers' path), and buffers are per batch size, so rows of other
-batches never share them. Weights written in place (a `load_state_dict` reload) bump the versions of
-the parameters the kernels' fp32 constants come from; the plan is rebuilt when they change. A plan
-keeps what its pointers point into alive; modules swapped into a model after its first decode step
-are not seen (`model.runner.forget_plans()` drops its plans).
+same model meanwhile takes the layers' path), and buffers are per step shape, so rows of other
+batches never share them; a step's expert statistics are copies. Weights written in place (a
+`load_state_dict` reload) bump the versions of the parameters the kernels' fp32 constants come from;
+the plans are rebuilt when they change. A plan keeps what its pointers point into alive; modules
+swapped into a model after its first step are not seen (`model.runner.forget_plans()` drops its
+plans).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from ..cache import logits_rows
 from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
 from .build import SIGNATURES, library
@@ -255,9 +261,9 @@ class _Plan:
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
         self.tables = _PageTables(B)
         self.top_p = torch.ones(B, dtype=torch.float32)            # block expert selection, written per step
-        self.distinct = [torch.zeros(B, dtype=torch.int64) for layer in model.model.layers]
+        self.distinct = [torch.zeros(B, dtype=torch.int64) for _ in model.model.layers]   # per MoE block
         h_prev, delta = buf.embed, None
-        for layer in model.model.layers:
+        for layer, distinct in zip(model.model.layers, self.distinct):
             h1 = buf.embed if delta is None else buf.h1
             self._norm(h_prev, delta, layer.input_layernorm, h1, buf.x)
             if layer.kind == "linear_attention":
@@ -265,7 +271,7 @@ class _Plan:
             else:
                 self._attention(layer.self_attn)
             self._norm(h1, buf.mixed, layer.post_attention_layernorm, buf.h2, buf.x)
-            self._moe(layer.mlp, self.distinct[len(self.moe)])
+            self._moe(layer.mlp, distinct)
             h_prev, delta = buf.h2, buf.moe
         self._norm(h_prev, delta, model.model.norm, buf.final_h, buf.final_x)
         # the lm head: bound as the last call of a one-token causal step (its output pointer set per step)
@@ -429,24 +435,12 @@ class _Plan:
             what = "lm_head " + name if self.head is not None and index == len(self.calls) - 1 else name
             raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {what} returned {status}")
         if stats is not None and self.block_len:
-            stats += [d.clone() for d in self.distinct[:len(self.moe)]]
+            stats += [d.clone() for d in self.distinct]
         if logits is not None:
             return None if logits_at == "none" else logits.view(B, 1, -1)
-        return self._project_rows(model, logits_at)
-
-    def _project_rows(self, model, logits_at):
-        """The lm head over the rows `logits_at` asks for (as `CloverForCausalLM.run` picks them)."""
-        x, T, L = self.buf.final_x, self.T, self.block_len
         if logits_at == "none":
             return None
-        if torch.is_tensor(logits_at):
-            picked = logits_at.reshape(-1).nonzero().squeeze(1)
-            x = x[:, T - logits_at.shape[1]:].reshape(-1, x.shape[-1])[picked]
-        elif logits_at == "last":
-            x = x[:, -1:]
-        elif logits_at == "block":
-            x = x[:, T - L:]
-        return model.lm_head(x)
+        return model.lm_head(logits_rows(logits_at, self.block_len, batch, buf.final_x.device)(buf.final_x))
 
 
 class DecodePlans:
