@@ -542,6 +542,9 @@ def test_token_table_left_in_the_file(model, tied, inputs, tmp_path, dtype):
     V = model.config.vocab_size
     ids = torch.tensor([[V - 1, 0, 3, 3, 4, 5], [9, 9, 9, 9, 9, V - 2]])
     assert torch.equal(table(ids), held.model.embed_tokens(ids)) and table(ids).dtype == dtype
+    into = torch.empty(ids.numel(), model.config.hidden_size, dtype=dtype)    # a step plan's lookup
+    table.lookup_into(ids, into)
+    assert torch.equal(into.view(*ids.shape, -1), held.model.embed_tokens(ids))
     causal, block = _logits(left, inputs)
     want_causal, want_block = _logits(held, inputs)
     assert torch.equal(causal, want_causal) and torch.equal(block, want_block)
@@ -551,6 +554,8 @@ def test_token_table_left_in_the_file(model, tied, inputs, tmp_path, dtype):
     for bad in (torch.tensor([V]), torch.tensor([-1])):
         with pytest.raises(IndexError, match="out of range"):
             table(bad)
+        with pytest.raises(IndexError, match="out of range"):
+            table.lookup_into(bad, into[:1])
     f = tmp_path / "m" / "model.safetensors"
     other = make_model("base", seed=5)
     save_checkpoint(other, other.config, tmp_path / "other")
@@ -560,8 +565,9 @@ def test_token_table_left_in_the_file(model, tied, inputs, tmp_path, dtype):
     with open(f, "r+b") as h:                                        # rewritten in place
         h.seek(0, 2)
         h.write(b"\0")
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: the file changed on disk after the model was loaded"):
-        left.model.embed_tokens(ids)
+    for lookup in (lambda: left.model.embed_tokens(ids), lambda: left.model.embed_tokens.lookup_into(ids, into)):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: the file changed on disk after the model was loaded"):
+            lookup()
     save_checkpoint(tied, tied.config, tmp_path / "tied")
     assert type(load_model(tmp_path / "tied", dtype=dtype, table_in_file=True).model.embed_tokens) is torch.nn.Embedding
 

@@ -307,7 +307,8 @@ def test_a_token_table_read_from_its_file(tmp_path, monkeypatch):
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():
         _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)
-    assert runs.count(2) == 6
+        _block_steps_both(fast, monkeypatch)
+    assert runs.count(2) == 6 and sum(isinstance(r, tuple) and r[0] == 3 for r in runs) == 12
 
 
 def _k_quant_sized_model(seed):
@@ -354,7 +355,8 @@ def test_inputs_split_by_form(tmp_path, monkeypatch):
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():
         _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)
-    assert runs.count(2) == 6
+        _block_steps_both(fast, monkeypatch)
+    assert runs.count(2) == 6 and sum(isinstance(r, tuple) and r[0] == 3 for r in runs) == 12
 
 
 @pytest.mark.parametrize("types, reason", [

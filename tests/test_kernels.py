@@ -417,6 +417,38 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
             attention_cached(attn, qg, kv, kv, cos[0], sin[0], pool.k[index], pool.v[index], table, start)
 
 
+def test_attention_cached_takes_k_and_v_with_their_own_token_strides():
+    """K and V from maps of different widths (a GGUF mix stores attn_v in another type than attn_k, so
+    they come from two runs of the fused input): each is read with its own token stride, the same
+    output and cache rows as from contiguous copies, for a block fused after causal tokens."""
+    from clover.kernels.attention_cached import attention_cached
+    from clover.layers.packed import pack_for_cpu
+    from tiny_models import make_model
+
+    model = make_model("tied_gqa4", seed=5, dtype=torch.bfloat16)
+    assert pack_for_cpu(model) > 0
+    index = next(i for i, layer in enumerate(model.model.layers) if layer.kind == "full_attention")
+    attn = model.model.layers[index].self_attn
+    g = torch.Generator().manual_seed(3)
+    T, n_q, n_kv = 12, 2 * attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    qg = torch.randn(T, n_q, generator=g).bfloat16()
+    wide_k = torch.randn(T, n_kv + 40, generator=g).bfloat16()     # k inside a run 40 columns wider
+    wide_v = torch.randn(T, n_kv + 8, generator=g).bfloat16()
+    k, v = wide_k[:, 24:24 + n_kv], wide_v[:, :n_kv]
+    cos, sin = model.model.rotary(torch.arange(T)[None] + 3, torch.bfloat16)
+    with torch.inference_mode():
+        outs = []
+        for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+            c = model.make_cache(capacity=T + 3)
+            model.step(torch.tensor([[5, 6, 7]]), [c])
+            pool = c.pool
+            table = pool.page_table([c.pages])[0]
+            out = attention_cached(attn, qg, kk, vv, cos[0], sin[0], pool.k[index], pool.v[index], table, 3, block_len=4)
+            outs.append((out, [t.clone() for t in c.kv(index, 3 + T)]))
+    (a, kv_a), (b, kv_b) = outs
+    assert torch.equal(a, b) and all(map(torch.equal, kv_a, kv_b))
+
+
 @pytest.mark.parametrize("variant", ["base", "gdn_heavy"])
 def test_gdn_kernel_from_scratch_matches_the_pytorch_path(variant):
     """The "cpu" backend's GDN op without a cache (`model(ids)`: zero initial state), causal inputs of

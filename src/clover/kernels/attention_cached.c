@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) void attend_group(
 
 /* T tokens at positions start … start+T−1 of one sequence: the first P causal (token t sees keys
  * 0 … start+t), the rest a block (each sees keys 0 … start+T−1). qg [T, Hq·2D] (query | gate per
- * head; token stride ldq), k and v [T, Hkv·D] (token stride ldkv): the projections (bf16).
+ * head; token stride ldq), k and v [T, Hkv·D] (token strides ldk, ldv): the projections (bf16).
  * Kc / Vc: the layer's K/V pages [pages, page, Hkv, D] bf16, the sequence's position s in page
  * pages[s / page], row s % page; the tokens' K/V go to positions start … (their pages must exist).
  * cos / sin [T, R] bf16. out [T, Hq·D] (token stride ldo) bf16: attention output × sigmoid(gate).
@@ -140,7 +140,7 @@ static inline __attribute__((always_inline)) void attend_group(
  * value row once between them; the items split across the team (team.h). Returns 0, -1 out of memory,
  * -2 unsupported sizes. */
 int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
-                             const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
+                             const uint16_t *k, const uint16_t *v, long ldk, long ldv, const float *q_scale,
                              const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
                              uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo) {
     if (D > 512 || R > D || R % 2 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T < 1 || P < 0 || P > T
@@ -154,10 +154,10 @@ int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const 
     for (int item = 0; item < T * Hkv; item++) {         /* the new K (normalised, rotated) and V */
         int t = item / Hkv, h = item % Hkv;
         float kr[512];
-        norm_rope(k + t * ldkv + (long)h * D, D, R, k_scale, eps, cos + (long)t * R, sin + (long)t * R, kr);
+        norm_rope(k + t * ldk + (long)h * D, D, R, k_scale, eps, cos + (long)t * R, sin + (long)t * R, kr);
         long pos = start + t, row = ((long)pages[pos / page] * page + pos % page) * ld + (long)h * D;
         uint16_t *kd = Kc + row, *vd = Vc + row;
-        for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldkv + (long)h * D + j];
+        for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldv + (long)h * D + j];
     }
     if (G * stride > score_floats) {
         free(scores);
@@ -186,13 +186,13 @@ int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const 
 }
 
 int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
-                            const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
+                            const uint16_t *k, const uint16_t *v, long ldk, long ldv, const float *q_scale,
                             const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
                             int threads) {
     int status = 0;
     #pragma omp parallel num_threads(threads) reduction(min:status)
-    status = team_min(status, attention_cached_in_team(Hq, Hkv, D, R, T, P, qg, ldq, k, v, ldkv, q_scale, k_scale, eps,
+    status = team_min(status, attention_cached_in_team(Hq, Hkv, D, R, T, P, qg, ldq, k, v, ldk, ldv, q_scale, k_scale, eps,
                                                        cos, sin, Kc, Vc, pages, page, start, out, ldo));
     return status;
 }

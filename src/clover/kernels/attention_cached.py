@@ -32,8 +32,6 @@ def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, sta
     for t, n in ((qg, 2 * Hq * D), (k, Hkv * D), (v, Hkv * D)):
         if t.shape != (T, n) or t.dtype != torch.bfloat16 or t.stride(-1) != 1:
             raise ValueError("attention_cached takes [T, ·] bf16 projections with contiguous features")
-    if k.stride(0) != v.stride(0):
-        k, v = k.contiguous(), v.contiguous()
     if cos.shape != (T, R) or cos.dtype != torch.bfloat16 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("attention_cached takes contiguous bf16 rotary tables [T, R]")
     page = k_pages.shape[1]
@@ -49,7 +47,7 @@ def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, sta
     elif out.shape != (T, Hq * D) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
         raise ValueError("attention_cached writes into a bf16 [T, Hq·D] output with contiguous rows")
     status = library().clover_attention_cached(
-        Hq, Hkv, D, R, T, T - block_len, qg.data_ptr(), qg.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+        Hq, Hkv, D, R, T, T - block_len, qg.data_ptr(), qg.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
         _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos.data_ptr(),
         sin.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), page_table.data_ptr(), page, start, out.data_ptr(),
         out.stride(0), torch.get_num_threads())

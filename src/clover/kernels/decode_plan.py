@@ -240,10 +240,6 @@ class _Steps:
         return status, (self.names[self.failed.value] if status else None), self.failed.value
 
 
-class _Unplannable(Exception):
-    """A step shape the plan cannot bind for this model (the layers run it)."""
-
-
 class _Plan:
     """The bound calls of a step of B rows × T tokens, the last `block_len` a block (see the module
     docstring): [kernel name, args] pairs, the kernel looked up in `library()` per step
@@ -337,11 +333,8 @@ class _Plan:
         B, T = self.B, self.T
         Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         # k and v may come from different runs (a GGUF mix stores attn_v in another type than attn_k):
-        # each row's call gets its own k and v pointers, and with one token the kernel never steps by
-        # the token stride it is given, so k's serves both; with more it must be v's too
+        # each row's call gets its own k and v pointers and token strides
         qg, k, v = self._project(attn, "attn")
-        if T > 1 and k.stride(1) != v.stride(1):
-            raise _Unplannable("attention K and V maps in runs of different widths")
         out = self.buf.scratch("attn_out", B, T, Hq * D)
         self.keep += [_scale(attn.q_norm), _scale(attn.k_norm)]
         qs, ks = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
@@ -350,8 +343,9 @@ class _Plan:
             # R, cos, sin, K/V pages, page table, start: written per step (see `run`)
             rows.append(self._add("clover_attention_cached",
                                   [Hq, Hkv, D, 0, T, T - self.block_len, qg[r].data_ptr(), qg[r].stride(0),
-                                   k[r].data_ptr(), v[r].data_ptr(), k[r].stride(0), qs, ks, attn.q_norm.eps, None,
-                                   None, None, None, None, 0, 0, out[r].data_ptr(), out[r].stride(0), 1]))
+                                   k[r].data_ptr(), v[r].data_ptr(), k[r].stride(0), v[r].stride(0), qs, ks,
+                                   attn.q_norm.eps, None, None, None, None, None, 0, 0, out[r].data_ptr(),
+                                   out[r].stride(0), 1]))
         self.attn.append((attn.layer_index, rows))
         self._gemm(out, _linear_weight(attn.o_proj), self.buf.mixed)
 
@@ -384,7 +378,9 @@ class _Plan:
         embed = model.model.embed_tokens
         if isinstance(embed, nn.Embedding):
             torch.index_select(embed.weight, 0, ids.view(-1), out=buf.embed.view(B * T, -1))
-        else:                     # a quantized table, or one left in its file: rows converted on lookup
+        elif isinstance(embed, FileEmbedding):           # rows read from the file straight into the buffer
+            embed.lookup_into(ids, buf.embed.view(B * T, -1))
+        else:                     # a quantized table: rows converted on lookup
             buf.embed.view(B * T, -1).copy_(embed(ids.view(-1)))
         read = batch.read_slots
         write = batch.write_slots or read                # (a block step commits nothing: read only)
@@ -412,7 +408,7 @@ class _Plan:
                     R, c, s = rot[r]
                     self._set(args, 3, R)
                     for i, value in enumerate((c, s, kp, vp, t + width * r, page, starts[r])):
-                        self._set(args, 14 + i, value)
+                        self._set(args, 15 + i, value)
         if self.block_len:
             selecting = block_top_p is not None
             if selecting:
@@ -478,18 +474,13 @@ class DecodePlans:
                 self.plans.clear()
                 self.version = version
             key = (B, T, block_len)
-            if key not in self.plans:
-                try:
-                    self.plans[key] = _Plan(model, B, T, block_len)
-                except _Unplannable as why:
-                    log.info("steps of %d × %d tokens run through the layers: %s", B, T, why)
-                    self.plans[key] = None
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self.plans[key] = _Plan(model, B, T, block_len)
                 if len(self.plans) > MAX_PLANS:
                     self.plans.popitem(last=False)
-            self.plans.move_to_end(key)
-            plan = self.plans[key]
-            if plan is None:
-                return False, None
+            else:
+                self.plans.move_to_end(key)
             return True, plan.run(model, ids, batch, self.rotary, block_top_p, logits_at, stats)
         finally:
             self.lock.release()

@@ -61,7 +61,7 @@ int gdn_short_in_team(Team *team, int B, int T, int P, int Hk, int Hv, int dk, i
                       const int64_t *states, const int64_t *new_states,
                       const float *norm_w, float norm_eps, float q_scale, uint16_t *out, long ldo, long ldto);
 int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
-                             const uint16_t *k, const uint16_t *v, long ldkv, const float *q_scale,
+                             const uint16_t *k, const uint16_t *v, long ldk, long ldv, const float *q_scale,
                              const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
                              uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo);
 int moe_block_in_team(Team *team, int B, int T, int block_len, const float *top_p, int min_experts, int H, int E,

@@ -15,6 +15,7 @@ table: `checkpoint.load_model(table_in_file=True)`); `gguf/embedding.py` decodes
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
@@ -86,6 +87,26 @@ class FileEmbedding(nn.Module):
         values = self.decode(self.read_rows(ids_read), len(ids_read))
         return values.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
 
+    def lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """`self(ids)` written into `out` [ids.numel(), dim] (contiguous): a step plan's lookup. Rows
+        stored in `out`'s dtype are read straight into it, one read each, with no tensor between."""
+        flat = ids.reshape(-1).tolist()
+        if self.stored_dtype != out.dtype or type(self).decode is not FileEmbedding.decode:
+            out.copy_(self(ids.reshape(-1)))
+            return
+        self._check_range(min(flat), max(flat))
+        self._check_file()
+        base, size = out.data_ptr(), self.row_bytes
+        for r, i in enumerate(flat):
+            row = memoryview((ctypes.c_char * size).from_address(base + r * size)).cast("B")
+            if os.preadv(self._fd, [row], self.offset + i * size) != size:
+                raise self.error(f"{self.path}: {self.name}: row {i} could not be read: the file was cut after loading")
+
+    def _check_file(self) -> None:
+        if self._stat() != self._identity:
+            raise self.error(f"{self.path}: the file changed on disk after the model was loaded (its token "
+                             "embedding is read from it at each lookup): load the model again")
+
     def _check_range(self, lo: int, hi: int) -> None:
         if lo < 0 or hi >= self.num_embeddings:
             raise IndexError(f"index out of range in self (token ids must lie in 0..{self.num_embeddings - 1})")
@@ -96,9 +117,7 @@ class FileEmbedding(nn.Module):
 
     def read_rows(self, ids: list[int]) -> torch.Tensor:
         """The stored bytes of rows `ids` (ascending), [len(ids) · row_bytes] uint8: one read per run."""
-        if self._stat() != self._identity:
-            raise self.error(f"{self.path}: the file changed on disk after the model was loaded (its token "
-                             "embedding is read from it at each lookup): load the model again")
+        self._check_file()
         raw = bytearray(len(ids) * self.row_bytes)
         view, at = memoryview(raw), 0
         for first, count in _runs(ids):
