@@ -27,20 +27,12 @@ from benchmarks.ab import import_revision
 
 
 def _moe_args(moe, x, h, top_p, out, distinct):
-    """`clover_moe_block`'s arguments for a whole-block step of `x` (as kernels/moe_block.py passes them)."""
-    import ctypes
+    """`clover_moe_block`'s arguments for a whole-block step of `x` (kernels/moe_block.py's)."""
+    from clover.kernels.moe_block import moe_block_args
 
-    from clover.kernels.moe_block import _moe_constants
-
-    structs, split_input, inter, shared = _moe_constants(moe)
-    w_in = structs[0]
-    shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
-    experts = moe.experts
     B, T, H = x.shape
-    ref = lambda s: None if s is None else ctypes.byref(s)  # noqa: E731
-    return (B, T, T, top_p.data_ptr(), moe.min_block_experts, H, moe.num_experts, getattr(experts, "first", 0),
-            experts.num_experts, moe.top_k, inter, shared, x.data_ptr(), h.data_ptr(), ref(w_in), ref(shared_in),
-            ref(gate_up), ref(down), ref(shared_down), out.data_ptr(), distinct.data_ptr(), torch.get_num_threads())
+    return moe_block_args(moe, B, T, H, T, top_p.data_ptr(), x.data_ptr(), h.data_ptr(), out.data_ptr(),
+                          distinct.data_ptr(), torch.get_num_threads())
 
 
 def main(argv=None) -> int:

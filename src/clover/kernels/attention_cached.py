@@ -18,6 +18,21 @@ from .rmsnorm import _scale
 MAX_TOKENS = 64   # longer inputs (prefill chunks) stay with PyTorch's flash attention, which blocks over queries
 
 
+# `clover_attention_cached`'s arguments that a step plan writes per step: the rotary width, then from
+# STEP_ARGS on cos, sin, the K and V pages, the page table, the page size and the start position
+ROTARY_ARG, STEP_ARGS = 3, 15
+
+
+def attention_args(attn, T: int, block_len: int, qg, k, v, rotary: int, cos, sin, k_pages, v_pages, table,
+                   page: int, start: int, out, threads: int) -> list:
+    """`clover_attention_cached`'s arguments (the face's and the step plans'): `qg`, `k`, `v` and `out`
+    as (address, token stride) pairs, every other tensor as its address (None where a plan sets it per
+    step)."""
+    return [attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary, T, T - block_len, *qg, k[0], v[0], k[1],
+            v[1], _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos, sin,
+            k_pages, v_pages, table, page, start, *out, threads]
+
+
 def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, start: int, block_len: int = 0,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's T tokens (see the module docstring) → the gated attention output [T, Hq·D],
@@ -46,10 +61,9 @@ def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, sta
         out = torch.empty(T, Hq * D, dtype=torch.bfloat16)
     elif out.shape != (T, Hq * D) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
         raise ValueError("attention_cached writes into a bf16 [T, Hq·D] output with contiguous rows")
-    status = library().clover_attention_cached(
-        Hq, Hkv, D, R, T, T - block_len, qg.data_ptr(), qg.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
-        _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos.data_ptr(),
-        sin.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), page_table.data_ptr(), page, start, out.data_ptr(),
-        out.stride(0), torch.get_num_threads())
+    rows = lambda t: (t.data_ptr(), t.stride(0))  # noqa: E731
+    status = library().clover_attention_cached(*attention_args(
+        attn, T, block_len, rows(qg), rows(k), rows(v), R, cos.data_ptr(), sin.data_ptr(), k_pages.data_ptr(),
+        v_pages.data_ptr(), page_table.data_ptr(), page, start, rows(out), torch.get_num_threads()))
     check_status(status, "attention_cached", f"unsupported sizes (head_dim {D}, rotary dims {R})")
     return out

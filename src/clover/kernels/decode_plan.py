@@ -48,10 +48,13 @@ from torch import nn
 from ..cache import logits_rows
 from ..layers.file_embedding import FileEmbedding
 from ..quantization.modules import QuantizedEmbedding
+from .attention_cached import ROTARY_ARG, STEP_ARGS, attention_args
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .gdn_short import gdn_short_args
-from .rmsnorm import _scale, versions
+from .moe_block import _moe_constants, moe_block_args
+from .panels import linear_args
+from .rmsnorm import _scale, add_rmsnorm_args, versions
 
 log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
@@ -290,22 +293,18 @@ class _Plan:
         return args
 
     def _norm(self, h, delta, norm, out_h, out_x):
-        N, H = self.B * self.T, h.shape[-1]
-        scale = _scale(norm)
-        self.keep.append(scale)
-        self._add("clover_add_rmsnorm",
-                  [N, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
-                   scale.data_ptr(), norm.eps, None if delta is None else out_h.data_ptr(), out_x.data_ptr(),
-                   1])
+        H = h.shape[-1]
+        self.keep.append(_scale(norm))
+        self._add("clover_add_rmsnorm", add_rmsnorm_args(
+            self.B * self.T, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
+            norm, None if delta is None else out_h.data_ptr(), out_x.data_ptr(), 1))
 
     def _gemm(self, x, weight, out):
         """x [B, T, K] · Wᵀ → out [B·T, N] bf16 (kernels/panels.linear, no bias), for any packed form
         (`out` None: its pointer is set per step)."""
-        K, N = weight.in_features, weight.out_features
-        struct = weight.struct()
-        self.keep += [weight, struct]
-        self._add("clover_weights_gemm", [ctypes.addressof(struct), x.data_ptr(), K, 1, self.B * self.T, K, N,
-                                          None if out is None else out.data_ptr(), N, 0, 1])
+        self.keep += [weight, weight.struct()]
+        self._add("clover_weights_gemm", linear_args(weight, x.data_ptr(), weight.in_features, True, self.B * self.T,
+                                                     None if out is None else out.data_ptr(), False, 1))
 
     def _project(self, module, tag):
         """The module's fused input projections of buf.x → its pieces as [B, T, n] views of scratch."""
@@ -331,41 +330,26 @@ class _Plan:
 
     def _attention(self, attn):
         B, T = self.B, self.T
-        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         # k and v may come from different runs (a GGUF mix stores attn_v in another type than attn_k):
         # each row's call gets its own k and v pointers and token strides
         qg, k, v = self._project(attn, "attn")
-        out = self.buf.scratch("attn_out", B, T, Hq * D)
+        out = self.buf.scratch("attn_out", B, T, attn.num_heads * attn.head_dim)
         self.keep += [_scale(attn.q_norm), _scale(attn.k_norm)]
-        qs, ks = self.keep[-2].data_ptr(), self.keep[-1].data_ptr()
-        rows = []
-        for r in range(B):
-            # R, cos, sin, K/V pages, page table, start: written per step (see `run`)
-            rows.append(self._add("clover_attention_cached",
-                                  [Hq, Hkv, D, 0, T, T - self.block_len, qg[r].data_ptr(), qg[r].stride(0),
-                                   k[r].data_ptr(), v[r].data_ptr(), k[r].stride(0), v[r].stride(0), qs, ks,
-                                   attn.q_norm.eps, None, None, None, None, None, 0, 0, out[r].data_ptr(),
-                                   out[r].stride(0), 1]))
+        at = lambda t, r: (t[r].data_ptr(), t[r].stride(0))  # noqa: E731
+        # the rotary width, tables, K/V pages, page table and start: written per step (see `run`)
+        rows = [self._add("clover_attention_cached",
+                          attention_args(attn, T, self.block_len, at(qg, r), at(k, r), at(v, r), 0, None, None, None,
+                                         None, None, 0, 0, at(out, r), 1))
+                for r in range(B)]
         self.attn.append((attn.layer_index, rows))
         self._gemm(out, _linear_weight(attn.o_proj), self.buf.mixed)
 
     def _moe(self, moe, distinct):
-        from .moe_block import _moe_constants
-
-        structs, split_input, I, Is = _moe_constants(moe)
         # the descriptors point into the stacked input maps, the experts' and the shared down panels
-        self.keep += [structs, moe.fused_input.parts, moe.experts.panels, moe.shared_expert.down_proj.packed]
-        w_in = structs[0]
-        shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
-        experts = moe.experts
-        addr = lambda s: None if s is None else ctypes.addressof(s)  # noqa: E731
-        # block expert selection's top-p [B] (argument 3): set per step, None when off
-        self.moe.append(self._add(
-            "clover_moe_block",
-            [self.B, self.T, self.block_len, None, moe.min_block_experts, self.buf.x.shape[-1], moe.num_experts,
-             getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, self.buf.x.data_ptr(), None,
-             addr(w_in), addr(shared_in), addr(gate_up), addr(down), addr(shared_down), self.buf.moe.data_ptr(),
-             distinct.data_ptr() if self.block_len else None, 1]))
+        self.keep += [_moe_constants(moe), moe.fused_input.parts, moe.experts.panels, moe.shared_expert.down_proj.packed]
+        self.moe.append(self._add("clover_moe_block", moe_block_args(
+            moe, self.B, self.T, self.buf.x.shape[-1], self.block_len, None, self.buf.x.data_ptr(), None,
+            self.buf.moe.data_ptr(), distinct.data_ptr() if self.block_len else None, 1)))
 
     # ---- one step ----------------------------------------------------------------------------------
     def run(self, model, ids, batch, rotary: RotaryTable, block_top_p=None, logits_at="last", stats=None):
@@ -406,9 +390,9 @@ class _Plan:
                 kp, vp = pool.k[index].data_ptr(), pool.v[index].data_ptr()
                 for r, args in enumerate(rows):
                     R, c, s = rot[r]
-                    self._set(args, 3, R)
+                    self._set(args, ROTARY_ARG, R)
                     for i, value in enumerate((c, s, kp, vp, t + width * r, page, starts[r])):
-                        self._set(args, 15 + i, value)
+                        self._set(args, STEP_ARGS + i, value)
         if self.block_len:
             selecting = block_top_p is not None
             if selecting:

@@ -33,6 +33,20 @@ def _moe_constants(moe):
     return kernel_constants(moe, (), make)
 
 
+def moe_block_args(moe, B: int, T: int, H: int, block_len: int, top_p, x, h, out, distinct, threads: int) -> list:
+    """`clover_moe_block`'s arguments (the face's, the step plans' and benchmarks.kernel_ab's): B rows
+    of T tokens of width H, the last `block_len` a block; `top_p` float32 [B] or None (selection off); addresses
+    of x, h (or None), out and distinct (or None). Argument 3 is the top-p a plan sets per step."""
+    structs, split_input, I, Is = _moe_constants(moe)
+    w_in = structs[0]
+    shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
+    experts = moe.experts                     # a tensor-parallel shard's: experts first … first + count - 1
+    addr = lambda s: None if s is None else ctypes.addressof(s)  # noqa: E731  (the structs live on `moe`)
+    return [B, T, block_len, top_p, moe.min_block_experts, H, moe.num_experts,
+            getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, x, h, addr(w_in), addr(shared_in),
+            addr(gate_up), addr(down), addr(shared_down), out, distinct, threads]
+
+
 def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: torch.Tensor | None = None):
     """x (normalised): bf16 [B, T, H]; the last `block_len` tokens of each row are a noisy block,
     `block_top_p` None or float32 [B] (1.0: selection off for that row, as `SparseMoE.forward`).
@@ -44,9 +58,6 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     B, T, H = x.shape
     if not 0 <= block_len <= T:
         raise ValueError(f"block_len {block_len} outside 0..{T}")
-    structs, split_input, I, Is = _moe_constants(moe)
-    w_in = structs[0]
-    shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
     top_p = None
     if block_len and block_top_p is not None:
         top_p = torch.as_tensor(block_top_p, dtype=torch.float32).reshape(-1).expand(B).contiguous()
@@ -54,16 +65,13 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     h = None if h is None else h.contiguous()
     out = torch.empty_like(x)
     distinct = torch.empty(B, dtype=torch.int64) if block_len else None
-    experts = moe.experts                     # a tensor-parallel shard's: experts first … first + count - 1
-    status = library().clover_moe_block(
-        B, T, block_len, None if top_p is None else top_p.data_ptr(), moe.min_block_experts, H, moe.num_experts,
-        getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, x.data_ptr(), None if h is None else h.data_ptr(), ctypes.byref(w_in),
-        None if shared_in is None else ctypes.byref(shared_in), ctypes.byref(gate_up), ctypes.byref(down),
-        ctypes.byref(shared_down), out.data_ptr(),
-        None if distinct is None else distinct.data_ptr(), torch.get_num_threads())
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    status = library().clover_moe_block(*moe_block_args(moe, B, T, H, block_len, ptr(top_p), x.data_ptr(), ptr(h),
+                                                         out.data_ptr(), ptr(distinct), torch.get_num_threads()))
     if status == -1:
         raise MemoryError("moe_block: a matrix product failed (out of memory, or a shape the kernels refuse)")
     if status == -3:
+        experts = moe.experts
         raise ValueError(f"moe_block: experts {getattr(experts, 'first', 0)}… ({experts.num_experts}) outside the "
                          f"router's {moe.num_experts}")
     check_status(status, "moe_block", f"unsupported top-k {moe.top_k} of {moe.num_experts} experts")

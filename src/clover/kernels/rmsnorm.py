@@ -43,6 +43,12 @@ def _scale(norm) -> torch.Tensor:
     return kernel_constants(norm, (norm.weight,), lambda: (1.0 + norm.weight.detach().to(torch.float32)).contiguous())
 
 
+def add_rmsnorm_args(N: int, H: int, h, ldh: int, delta, ldd: int, norm, out_h, out_x, threads: int) -> list:
+    """`clover_add_rmsnorm`'s arguments (the face's and the step plans'): N rows of H, tensors as
+    addresses (`delta` and `out_h` None: the norm of h alone)."""
+    return [N, H, h, ldh, delta, ldd, _scale(norm).data_ptr(), norm.eps, out_h, out_x, threads]
+
+
 def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 h [..., H] (+ delta) → (the sum, or h itself without delta; its normalised rows)."""
     H = h.shape[-1]
@@ -52,7 +58,7 @@ def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torc
     d = None if delta is None else input_rows(delta, H)
     out_h = h if d is None else torch.empty(h.shape, dtype=torch.bfloat16)
     out_x = torch.empty(h.shape, dtype=torch.bfloat16)
-    library().clover_add_rmsnorm(a.shape[0], H, a.data_ptr(), a.stride(0), None if d is None else d.data_ptr(),
-                                 0 if d is None else d.stride(0), _scale(norm).data_ptr(), norm.eps,
-                                 None if d is None else out_h.data_ptr(), out_x.data_ptr(), torch.get_num_threads())
+    library().clover_add_rmsnorm(*add_rmsnorm_args(
+        a.shape[0], H, a.data_ptr(), a.stride(0), None if d is None else d.data_ptr(), 0 if d is None else d.stride(0),
+        norm, None if d is None else out_h.data_ptr(), out_x.data_ptr(), torch.get_num_threads()))
     return out_h, out_x
