@@ -86,6 +86,13 @@ def _ramp(x: Tensor, start: float, window: float) -> Tensor:
     return ((x.to(torch.float32) - float(start)) / float(window)).clamp_(0.0, 1.0)
 
 
+def _all_before(x: Tensor, start: float) -> bool:
+    """Whether every entry of host tensor `x` is at most `start`, where a ramp is 0 and its bias adds
+    nothing (most of every response, for the length and think-end controls): checked on the host
+    only, since on a device it would be a sync."""
+    return x.device.type == "cpu" and (x.numel() == 0 or float(x.max()) <= start)
+
+
 def _penalise(x: Tensor, r: float) -> Tensor:
     return torch.where(x > 0, x / r, x * r)
 
@@ -177,16 +184,18 @@ def apply_controls(
             if response_offsets is None:
                 raise ValueError("response_offsets is required when the length penalty is on")
             offs = torch.as_tensor(response_offsets, device=device).reshape(-1)
-            bias = s * _ramp(offs, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
-            eos_t = device_tensor(eos, device, torch.long)
-            out[:, eos_t] += bias.expand(N)[:, None]
+            if not _all_before(offs, settings.dllm_length_penalty_start):
+                bias = s * _ramp(offs, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
+                eos_t = device_tensor(eos, device, torch.long)
+                out[:, eos_t] += bias.expand(N)[:, None]
 
     # 3. think-end: inside thinking, push </think> as thinking grows long
     s = float(settings.dllm_think_end_strength)
     if s != 0.0 and think_end_id is not None and think_distance is not None and 0 <= think_end_id < V:
         j = torch.as_tensor(think_distance, device=device).reshape(-1)
-        bias = s * _ramp(j, settings.dllm_think_end_start, settings.dllm_think_end_window)
-        bias = torch.where(j >= 0, bias, torch.zeros_like(bias))
-        out[:, think_end_id] += bias.expand(N)
+        if not _all_before(j, settings.dllm_think_end_start):
+            bias = s * _ramp(j, settings.dllm_think_end_start, settings.dllm_think_end_window)
+            bias = torch.where(j >= 0, bias, torch.zeros_like(bias))
+            out[:, think_end_id] += bias.expand(N)
 
     return out
