@@ -195,8 +195,8 @@ def test_logits_are_new_every_step():
 
 
 def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
-    """Autograd on, an open speculation, a pass of more than 64 tokens, a bf16 model left unpacked: no
-    plan step."""
+    """Autograd on, a pass of more than 64 tokens, a bf16 model left unpacked: no plan step (an open
+    speculation's steps are planned: below)."""
     model = _packed()
     runs = _plan_runs(monkeypatch)
     ids = torch.arange(5, 25)[None]
@@ -207,15 +207,43 @@ def test_the_layers_run_where_the_plan_does_not_apply(monkeypatch):
     assert runs == [(1, 20), 1]
     model.step(torch.tensor([[9]]), [c])                     # autograd on: the layers (the reference ops)
     with torch.inference_mode():
-        c.begin_speculation()
-        model.step(torch.tensor([[10]]), [c])
-        c.end_speculation()
         model.step(torch.arange(5, 70)[None], [c])
         plain = make_model("base", seed=0, dtype=torch.bfloat16)
         d = plain.make_cache()
         plain.step(ids, [d])
         plain.step(torch.tensor([[9]]), [d])
     assert runs == [(1, 20), 1]
+
+
+@pytest.mark.parametrize("variant, bits", [("base", None), ("gdn_heavy", 4), ("attn_first", 8)])
+def test_an_open_speculation_records_what_the_layers_record(variant, bits, monkeypatch):
+    """Self-speculative verification through the plan: each GDN layer's causal inputs are recorded
+    (from its own scratch: the layers after it reuse none of it), so a rollback to any accepted length
+    replays them to the state the layers' path leaves, and the next block step reads the same state."""
+    model = _packed(variant, bits)
+    runs = _plan_runs(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(5, 90, (1, n), generator=g) for n in (20, 9)]
+    draft = torch.randint(5, 90, (2, 6), generator=g)
+    mask = torch.full((2, 8), model.config.mask_token_id)
+    with torch.inference_mode():
+        for keeps in ((0, 6), (3, 1), (6, 4)):
+            out = []
+            for on in (True, False):
+                monkeypatch.setattr(decode_plan, "ENABLED", on)
+                caches = []
+                for p in prompts:
+                    c = model.make_cache(capacity=60)
+                    model.step(p, [c])
+                    c.begin_speculation()
+                    caches.append(c)
+                verified = model.step(draft, caches)
+                for c, keep in zip(caches, keeps):
+                    c.rollback(c.spec_start + keep)
+                out.append((verified, model.step(mask, caches, block=True)))
+            monkeypatch.setattr(decode_plan, "ENABLED", True)
+            assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]), keeps
+    assert (2, 6) in runs
 
 
 def test_a_reload_rebuilds_the_plan():

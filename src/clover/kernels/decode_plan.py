@@ -20,9 +20,9 @@ the kernels' own entry points, the same arithmetic (tests/test_decode_plan.py co
 The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for the
 same step, so results are bit-identical (tests/test_decode_plan.py). It covers what those wrappers
 would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or quantized), no tensor-parallel
-shard, no autograd, no open speculation (its GDN records need the reference), no right-padded batch,
-at most 64 tokens (longer prefill chunks stay with the layers). Everything else goes through the
-layers as before.
+shard, no autograd, no right-padded batch, at most 64 tokens (longer prefill chunks stay with the
+layers); an open speculation's GDN inputs are recorded as the layers record them. Everything else
+goes through the layers as before.
 
 Buffer safety: only the intermediates between calls are reused; the logits a step returns are a new
 tensor every time. A plan runs one step at a time (a non-blocking lock: a second thread stepping the
@@ -249,12 +249,14 @@ class _Plan:
     (benchmarks.breakdown --glue swaps it). A one-token causal step binds the lm head as its last call;
     other steps project the rows they are asked for after the list has run."""
 
-    def __init__(self, model, B: int, T: int = 1, block_len: int = 0):
+    def __init__(self, model, B: int, T: int = 1, block_len: int = 0, recording: bool = False):
         self.B, self.T, self.block_len = B, T, block_len
+        self.recording = recording     # an open speculation's step: each GDN layer's projections kept apart
         H = model.config.hidden_size
         buf = self.buf = _Buffers(B, T, H)
         self.calls: list = []          # [kernel name, args list]
         self.gdn: list = []            # per GDN layer: (layer index, 4 slot-pointer arrays)
+        self.gdn_inputs: list = []     # per GDN layer: (the mixer, its projections u, z, b, a in scratch)
         self.attn: list = []           # per attention layer: (layer index, per-row args lists)
         self.moe: list = []            # per MoE layer: its args list
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
@@ -317,13 +319,14 @@ class _Plan:
 
     def _gdn(self, m):
         B, T = self.B, self.T
-        u, z, b, a = self._project(m, "gdn")
+        u, z, b, a = self._project(m, f"gdn{m.layer_index}-" if self.recording else "gdn")
         if b.stride()[:2] != a.stride()[:2]:
             raise ValueError("decode plan: GDN b and a not from one stacked projection")
         self.keep.append(gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, T, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
+        self.gdn_inputs.append((m, (u, z, b, a)))             # what an open speculation records
         self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out,
                                                      T - self.block_len, 1))
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
@@ -416,6 +419,13 @@ class _Plan:
             raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {what} returned {status}")
         if stats is not None and self.block_len:
             stats += [d.clone() for d in self.distinct]
+        P = T - self.block_len
+        if self.recording:                           # an open speculation: its rollback replays these
+            for mixer, pieces in self.gdn_inputs:    # (copies: the scratch is the next step's)
+                for r, records in enumerate(batch.records):
+                    if records is not None:
+                        records[mixer.layer_index].add(mixer, model.backend.gdn_core,
+                                                       *(t[r, :P].clone() for t in pieces))
         if logits is not None:
             return None if logits_at == "none" else logits.view(B, 1, -1)
         if logits_at == "none":
@@ -424,7 +434,8 @@ class _Plan:
 
 
 class DecodePlans:
-    """A model's prepared steps, one `_Plan` per (batch size, tokens, block length), built on first use
+    """A model's prepared steps, one `_Plan` per (batch size, tokens, block length, whether a speculation
+    records), built on first use
     (held by the model's runner, which copies and pickles of the model do not carry over)."""
 
     def __init__(self, model):
@@ -446,7 +457,7 @@ class DecodePlans:
         (False, None) when no plan applies (the runner then runs the layers)."""
         B, T = ids.shape
         if (not ENABLED or not self.ok or model.backend is not self.backend or not 0 < T <= MAX_TOKENS
-                or batch.records is not None or batch.padded
+                or batch.padded
                 or (batch.write_slots is None and self.has_gdn and T > block_len) or torch.is_grad_enabled()
                 or ids.dtype != torch.long or ids.device.type != "cpu"):
             return False, None
@@ -457,10 +468,10 @@ class DecodePlans:
             if version != self.version:             # parameters rewritten: constants and plans anew
                 self.plans.clear()
                 self.version = version
-            key = (B, T, block_len)
+            key = (B, T, block_len, batch.records is not None and T > block_len)
             plan = self.plans.get(key)
             if plan is None:
-                plan = self.plans[key] = _Plan(model, B, T, block_len)
+                plan = self.plans[key] = _Plan(model, *key)
                 if len(self.plans) > MAX_PLANS:
                     self.plans.popitem(last=False)
             else:
