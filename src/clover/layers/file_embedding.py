@@ -91,7 +91,8 @@ class FileEmbedding(nn.Module):
         """`self(ids)` written into `out` [ids.numel(), dim] (contiguous): a step plan's lookup. Rows
         stored in `out`'s dtype are read straight into it, one read each, with no tensor between."""
         flat = ids.reshape(-1).tolist()
-        if self.stored_dtype != out.dtype or type(self).decode is not FileEmbedding.decode:
+        if (self.stored_dtype != out.dtype or type(self).decode is not FileEmbedding.decode
+                or out.stride(0) * out.element_size() != self.row_bytes or not out.is_contiguous()):
             out.copy_(self(ids.reshape(-1)))
             return
         self._check_range(min(flat), max(flat))
