@@ -1,9 +1,10 @@
-/* A decode step's kernels in one parallel region (issue #43). clover/kernels/decode_plan.py binds a
- * step's calls once — norms, matrix products, the GDN and attention kernels, the MoE block, the lm
- * head — and a step is one call here: the team starts once and walks the list together, each kernel's
- * work split across it (team.h), a barrier between one kernel and the next, instead of a parallel
- * region (fork and join) and a ctypes call per kernel. The arithmetic is the kernels' own: a step's
- * results are bit for bit those of the calls one by one.
+/* A step's kernels in one parallel region: decode steps, block steps and commits of up to 64 tokens.
+ * clover/kernels/decode_plan.py binds a step's calls once — norms, matrix products, the GDN and
+ * attention kernels, the MoE block, a decode step's lm head — and a step is one call here: the team
+ * starts once and walks the list together, each kernel's work split across it (team.h), a barrier
+ * between one kernel and the next, instead of a parallel region (fork and join) and a ctypes call per
+ * kernel. The arithmetic is the kernels' own: a step's results are bit for bit those of the calls one
+ * by one.
  *
  * Waiting at a barrier is libgomp's: a thread spins for a while (OMP_WAIT_POLICY, GOMP_SPINCOUNT;
  * by default 300,000 spins while the threads do not outnumber the CPUs, 100 when they do),

@@ -1,6 +1,6 @@
 /* Kernels as bodies run by an OpenMP team, so one parallel region can run many of them (steps.c walks
- * a decode step's ops in one region; issue #43) and each kernel's own entry point is that region
- * around one body: one implementation of the arithmetic either way.
+ * a step's ops in one region) and each kernel's own entry point is that region around one body: one
+ * implementation of the arithmetic either way.
  *
  * Rules every body keeps, because threads of one team must meet the same barriers in the same order:
  *   - it is called by every thread of the team; work is split with orphaned worksharing (`omp for`,
