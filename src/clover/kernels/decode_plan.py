@@ -52,8 +52,8 @@ from .attention_cached import ROTARY_ARG, STEP_ARGS, attention_args
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .gdn_short import gdn_short_args
-from .moe_block import _moe_constants, moe_block_args
-from .panels import linear_args
+from .moe_block import TOP_P_ARG, _moe_constants, moe_block_args
+from .panels import OUT_ARG, linear_args
 from .rmsnorm import _scale, add_rmsnorm_args, versions
 
 log = logging.getLogger(__name__)
@@ -349,7 +349,8 @@ class _Plan:
 
     def _moe(self, moe, distinct):
         # the descriptors point into the stacked input maps, the experts' and the shared down panels
-        self.keep += [_moe_constants(moe), moe.fused_input.parts, moe.experts.panels, moe.shared_expert.down_proj.packed]
+        self.keep += [_moe_constants(moe), moe.fused_input.parts, moe.experts.panels,
+                      moe.shared_expert.down_proj.packed]
         self.moe.append(self._add("clover_moe_block", moe_block_args(
             moe, self.B, self.T, self.buf.x.shape[-1], self.block_len, None, self.buf.x.data_ptr(), None,
             self.buf.moe.data_ptr(), distinct.data_ptr() if self.block_len else None, 1)))
@@ -401,12 +402,12 @@ class _Plan:
             if selecting:
                 self.top_p.copy_(block_top_p)
             for args in self.moe:
-                self._set(args, 3, self.top_p.data_ptr() if selecting else None)
+                self._set(args, TOP_P_ARG, self.top_p.data_ptr() if selecting else None)
         lib = library()
         logits = None
         if self.head is not None:
             logits = torch.empty(B, self.head.out_features, dtype=_BF16)     # the caller's: new every step
-            self._set(self.calls[-1][1], 7, logits.data_ptr())
+            self._set(self.calls[-1][1], OUT_ARG, logits.data_ptr())
         if ONE_REGION:            # the bound calls, lm head included, as one `clover_run_steps` call
             status, name, index = self.steps.run(lib, threads)
         else:
@@ -419,9 +420,9 @@ class _Plan:
             raise (MemoryError if status == -1 else RuntimeError)(f"decode plan: {what} returned {status}")
         if stats is not None and self.block_len:
             stats += [d.clone() for d in self.distinct]
-        P = T - self.block_len
         if self.recording:                           # an open speculation: its rollback replays these
-            for mixer, pieces in self.gdn_inputs:    # (copies: the scratch is the next step's)
+            P = T - self.block_len                   # (copies: the scratch is the next step's)
+            for mixer, pieces in self.gdn_inputs:
                 for r, records in enumerate(batch.records):
                     if records is not None:
                         records[mixer.layer_index].add(mixer, model.backend.gdn_core,
@@ -435,8 +436,8 @@ class _Plan:
 
 class DecodePlans:
     """A model's prepared steps, one `_Plan` per (batch size, tokens, block length, whether a speculation
-    records), built on first use
-    (held by the model's runner, which copies and pickles of the model do not carry over)."""
+    records), built on first use (held by the model's runner, which copies and pickles of the model do
+    not carry over)."""
 
     def __init__(self, model):
         self.backend = model.backend

@@ -33,10 +33,13 @@ def _moe_constants(moe):
     return kernel_constants(moe, (), make)
 
 
+TOP_P_ARG = 3      # `clover_moe_block`'s argument a step plan sets per step: the block's top-p [B], or None
+
+
 def moe_block_args(moe, B: int, T: int, H: int, block_len: int, top_p, x, h, out, distinct, threads: int) -> list:
     """`clover_moe_block`'s arguments (the face's, the step plans' and benchmarks.kernel_ab's): B rows
     of T tokens of width H, the last `block_len` a block; `top_p` float32 [B] or None (selection off); addresses
-    of x, h (or None), out and distinct (or None). Argument 3 is the top-p a plan sets per step."""
+    of x, h (or None), out and distinct (or None)."""
     structs, split_input, I, Is = _moe_constants(moe)
     w_in = structs[0]
     shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])

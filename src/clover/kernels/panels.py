@@ -126,6 +126,9 @@ def check_status(status: int, what: str, unsupported: str = "unsupported shape o
         raise ValueError(f"{what}: {unsupported}")
 
 
+OUT_ARG = 7        # `clover_weights_gemm`'s output address (a step plan's lm head sets it per step)
+
+
 def linear_args(weight, a, lda: int, a_bf16: bool, M: int, out, out_fp32: bool, threads: int) -> list:
     """`clover_weights_gemm`'s arguments (`linear`'s and the step plans'): M rows of input at address
     `a` (row stride lda) times `weight` into `out` (an address, rows of N). The weight's descriptor
@@ -141,9 +144,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     out_fp32 = x.dtype == torch.float32 or bias is not None
     out = torch.empty(a.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
     if a.shape[0]:
-        check_status(library().clover_weights_gemm(*linear_args(weight, a.data_ptr(), a.stride(0), a.dtype == torch.bfloat16,
-                                                                a.shape[0], out.data_ptr(), out_fp32,
-                                                                torch.get_num_threads())), "linear")
+        args = linear_args(weight, a.data_ptr(), a.stride(0), a.dtype == torch.bfloat16, a.shape[0], out.data_ptr(),
+                           out_fp32, torch.get_num_threads())
+        check_status(library().clover_weights_gemm(*args), "linear")
     if bias is not None:
         out = (out + bias.float()).to(x.dtype)
     return out.view(*x.shape[:-1], N)
