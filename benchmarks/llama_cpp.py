@@ -9,14 +9,15 @@ Qwen3.5-MoE form (`--plain`, what llama.cpp's converter reads). Prepared once, u
 
 * llama.cpp's own converter, `convert_hf_to_gguf.py`, from the source distribution of the installed
   llama-cpp-python version (`pip download --no-binary :all:`; it vendors llama.cpp and gguf-py), writes
-  a BF16 GGUF; llama.cpp's quantizer (`llama_model_quantize`, through the binding) makes Q8_0 and
-  Q4_K_M from it. The checkpoint has no tokenizer, so a small byte-level BPE one is written beside it
+  a BF16 GGUF; llama.cpp's quantizer (`llama_model_quantize`, through the binding) makes Q8_0,
+  Q4_K_M and Q5_K_M from it. The checkpoint has no tokenizer, so a small byte-level BPE one is written beside it
   (token ids are fed directly; tokenization is never timed), and the converter's pre-tokenizer
   fingerprint (a hash of how a known hub tokenizer splits a test string, which no synthetic
   tokenizer can match) is set to "gpt-2", the ByteLevel split the synthetic tokenizer uses. Nothing
   else in the converter is touched; `--no-mtp` tells it the checkpoint has no MTP layer.
 * `clover quantize` writes int8 and int4 copies (group 32); Clover runs the safetensors at bf16 too,
-  and llama.cpp's own Q8_0 and Q4_K_M files (the same-file rows: both engines read the same bytes).
+  and llama.cpp's own Q8_0, Q4_K_M and Q5_K_M files (the same-file rows: both engines read the same
+  bytes).
 
 Measured, per engine and precision, in a fresh process with `--threads` threads (default 2; a list such as
 `1,2` measures each count in turn and writes a table per count): prefill
@@ -71,8 +72,11 @@ CONFIGS = [
     ("llama.cpp Q4_K_M", "llama", "Q4_K_M", "int4"),
     ("Clover int4", "clover", "int4", "int4"),
     ("Clover on the Q4_K_M GGUF", "clover", "gguf:Q4_K_M", "int4"),
+    ("llama.cpp Q5_K_M", "llama", "Q5_K_M", "int5"),
+    ("Clover on the Q5_K_M GGUF", "clover", "gguf:Q5_K_M", "int5"),
 ]
-LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
 
 
 def log(msg: str) -> None:

@@ -21,6 +21,7 @@ Tolerances (stated once):
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -359,7 +360,7 @@ def test_block_conversion_is_exact(name):
     c = decode_codes(FORMATS[name], torch.from_numpy(raw.copy()), 96)
     got = dequantize(c.qweight, to_fp16(c.scales, ""), None if c.mins is None else to_fp16(c.mins, ""), c.bits)
     assert torch.equal(got, want)
-    assert c.bits == {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 6, "Q5_1": 6}[name]
+    assert c.bits == {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}[name]
     assert c.qweight.dtype == (torch.int8 if c.bits == 8 else torch.uint8)
 
 
@@ -393,7 +394,7 @@ def test_k_quant_conversion(name, source):
         raw = K_ENCODERS[T[name]](x.reshape(-1, 256)).reshape(4, -1)
     want = torch.from_numpy(gguf.quants.dequantize(raw, T[name]).copy())
     c = decode_codes(FORMATS[name], torch.from_numpy(raw), 768)
-    assert c.form() == {"Q4_K": (4, 32, True, 256), "Q5_K": (6, 32, True, 256), "Q6_K": (6, 16, False, 256)}[name]
+    assert c.form() == {"Q4_K": (4, 32, True, 256), "Q5_K": (5, 32, True, 256), "Q6_K": (6, 16, False, 256)}[name]
     assert torch.equal(codes_to_float(c), want)              # two-level scales: the file's values exactly
     # flattened to one fp16 scale per group (a matrix mixing types): within half an fp16 unit per scale
     flat = promote(c, c.bits, c.group_size, c.mins is not None)
@@ -510,7 +511,7 @@ def test_corrupt_scale_is_named(tmp_path, monkeypatch, native, tensor, block, ta
 
 def test_k_quant_model(tmp_path):
     """A Q4_K_M-like mix (Q4_K, Q6_K for down/output, Q5_K for attn_v, Q8_0 where rows are not whole
-    256-blocks) loads exactly, at the file's size, into Clover's two-level int4/int6 forms, and runs
+    256-blocks) loads exactly, at the file's size, into Clover's two-level int4/int5/int6 forms, and runs
     on the reference backend and on the quantized kernels."""
     model = tiny(seed=2, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                  linear_value_head_dim=32, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
@@ -540,11 +541,11 @@ def test_k_quant_model(tmp_path):
     rows = torch.tensor([[0, 5, 5], [17, 2, 0]])
     assert torch.equal(embed(rows), embed.dequantize(torch.float32)[rows])
     v_proj = loaded.model.layers[1].self_attn.v_proj
-    assert (v_proj.bits, v_proj.mins is not None, v_proj.super_group) == (6, True, 256)
-    # in memory at the file's size: Q4_K 0.5625 bytes per weight → 0.578, Q6_K 0.8203 → 0.8203
-    for module, per_weight in ((gate_up, 0.578125), (down, 0.8203125)):
+    assert (v_proj.bits, v_proj.mins is not None, v_proj.super_group) == (5, True, 256)
+    # in memory at the file's size: Q4_K 0.5625 bytes per weight → 0.578, Q5_K 0.6875 → 0.703, Q6_K 0.8203
+    for module, per_weight in ((gate_up, 0.578125), (v_proj, 0.703125), (down, 0.8203125)):
         held = sum(b.numel() * b.element_size() for b in module.buffers())
-        assert held == per_weight * module.qweight.shape[0] * module.shape[-2] * module.shape[-1]
+        assert held == per_weight * math.prod(module.shape)
     for name, p in params(model).items():
         got = loaded_value(loaded, name)
         err = ((got - p).norm() / p.norm().clamp_min(1e-12)).item()

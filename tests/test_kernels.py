@@ -513,12 +513,12 @@ def _isa_outputs(path):
             for t in range(3):
                 out[f"{bits}-decode{t}"] = model.step(ids[:1, t:t + 1], [cache], logits_at="last")
             out[f"{bits}-batch"] = model(ids)
-    # every stored form the quantized kernels take (int6 codes, two-level scales: GGUF's K-quants)
+    # every stored form the quantized kernels take (int6 / int5 codes, two-level scales: GGUF's K-quants)
     from clover.kernels.quant_panels import QuantPanelWeight
     from test_quantization import _stored_codes
 
     g = torch.Generator().manual_seed(4)
-    for bits in (8, 6, 4):
+    for bits in (8, 6, 5, 4):
         for two_level in (False, True):
             for mins in (False, True):
                 stored = _stored_codes((3, 64, 512), bits, 32, mins, two_level, g)
@@ -535,7 +535,7 @@ def _isa_outputs(path):
 def test_avx2_build_gives_the_avx512_builds_bits(tmp_path):
     """avx2_compat.h promises the AVX-512 build's arithmetic on 256-bit halves: whole packed models (bf16,
     int8, int4 weights; GDN, attention, MoE and norm kernels) and the quantized products in every stored
-    form (int8/int6/int4, fp16 or two-level scales, mins) give the same results bit for bit from the
+    form (int8/int6/int5/int4, fp16 or two-level scales, mins) give the same results bit for bit from the
     AVX2 build, in a process of its own, as from the AVX-512 build's FMA kernels here."""
     here, there = tmp_path / "avx512.pt", tmp_path / "avx2.pt"
     tests = os.path.dirname(__file__)

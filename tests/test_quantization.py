@@ -134,16 +134,16 @@ def test_quantized_grouped_kernel_matches_reference(bits):
 
 
 def _stored_codes(shape, bits, group, offsets, two_level, g):
-    """Random stored tensors of any form (format.py), codes drawn directly: int8, int6, int4; fp16
+    """Random stored tensors of any form (format.py), codes drawn directly: int8, int6, int5, int4; fp16
     scales, or int8 codes with fp16 super-scales per 256 inputs (GGUF K-quants as loaded)."""
-    from clover.quantization.format import pack_nibbles, pack_six
+    from clover.quantization.format import pack_codes
 
     *lead, N, K = shape
     if bits == 8:
         q = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
     else:
         u = torch.randint(0, 1 << bits, shape, generator=g, dtype=torch.uint8)
-        q = pack_nibbles(u) if bits == 4 else pack_six(u)
+        q = pack_codes(u, bits)
     out = {"qweight": q, "bits": bits, "mins": None, "super_scales": None, "super_mins": None}
     groups = (*lead, N, K // group)
     if two_level:
@@ -161,11 +161,11 @@ def _stored_codes(shape, bits, group, offsets, two_level, g):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
 @pytest.mark.parametrize("two_level", [False, True])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
-    """int6 codes and two-level scales (GGUF K-quants held as loaded) beside int8/int4: the kernels equal
+    """int6 / int5 codes and two-level scales (GGUF K-quants held as loaded) beside int8/int4: the kernels equal
     their float64 reference to fp32 rounding for 1…13 rows, and the dense and grouped forms agree."""
     from clover.kernels.panels import grouped_linear, linear
     from clover.kernels.quant_panels import QuantPanelWeight, reference_linear, swiglu_rows
@@ -202,7 +202,7 @@ def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
 def test_native_panel_packing_equals_the_pytorch_one(bits):
     """`clover_quant_pack_panels` and `clover_quant_pack_scales` (one pass in C, what loading uses) write
     the same panel bytes as the PyTorch reordering that defines the layout: a stack, N not a multiple of

@@ -260,7 +260,7 @@ def _cpu_kernels() -> str:
         return "unavailable (neither AVX-512 BF16/VNNI nor AVX2/FMA/F16C): PyTorch"
     kind = {"pairs": "vdpbf16ps pairs", "fma": "fp32 FMAs"}[bf16_kernels()]
     dots = "VNNI" if build == "avx512" else "vpmaddubsw/vpmaddwd"
-    return f"native {build} (bf16 products: {kind}; int8/int6/int4: {dots})"
+    return f"native {build} (bf16 products: {kind}; int8/int6/int5/int4: {dots})"
 
 
 def _quantization_summary(model) -> str:

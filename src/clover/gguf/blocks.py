@@ -9,10 +9,10 @@ block's fp16 super-scales, exactly as stored, at nearly the file's own size:
     Q8_0   int8,  group 32, symmetric                   1.0625 (1.0625)       yes (d is fp16, codes copied)
     Q4_0   int4,  group 32, symmetric                   0.5625 (0.5625)       yes (w = d·(u − 8), nibbles repacked)
     Q4_1   int4,  group 32, mins                        0.625  (0.625)        yes (d and m are fp16 already)
-    Q5_0   int6,  group 32, symmetric                   0.8125 (0.6875)       yes (code q + 16, zero 32)
-    Q5_1   int6,  group 32, mins                        0.875  (0.75)         yes
+    Q5_0   int5,  group 32, symmetric                   0.6875 (0.6875)       yes (w = d·(u − 16), bits repacked)
+    Q5_1   int5,  group 32, mins                        0.75   (0.75)         yes
     Q4_K   int4,  group 32, mins, two-level (256)       0.578  (0.5625)       yes (s = d·sc, m = −dmin·mn)
-    Q5_K   int6,  group 32, mins, two-level (256)       0.828  (0.6875)       yes (codes 0…31)
+    Q5_K   int5,  group 32, mins, two-level (256)       0.703  (0.6875)       yes
     Q6_K   int6,  group 16, symmetric, two-level (256)  0.820  (0.8203)       yes (s = d·sc)
 
 Where a matrix cannot keep the two-level form — two GGUF tensors of different types made into one
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quantization.format import ZERO_POINT, codes, dequantize, group_scales, pack_codes, pack_six
+from ..quantization.format import ZERO_POINT, codes, dequantize, group_scales, pack_codes
 
 QK_K = 256
 FP16_MAX = 65504.0
@@ -40,7 +40,7 @@ FP16_MAX = 65504.0
 
 @dataclass
 class Codes:
-    """Decoded rows in Clover's stored layout: qweight [R, K] int8, [R, 3K/4] or [R, K/2] uint8 (int6,
+    """Decoded rows in Clover's stored layout: qweight [R, K] int8, [R, K·bits/8] uint8 (int6, int5,
     int4), scales/mins float32 [R, K/group] — or, with `super_scales` (/ `super_mins`) fp16 [R, K/256],
     int8 codes [R, K/group] (two-level scales)."""
 
@@ -136,14 +136,14 @@ def _q5_0(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d = _f16(b[..., 0:2])
     q = _low_high(b[..., 6:22]) | (_high_bits_32(b[..., 2:6]) << 4)        # 0…31
-    return Codes(pack_six((q + 16).reshape(R, nb * 32)), d, None, 6, 32)     # w = d·(q − 16) = d·(u − 32)
+    return Codes(pack_codes(q.reshape(R, nb * 32), 5), d, None, 5, 32)        # w = d·(q − 16)
 
 
 def _q5_1(b: torch.Tensor) -> Codes:
     R, nb, _ = b.shape
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     q = _low_high(b[..., 8:24]) | (_high_bits_32(b[..., 4:8]) << 4)
-    return Codes(pack_six(q.reshape(R, nb * 32)), d, m, 6, 32)
+    return Codes(pack_codes(q.reshape(R, nb * 32), 5), d, m, 5, 32)
 
 
 def _k_scales(s: torch.Tensor):
@@ -185,7 +185,7 @@ def _q5_k(b: torch.Tensor) -> Codes:
     for j in range(8):
         low = runs[:, :, j // 2] & 0xF if j % 2 == 0 else runs[:, :, j // 2] >> 4
         q[:, :, j] = low | (((qh >> j) & 1) << 4)
-    return Codes(pack_six(q.reshape(R, nb * QK_K)), bits=6, group_size=32, **_k_factors(b))
+    return Codes(pack_codes(q.reshape(R, nb * QK_K), 5), bits=5, group_size=32, **_k_factors(b))
 
 
 def _q6_k(b: torch.Tensor) -> Codes:
@@ -201,7 +201,7 @@ def _q6_k(b: torch.Tensor) -> Codes:
         run = ql[:, :, :, t % 2]
         low = run & 0xF if t < 2 else run >> 4
         q[:, :, :, t] = low | (((qh >> (2 * t)) & 3) << 4)
-    return Codes(pack_six(q.reshape(R, nb * QK_K)), sc.reshape(R, nb * 16), None, 6, 16, super_scales=d)
+    return Codes(pack_codes(q.reshape(R, nb * QK_K), 6), sc.reshape(R, nb * 16), None, 6, 16, super_scales=d)
 
 
 FORMATS = {
@@ -211,10 +211,10 @@ FORMATS = {
     "Q8_0": GGMLFormat("Q8_0", 32, 34, 8, 32, False),
     "Q4_0": GGMLFormat("Q4_0", 32, 18, 4, 32, False),
     "Q4_1": GGMLFormat("Q4_1", 32, 20, 4, 32, True),
-    "Q5_0": GGMLFormat("Q5_0", 32, 22, 6, 32, False),
-    "Q5_1": GGMLFormat("Q5_1", 32, 24, 6, 32, True),
+    "Q5_0": GGMLFormat("Q5_0", 32, 22, 5, 32, False),
+    "Q5_1": GGMLFormat("Q5_1", 32, 24, 5, 32, True),
     "Q4_K": GGMLFormat("Q4_K", QK_K, 144, 4, 32, True, QK_K),
-    "Q5_K": GGMLFormat("Q5_K", QK_K, 176, 6, 32, True, QK_K),
+    "Q5_K": GGMLFormat("Q5_K", QK_K, 176, 5, 32, True, QK_K),
     "Q6_K": GGMLFormat("Q6_K", QK_K, 210, 6, 16, False, QK_K),
 }
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
@@ -331,7 +331,7 @@ def promote(c: Codes, bits: int, group_size: int, asymmetric: bool) -> Codes:
         raise ValueError(f"cannot widen int{c.bits}/group {c.group_size} to int{bits}/group {group_size}")
     scales = group_scales(c.scales, c.super_scales)
     mins = None if c.mins is None else group_scales(c.mins, c.super_mins)
-    # value codes v: int8 signed, int4/int6 unsigned; w = s·(v − Z) symmetric, s·v + m with mins
+    # value codes v: int8 signed, int4/int5/int6 unsigned; w = s·(v − Z) symmetric, s·v + m with mins
     v = codes(c.qweight, c.bits)
     if mins is None:
         v = v - ZERO_POINT[c.bits] + ZERO_POINT[bits]

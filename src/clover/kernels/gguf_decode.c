@@ -4,8 +4,8 @@
  * decoders take ~10 tensor passes each: they were most of a full-size load's conversion time.
  *
  * Each block is widened to one code per input (u, 0…63) and then packed as the stored form packs it:
- * int8 codes copied, int4 nibble pairs (input 2j low, 2j+1 high), int6 nibble pairs plus a plane of
- * 2-bit tops (row byte K/2 + j: inputs 4j…4j+3, input 4j+i at bits 2i). Scales are the file's own
+ * int8 codes copied, int4 nibble pairs (input 2j low, 2j+1 high), int6 / int5 nibble pairs plus a
+ * plane of top bits (row byte K/2 + j: inputs 4j…4j+3 at bits 2i, or 8j…8j+7 at bit i). Scales are the file's own
  * bits: fp16 per group for the legacy types; for the K-quants int8 sub-scale codes with the block's
  * fp16 super-scale (and −dmin as the mins' super-scale, a sign flip). */
 #include <stdlib.h>
@@ -24,15 +24,18 @@ static void put_nibbles(uint8_t *dst, const uint8_t *u, int n) {
     for (int j = 0; j < n / 2; j++) dst[j] = (uint8_t)(u[2 * j] | (u[2 * j + 1] << 4));
 }
 
-/* Clover's int6 bytes for n codes at inputs k0…k0+n of a row of K: nibbles, then the top-bit plane */
-static void put_six(uint8_t *row, int K, int k0, const uint8_t *u, int n) {
+/* Clover's int6 / int5 bytes for n codes at inputs k0…k0+n of a row of K: nibbles, then the top bits */
+static void put_wide(uint8_t *row, int K, int bits, int k0, const uint8_t *u, int n) {
     uint8_t low[256];
     for (int i = 0; i < n; i++) low[i] = u[i] & 15;
     put_nibbles(row + k0 / 2, low, n);
-    uint8_t *tops = row + K / 2 + k0 / 4;
-    for (int j = 0; j < n / 4; j++)
-        tops[j] = (uint8_t)((u[4 * j] >> 4) | ((u[4 * j + 1] >> 4) << 2) | ((u[4 * j + 2] >> 4) << 4)
-                            | ((u[4 * j + 3] >> 4) << 6));
+    int extra = bits - 4, per = 8 / extra;
+    uint8_t *tops = row + K / 2 + k0 / per;
+    for (int j = 0; j < n / per; j++) {
+        int byte = 0;
+        for (int i = 0; i < per; i++) byte |= (u[per * j + i] >> 4) << (extra * i);
+        tops[j] = (uint8_t)byte;
+    }
 }
 
 /* 32 codes from 16 bytes whose low nibbles hold inputs 0…15 and high nibbles 16…31 (+ a fifth bit) */
@@ -80,9 +83,7 @@ static int decode_row(int type, const uint8_t *b, int K, uint8_t *q, void *sc, v
             uint32_t qh = 0;
             if (five) qh = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24, p += 4;
             split_nibbles(u, p, qh, five);
-            if (type == Q5_0)
-                for (int i = 0; i < 32; i++) u[i] += 16;          /* w = d·(q − 16) = d·(u − 32) */
-            if (five) put_six(q, K, 32 * g, u, 32);
+            if (five) put_wide(q, K, 5, 32 * g, u, 32);
             else put_nibbles(q + 16 * g, u, 32);
         }
         break;
@@ -102,7 +103,7 @@ static int decode_row(int type, const uint8_t *b, int K, uint8_t *q, void *sc, v
                 }
             }
             if (type == Q4_K) put_nibbles(q + 128 * s, u, 256);
-            else put_six(q, K, 256 * s, u, 256);
+            else put_wide(q, K, 5, 256 * s, u, 256);
         }
         break;
     case Q6_K:
@@ -117,7 +118,7 @@ static int decode_row(int type, const uint8_t *b, int K, uint8_t *q, void *sc, v
                         u[128 * h + 32 * t + l] = (uint8_t)((t < 2 ? run & 15 : run >> 4)
                                                             | (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
                     }
-            put_six(q, K, 256 * s, u, 256);
+            put_wide(q, K, 6, 256 * s, u, 256);
         }
         break;
     }
@@ -167,10 +168,10 @@ static float half_value(uint16_t h) {
  * Returns as clover_gguf_decode does (0; −2; 1 + r for a row with a non-finite scale). */
 int clover_gguf_dequantize(int type, const uint8_t *raw, long row_bytes, long rows, int K, void *out, int out_bf16) {
     if (type < Q8_0 || type > Q6_K || K % (type >= Q4_K ? 256 : 32)) return -2;
-    int bits = type == Q8_0 ? 8 : (type == Q4_0 || type == Q4_1 || type == Q4_K) ? 4 : 6;
+    int bits = type == Q8_0 ? 8 : (type == Q4_0 || type == Q4_1 || type == Q4_K) ? 4 : type == Q6_K ? 6 : 5;
     int has_mins = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
     int group = type == Q6_K ? 16 : 32, two_level = type >= Q4_K;
-    int zero = has_mins ? 0 : bits == 8 ? 0 : bits == 6 ? 32 : 8;
+    int zero = has_mins || bits == 8 ? 0 : 1 << (bits - 1);
     uint8_t *q = malloc((size_t)K), *sc = malloc((size_t)K / 16 * 2), *mn = malloc((size_t)K / 16 * 2);
     uint16_t *sup = malloc((size_t)K / 256 * 2 + 2), *supm = malloc((size_t)K / 256 * 2 + 2);
     int status = 0;
@@ -193,7 +194,8 @@ int clover_gguf_dequantize(int type, const uint8_t *raw, long row_bytes, long ro
                 int k = g * group + i, u;
                 if (bits == 8) u = (int8_t)q[k];
                 else if (bits == 4) u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
-                else u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4);
+                else if (bits == 6) u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4);
+                else u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 8] >> (k % 8)) & 1) << 4);
                 float w = has_mins ? s * (float)u + m : s * (float)(u - zero);
                 if (out_bf16) ((uint16_t *)out)[r * K + k] = f32_to_bf16(w);
                 else ((float *)out)[r * K + k] = w;

@@ -1,4 +1,4 @@
-/* Matrix products with int8 / int6 / int4 weights (group-wise scales) and int8-quantized inputs.
+/* Matrix products with int8 / int6 / int5 / int4 weights (group-wise scales) and int8-quantized inputs.
  *
  * Why integer dot products: dequantizing int4 weights to fp32 in registers costs ~4 vector
  * instructions per 16 weights before the fused multiply-add, which caps a one-row product (decode)
@@ -8,7 +8,7 @@
  * unsigned operand (int8 weights stored as q + 128, int4 codes 0…15), the input codes the signed one.
  * Per group and output column, with input codes a (scale α, sum Σa) and weight codes u:
  *     Σ_k w_k·x_k ≈ α·s·(Σ u·a − z·Σa) [+ α·m·Σa]
- * z = 128 for int8, 32 for symmetric int6, 8 for symmetric int4, 0 with offsets (mins: w = s·u + m).
+ * z = 128 for int8, 32 for symmetric int6, 16 for int5, 8 for int4, 0 with offsets (mins: w = s·u + m).
  * The integer part is exact; each group's term is added to an fp32 accumulator. The scales s (and m)
  * are fp16 per group, or with two-level scales (GGUF's K-quants held as loaded) an int8 code per group
  * times an fp16 super-scale per `super_group` inputs, multiplied here (exact in fp32).
@@ -19,7 +19,10 @@
  *   int4: per 8 inputs 128 bytes: byte 64h + 4j + i holds input i (low nibble) and input 4 + i (high);
  *   int6: per 8 inputs the 128 bytes of int4 (the low 4 bits), then 64 bytes of top bits: byte 4j + i
  *         holds, in bit pairs from the lowest, those of half 0 input i, half 0 input 4 + i, half 1
- *         input i, half 1 input 4 + i.
+ *         input i, half 1 input 4 + i;
+ *   int5: per 8 inputs the 128 bytes of int4, then 32 bytes of fifth bits: with the 4 nibble vectors
+ *         numbered T = 2·half + (input ≥ 4) and byte b = 4j + i of each, bit T + 4·(b / 32) of byte
+ *         b % 32 (so the 32 bytes, and the same shifted right by 4, give each vector its bits by a shift).
  * So one 64-byte load is 16 columns × 4 (or 8) inputs, and the input codes of those 4 inputs are one
  * broadcast 32-bit word. */
 #include <immintrin.h>
@@ -42,6 +45,11 @@
 #define DPBUSD_NIBBLES(acc, u, s, v, t) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u, s), v, t)
 #endif
 #define QKERNEL_VARIANTS 6  /* kernels defined for 1..6 rows; the build uses 1..QROWS */
+#ifdef __AVX512F__
+#define HALVES(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+#else
+#define HALVES(lo, hi) ((__m512i){lo, hi})
+#endif
 #define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2).
                                One row (decode) streams from DRAM with no software prefetch: on AMD Zen 4
                                the hardware prefetchers alone read faster (README, What makes it fast) */
@@ -123,7 +131,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
     const int32_t *words = (const int32_t *)blk;                                                          \
     const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
     const float *alpha = (const float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;   \
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);                             \
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), fifth = _mm512_set1_epi8(0x10);                             \
     __m512 facc[2 * R];                                                                                   \
     for (int i = 0; i < 2 * R; i++) facc[i] = _mm512_setzero_ps();                                        \
     for (int g = 0; g < groups; g++) {                                                                    \
@@ -150,7 +158,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                 if (R > 1) {                                                                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS, _MM_HINT_T0);                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
-                    if (BITS == 6) _mm_prefetch((const char *)W + AHEAD_ROWS + 128, _MM_HINT_T0);         \
+                    if (BITS != 4) _mm_prefetch((const char *)W + AHEAD_ROWS + 128, _MM_HINT_T0);         \
                 }                                                                                         \
                 __m512i v0 = _mm512_loadu_si512((const void *)W), v1 = _mm512_loadu_si512((const void *)(W + 64)); \
                 __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low); \
@@ -162,7 +170,15 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                     l1 = _mm512_or_si512(l1, _mm512_and_si512(x, top));                                   \
                     h1 = _mm512_or_si512(h1, _mm512_and_si512(_mm512_srli_epi16(x, 2), top));             \
                 }                                                                                         \
-                W += BITS == 6 ? 192 : 128;                                                               \
+                if (BITS == 5) {                                                                          \
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(W + 128));                           \
+                    __m512i z = HALVES(x, _mm256_srli_epi16(x, 4));                                       \
+                    l0 = _mm512_or_si512(l0, _mm512_and_si512(_mm512_slli_epi16(z, 4), fifth));           \
+                    h0 = _mm512_or_si512(h0, _mm512_and_si512(_mm512_slli_epi16(z, 3), fifth));           \
+                    l1 = _mm512_or_si512(l1, _mm512_and_si512(_mm512_slli_epi16(z, 2), fifth));           \
+                    h1 = _mm512_or_si512(h1, _mm512_and_si512(_mm512_slli_epi16(z, 1), fifth));           \
+                }                                                                                         \
+                W += BITS == 6 ? 192 : BITS == 5 ? 160 : 128;                                             \
                 _Pragma("GCC unroll 6")                                                                   \
                 for (int r = 0; r < R; r++) {                                                             \
                     __m512i alo = _mm512_set1_epi32(wg[(2 * o) * R + r]);                                 \
@@ -199,6 +215,8 @@ DEFINE_QKERNEL(1, 4) DEFINE_QKERNEL(2, 4) DEFINE_QKERNEL(3, 4) DEFINE_QKERNEL(4,
 DEFINE_QKERNEL(6, 4)
 DEFINE_QKERNEL(1, 6) DEFINE_QKERNEL(2, 6) DEFINE_QKERNEL(3, 6) DEFINE_QKERNEL(4, 6) DEFINE_QKERNEL(5, 6)
 DEFINE_QKERNEL(6, 6)
+DEFINE_QKERNEL(1, 5) DEFINE_QKERNEL(2, 5) DEFINE_QKERNEL(3, 5) DEFINE_QKERNEL(4, 5) DEFINE_QKERNEL(5, 5)
+DEFINE_QKERNEL(6, 5)
 
 typedef void (*qkernel_fn)(const char *, int, int, const uint8_t *, const QScales *, const QScales *, char *, long,
                            int, int, const Epilogue *, long);
@@ -209,7 +227,12 @@ static const qkernel_fn QKERNELS4[QKERNEL_VARIANTS + 1] = {0, qkernel_4_1, qkern
 static const qkernel_fn QKERNELS6[QKERNEL_VARIANTS + 1] = {0, qkernel_6_1, qkernel_6_2, qkernel_6_3, qkernel_6_4, qkernel_6_5,
                                                 qkernel_6_6};
 
-static const qkernel_fn *kernels_for(int bits) { return bits == 8 ? QKERNELS8 : bits == 6 ? QKERNELS6 : QKERNELS4; }
+static const qkernel_fn QKERNELS5[QKERNEL_VARIANTS + 1] = {0, qkernel_5_1, qkernel_5_2, qkernel_5_3, qkernel_5_4, qkernel_5_5,
+                                                qkernel_5_6};
+
+static const qkernel_fn *kernels_for(int bits) {
+    return bits == 8 ? QKERNELS8 : bits == 6 ? QKERNELS6 : bits == 5 ? QKERNELS5 : QKERNELS4;
+}
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 
@@ -282,13 +305,13 @@ static inline int one_row_chunk(int items, int threads, long panel_bytes) {
     return chunk < least ? least : chunk;
 }
 
-static int zero_point(const Weights *w) { return w->bits == 8 ? 128 : w->mins ? 0 : w->bits == 6 ? 32 : 8; }
+static int zero_point(const Weights *w) { return w->bits == 8 ? 128 : w->mins ? 0 : 1 << (w->bits - 1); }
 
 static int valid(const Weights *w, int K) {
     if (w->super_group && (w->super_group % w->group || K % w->super_group || !w->super_scales
                            || (w->mins && !w->super_mins)))
         return 0;
-    return (w->bits == 8 || w->bits == 6 || w->bits == 4) && w->group >= 16 && w->group % 16 == 0 && K % w->group == 0;
+    return (w->bits == 8 || w->bits == 6 || w->bits == 5 || w->bits == 4) && w->group >= 16 && w->group % 16 == 0 && K % w->group == 0;
 }
 
 /* Entry `e`, panel `p` of the scales (and mins) of `w`. */
@@ -450,7 +473,7 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
 }
 
 /* The panel layout above, from the stored codes (quantization/format.py: int8 [N, K], int4 nibbles
- * [N, K/2], int6 nibbles then top-bit pairs [N, 3K/4]; `qrow` bytes per stored row). Output panels
+ * [N, K/2], int6 / int5 nibbles then top-bit pairs / fifth bits [N, 3K/4] / [N, 5K/8]; `qrow` bytes per stored row). Output panels
  * take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes of zero weight; its scales
  * are zero too). One pass over the codes, where the PyTorch reordering took ~10 passes: most of a GGUF
  * load's time. Per column and 8 inputs the stored nibble bytes b0..b3 hold inputs (0,1) (2,3) (4,5)
@@ -459,8 +482,8 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
  * the packing on a busy machine. */
 int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
                              const int64_t *rows, int panels, uint8_t *out, long oentry, int threads) {
-    if (!(bits == 8 || bits == 6 || bits == 4) || K % 8) return -2;
-    long panel_bytes = (long)K * PANEL * bits / 8, step = bits == 8 ? 256 : bits == 6 ? 192 : 128;
+    if (!(bits == 8 || bits == 6 || bits == 5 || bits == 4) || K % 8) return -2;
+    long panel_bytes = (long)K * PANEL * bits / 8, step = bits == 8 ? 256 : (long)PANEL * bits;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long ep = 0; ep < (long)entries * panels; ep++) {
         long e = ep / panels, p = ep % panels;
@@ -471,6 +494,7 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
         }
         uint8_t *o = out + e * oentry + p * panel_bytes;
         for (long k = 0; k < K; k += 8, o += step) {
+            if (bits == 5) memset(o + 128, 0, 32);
             for (int c = 0; c < PANEL; c++) {
                 uint8_t *d = o + 4 * c;                 /* column c: half c/16, byte 64·half + 4·(c%16) */
                 if (bits == 8) {                        /* two blocks of 4 inputs, 128 bytes apart */
@@ -486,6 +510,13 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
                     d[1] = (uint8_t)((b[0] >> 4) | (b[2] & 0xF0));
                     d[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
                     d[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
+                }
+                if (bits == 5 && src[c]) {              /* fifths: vector T, byte b → bit T + 4·(b/32) of byte b%32 */
+                    int fifths = src[c][K / 2 + k / 8];
+                    for (int i = 0; i < 8; i++) {
+                        int b = 4 * (c % 16) + i % 4, T = 2 * (c / 16) + i / 4;
+                        o[128 + b % 32] |= (uint8_t)(((fifths >> i) & 1) << (T + 4 * (b / 32)));
+                    }
                 }
                 if (bits == 6) {                        /* tops: byte 4·(c%16) + i, pairs (lo, hi) per half */
                     const uint8_t *t = src[c] ? src[c] + K / 2 + k / 4 : 0;

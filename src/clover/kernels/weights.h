@@ -3,7 +3,7 @@
  *   bits 16: bf16 panels [ceil(N/32), K, 32] (panel_gemm.c);
  *   bits 8 / 4: quantized panels (quant_gemm.c): per 32-column panel and group of `group` inputs the
  *   codes, with fp16 scales (and optional fp16 offsets, `mins`) [ceil(N/32), K/group, 32];
- *   bits 6: the same with 6-bit codes;
+ *   bits 6 / 5: the same with 6- or 5-bit codes;
  *   two-level scales (`super_group` > 0): `scales` / `mins` are int8 codes of that shape, times the
  *   fp16 `super_scales` / `super_mins` [ceil(N/32), K/super_group, 32].
  * `stride` (bytes), `sstride` (scale elements) and `supstride` (super-scale elements) step from one

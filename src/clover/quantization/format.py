@@ -11,13 +11,16 @@ scale s (and, optionally, offset m):
     mins     float16 [..., N, K/group_size]  optional: then w = s · q + m (bits 8) or s · u + m (bits 4),
                                              the asymmetric form GGUF's K-quants convert to exactly.
 
-Two more forms hold GGUF's K-quants in memory bit for bit, at their own size (gguf/blocks.py; Clover
+Three more forms hold GGUF's K-quants and 5-bit types in memory bit for bit, at their own size (gguf/blocks.py; Clover
 does not write them to safetensors):
 
     bits 6:  qweight uint8 [..., N, 3K/4]   w = s · (u − 32)       (u in 0…63; the first K/2 bytes hold
                                                                     the low 4 bits as bits 4 does, byte
                                                                     K/2 + j the top 2 bits of inputs
                                                                     4j…4j+3, input 4j+i in bits 2i…2i+1)
+    bits 5:  qweight uint8 [..., N, 5K/8]   w = s · (u − 16)       (u in 0…31; the low 4 bits likewise,
+                                                                    byte K/2 + j the fifth bits of inputs
+                                                                    8j…8j+7, input 8j+i in bit i)
     two-level scales (`super_group` S, a multiple of the group):
              scales int8 [..., N, K/group_size] codes c, super_scales float16 [..., N, K/S] d:
              s = d · c (exact in fp32: an 11-bit by 8-bit product); likewise mins (int8 codes) with
@@ -41,10 +44,10 @@ from dataclasses import dataclass
 import torch
 
 METHOD = "clover"
-BITS = (4, 6, 8)
+BITS = (4, 5, 6, 8)
 SCALE_DTYPE = torch.float16
-CODE_BYTES = {8: 1.0, 6: 0.75, 4: 0.5}     # stored bytes per weight of the codes
-ZERO_POINT = {8: 0, 6: 32, 4: 8}            # the code of w = 0 in the symmetric forms
+CODE_BYTES = {8: 1.0, 6: 0.75, 5: 0.625, 4: 0.5}     # stored bytes per weight of the codes
+ZERO_POINT = {8: 0, 6: 32, 5: 16, 4: 8}               # the code of w = 0 in the symmetric forms
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class QuantSpec:
 
     def __post_init__(self):
         if self.bits not in BITS:
-            raise ValueError(f"quantization bits must be 4, 6 or 8, got {self.bits!r}")
+            raise ValueError(f"quantization bits must be 4, 5, 6 or 8, got {self.bits!r}")
         if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size % 16:
             raise ValueError(f"quantization group_size must be a positive multiple of 16, got {self.group_size!r}")
         if self.super_group is not None and (not isinstance(self.super_group, int) or self.super_group <= 0
@@ -139,33 +142,39 @@ def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)
 
 
-def pack_six(u: torch.Tensor) -> torch.Tensor:
-    """6-bit codes [..., K] (0…63, uint8) → the stored bytes [..., 3K/4]: low nibbles, then top bits."""
-    top = (u >> 4).view(*u.shape[:-1], -1, 4)
-    crumbs = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
-    return torch.cat([pack_nibbles(u & 0xF), crumbs], dim=-1)
+def pack_wide(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """5- or 6-bit codes [..., K] (uint8) → the stored bytes [..., K·bits/8]: the low nibbles as int4
+    stores them, then the top bits, 8 / (bits − 4) inputs a byte from the lowest bits up."""
+    extra = bits - 4
+    top = (u >> 4).view(*u.shape[:-1], -1, 8 // extra)
+    packed = top[..., 0]
+    for i in range(1, 8 // extra):
+        packed = packed | (top[..., i] << (extra * i))
+    return torch.cat([pack_nibbles(u & 0xF), packed], dim=-1)
 
 
-def unpack_six(qweight: torch.Tensor) -> torch.Tensor:
-    """The stored 6-bit bytes [..., 3K/4] → codes [..., K] (0…63, uint8)."""
-    half = qweight.shape[-1] * 2 // 3
-    low, crumbs = unpack_nibbles(qweight[..., :half]), qweight[..., half:]
-    top = torch.stack([(crumbs >> (2 * i)) & 3 for i in range(4)], dim=-1).flatten(-2)
+def unpack_wide(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored 5- or 6-bit bytes [..., K·bits/8] → codes [..., K] (uint8)."""
+    extra = bits - 4
+    half = qweight.shape[-1] * 4 // bits
+    low, packed = unpack_nibbles(qweight[..., :half]), qweight[..., half:]
+    top = torch.stack([(packed >> (extra * i)) & ((1 << extra) - 1) for i in range(8 // extra)], dim=-1).flatten(-2)
     return low | (top << 4)
 
 
 def codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integer codes [..., N, K] as int16: q for bits 8, u (no offset) for bits 4 and 6."""
+    """The integer codes [..., N, K] as int16: q for bits 8, u (no offset) for bits 4, 5 and 6."""
     if bits == 8:
         return qweight.to(torch.int16)
-    return (unpack_nibbles(qweight) if bits == 4 else unpack_six(qweight)).to(torch.int16)
+    return (unpack_nibbles(qweight) if bits == 4 else unpack_wide(qweight, bits)).to(torch.int16)
 
 
 def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [..., N, K] as `codes` returns them (q for bits 8, u for 4 and 6) → the stored qweight."""
+    """Codes [..., N, K] as `codes` returns them (q for bits 8, u for 4, 5 and 6) → the stored qweight."""
     if bits == 8:
         return values.to(torch.int8)
-    return (pack_nibbles if bits == 4 else pack_six)(values.to(torch.uint8))
+    u = values.to(torch.uint8)
+    return pack_nibbles(u) if bits == 4 else pack_wide(u, bits)
 
 
 def group_scales(scales: torch.Tensor, super_scales: torch.Tensor | None) -> torch.Tensor:
