@@ -51,11 +51,11 @@ def concurrent(model, requests=16, prompt_len=8192, new=32) -> dict:
     from clover.engine.budget import cache_bytes
 
     per = cache_bytes(model.config, model.dtype, prompt_len, new, 32)
-    slots = 1 + 2 * requests + requests
-    budget = requests * per + slots * StatePool.bytes_per_slot(model.config, model.dtype)
+    budget = requests * per + StatePool.slots_for(requests) * StatePool.bytes_per_slot(model.config, model.dtype)
     rss0 = peak_rss_bytes()
-    with Engine(model, EngineOptions(max_batch=requests, max_queue=requests, max_cache_bytes=budget,
-                                     prefix_cache=False)) as engine:
+    options = EngineOptions(max_batch=requests, max_queue=requests, max_sequences=requests, max_cache_bytes=budget,
+                            prefix_cache=False)
+    with Engine(model, options) as engine:
         pool = engine.pool
         used = [0]
         stop = threading.Event()

@@ -20,9 +20,9 @@
  *   int6: per 8 inputs the 128 bytes of int4 (the low 4 bits), then 64 bytes of top bits: byte 4j + i
  *         holds, in bit pairs from the lowest, those of half 0 input i, half 0 input 4 + i, half 1
  *         input i, half 1 input 4 + i;
- *   int5: per 8 inputs the 128 bytes of int4, then 32 bytes of fifth bits: with the 4 nibble vectors
- *         numbered T = 2·half + (input ≥ 4) and byte b = 4j + i of each, bit T + 4·(b / 32) of byte
- *         b % 32 (so the 32 bytes, and the same shifted right by 4, give each vector its bits by a shift).
+ *   int5: per 8 inputs the 128 bytes of int4, then 32 bytes of fifth bits: for each of the 4 nibble
+ *         vectors in turn (half 0 inputs i, half 0 inputs 4 + i, half 1 …) a 64-bit mask, bit 4j + i
+ *         for its byte 4j + i (merged by a byte mask: no shifts, whose port the nibbles keep busy).
  * So one 64-byte load is 16 columns × 4 (or 8) inputs, and the input codes of those 4 inputs are one
  * broadcast 32-bit word. */
 #include <immintrin.h>
@@ -45,10 +45,10 @@
 #define DPBUSD_NIBBLES(acc, u, s, v, t) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u, s), v, t)
 #endif
 #define QKERNEL_VARIANTS 6  /* kernels defined for 1..6 rows; the build uses 1..QROWS */
-#ifdef __AVX512F__
-#define HALVES(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+#ifdef __AVX512F__           /* v | x in the bytes whose bit is set in a 64-bit mask (no shifts: their port is busy) */
+#define OR_WHERE(v, bits, x) _mm512_or_si512(v, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), x))
 #else
-#define HALVES(lo, hi) ((__m512i){lo, hi})
+#define OR_WHERE(v, bits, x) clv_or_where(v, bits, x)
 #endif
 #define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2).
                                One row (decode) streams from DRAM with no software prefetch: on AMD Zen 4
@@ -108,7 +108,9 @@ static inline __m512 half_scales(const uint16_t *s) { return _mm512_cvtph_ps(_mm
 /* A panel's scales (or mins): fp16 per group and column, or int8 codes with fp16 super-scales. */
 typedef struct { const void *values; const uint16_t *supers; int per_super; } QScales;
 
-static inline void group_scales(const QScales *q, int g, __m512 *s0, __m512 *s1) {
+/* group g's, in super-group `super` (g / per_super: counted by the caller, a division per group was
+ * a tenth of a one-row product's time) */
+static inline void group_scales(const QScales *q, int g, int super, __m512 *s0, __m512 *s1) {
     if (!q->supers) {
         const uint16_t *s = (const uint16_t *)q->values + g * PANEL;
         *s0 = half_scales(s);
@@ -116,7 +118,7 @@ static inline void group_scales(const QScales *q, int g, __m512 *s0, __m512 *s1)
         return;
     }
     const int8_t *c = (const int8_t *)q->values + g * PANEL;
-    const uint16_t *d = q->supers + (g / q->per_super) * PANEL;
+    const uint16_t *d = q->supers + super * PANEL;
     *s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), half_scales(d));
     *s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))),
                         half_scales(d + 16));
@@ -131,10 +133,11 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
     const int32_t *words = (const int32_t *)blk;                                                          \
     const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
     const float *alpha = (const float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;   \
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), fifth = _mm512_set1_epi8(0x10);                             \
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);                             \
+    const __m512i fifth = _mm512_set1_epi8(0x10);                                                         \
     __m512 facc[2 * R];                                                                                   \
     for (int i = 0; i < 2 * R; i++) facc[i] = _mm512_setzero_ps();                                        \
-    for (int g = 0; g < groups; g++) {                                                                    \
+    for (int g = 0, super = 0, in_super = 0; g < groups; g++) {                                           \
         __m512i iacc[2 * R];                                                                              \
         for (int r = 0; r < R; r++) iacc[2 * r] = iacc[2 * r + 1] = _mm512_set1_epi32(start[g * R + r]); \
         const int32_t *wg = words + (long)g * (group / 4) * R;                                            \
@@ -171,12 +174,10 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                     h1 = _mm512_or_si512(h1, _mm512_and_si512(_mm512_srli_epi16(x, 2), top));             \
                 }                                                                                         \
                 if (BITS == 5) {                                                                          \
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(W + 128));                           \
-                    __m512i z = HALVES(x, _mm256_srli_epi16(x, 4));                                       \
-                    l0 = _mm512_or_si512(l0, _mm512_and_si512(_mm512_slli_epi16(z, 4), fifth));           \
-                    h0 = _mm512_or_si512(h0, _mm512_and_si512(_mm512_slli_epi16(z, 3), fifth));           \
-                    l1 = _mm512_or_si512(l1, _mm512_and_si512(_mm512_slli_epi16(z, 2), fifth));           \
-                    h1 = _mm512_or_si512(h1, _mm512_and_si512(_mm512_slli_epi16(z, 1), fifth));           \
+                    uint64_t m[4];                                                                        \
+                    memcpy(m, W + 128, 32);                                                               \
+                    l0 = OR_WHERE(l0, m[0], fifth), h0 = OR_WHERE(h0, m[1], fifth);                     \
+                    l1 = OR_WHERE(l1, m[2], fifth), h1 = OR_WHERE(h1, m[3], fifth);                     \
                 }                                                                                         \
                 W += BITS == 6 ? 192 : BITS == 5 ? 160 : 128;                                             \
                 _Pragma("GCC unroll 6")                                                                   \
@@ -189,7 +190,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
             }                                                                                             \
         }                                                                                                 \
         __m512 s0, s1;                                                                                    \
-        group_scales(S, g, &s0, &s1);                                                                     \
+        group_scales(S, g, super, &s0, &s1);                                                              \
         for (int r = 0; r < R; r++) {                                                                     \
             __m512 a = _mm512_set1_ps(alpha[g * R + r]);                                                  \
             facc[2 * r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[2 * r]), a), s0, facc[2 * r]); \
@@ -198,13 +199,14 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
         }                                                                                                 \
         if (Mn) {                                                                                         \
             __m512 m0, m1;                                                                                \
-            group_scales(Mn, g, &m0, &m1);                                                                \
+            group_scales(Mn, g, super, &m0, &m1);                                                         \
             for (int r = 0; r < R; r++) {                                                                 \
                 __m512 t = _mm512_set1_ps(offset[g * R + r]);                                             \
                 facc[2 * r] = _mm512_fmadd_ps(m0, t, facc[2 * r]);                                        \
                 facc[2 * r + 1] = _mm512_fmadd_ps(m1, t, facc[2 * r + 1]);                                \
             }                                                                                             \
         }                                                                                                 \
+        if (++in_super == S->per_super) in_super = 0, super++;                                            \
     }                                                                                                     \
     for (int r = 0; r < R; r++)                                                                           \
         store_row(C + r * ldc_bytes, ncols, c_fp32, facc[2 * r], facc[2 * r + 1], ep, row0 + r);          \
@@ -511,11 +513,11 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
                     d[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
                     d[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
                 }
-                if (bits == 5 && src[c]) {              /* fifths: vector T, byte b → bit T + 4·(b/32) of byte b%32 */
+                if (bits == 5 && src[c]) {              /* fifths: vector T's mask, bit b for its byte b */
                     int fifths = src[c][K / 2 + k / 8];
                     for (int i = 0; i < 8; i++) {
                         int b = 4 * (c % 16) + i % 4, T = 2 * (c / 16) + i / 4;
-                        o[128 + b % 32] |= (uint8_t)(((fifths >> i) & 1) << (T + 4 * (b / 32)));
+                        o[128 + 8 * T + b / 8] |= (uint8_t)(((fifths >> i) & 1) << (b % 8));
                     }
                 }
                 if (bits == 6) {                        /* tops: byte 4·(c%16) + i, pairs (lo, hi) per half */
