@@ -59,7 +59,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
 
         check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path), device)
         for module in quantized.values():
-            module.to_empty(device=device)                                  # (on a GPU: allocated here)
+            _allocate(module, device)
         specs, count = set(), len(quantized)
         for k, entry in enumerate(progress(entries, desc=f"loading {f.path.name}", unit="tensor")):
             if entry.param in defaults:
@@ -234,6 +234,14 @@ def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, 
             setattr(module, part, new)
         out[entry.param] = new
     return out
+
+
+def _allocate(module: QuantizedWeight, device) -> None:
+    """`module.to_empty(device=device)` without PyTorch's Python path for meta tensors (its first call
+    imports sympy: a quarter of a second)."""
+    for name, b in module._buffers.items():
+        if b is not None:
+            module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def _leave_table_in_file(model, f: GGUFFile, entries: list[Entry], quantized: dict, dtype) -> dict[str, tuple]:
