@@ -101,6 +101,10 @@ class GGUFFile:
         end = info.nbytes if end is None else end
         return self._mapped[info.shard].bytes[info.offset + start: info.offset + end]
 
+    def read_ahead(self, info: TensorInfo) -> None:
+        """Start reading the bytes of `info` from disk without waiting for them (MappedBytes.read_ahead)."""
+        self._mapped[info.shard].read_ahead(info.offset, info.offset + info.nbytes)
+
     def release(self, info: TensorInfo, start: int, end: int) -> None:
         """Drop the mapped pages of bytes `start:end` of `info` (they were copied out)."""
         self._mapped[info.shard].release(info.offset + start, info.offset + end)

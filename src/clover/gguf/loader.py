@@ -17,6 +17,7 @@ reported before anything is read, naming each tensor.
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -59,9 +60,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
 
         check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path), device)
         for module in quantized.values():
-            module.to_empty(device=device)                                  # (on a GPU: allocated here)
+            _allocate(module, device)
         specs, count = set(), len(quantized)
+        ahead = _read_ahead_at(f, entries)
         for k, entry in enumerate(progress(entries, desc=f"loading {f.path.name}", unit="tensor")):
+            for info in ahead.get(k, ()):
+                f.read_ahead(info)
             if entry.param in defaults:
                 shape = model.get_parameter(entry.param).shape
                 _assign(model, entry.param, _clover_default(entry.param, shape, dtype).to(device))
@@ -96,6 +100,17 @@ def _part(param: str) -> str | None:
     if param.startswith("model.layers."):
         return ".".join(param.split(".")[:3])
     return None
+
+
+def _read_ahead_at(f: GGUFFile, entries: list[Entry]) -> dict[int, list[TensorInfo]]:
+    """Entry index → the stored tensors to start reading from disk there: as each part begins, the next
+    part's (at the first entry, the first part's too), so a part is read while the one before it is
+    converted and packed; page-cached bytes ahead stay within about two parts."""
+    parts = [list(g) for _, g in itertools.groupby(range(len(entries)), lambda k: _part(entries[k].param))]
+    tensors = [[f.tensors[s.name] for k in part for s in entries[k].sources if s.name in f.tensors] for part in parts]
+    ahead = {part[0]: tensors[i + 1] if i + 1 < len(parts) else [] for i, part in enumerate(parts)}
+    ahead[0] = tensors[0] + ahead[0]
+    return ahead
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -234,6 +249,14 @@ def _install_quantized(model, f: GGUFFile, entries, dtype, device) -> dict[str, 
             setattr(module, part, new)
         out[entry.param] = new
     return out
+
+
+def _allocate(module: QuantizedWeight, device) -> None:
+    """`module.to_empty(device=device)` without PyTorch's Python path for meta tensors (its first call
+    imports sympy: a quarter of a second)."""
+    for name, b in module._buffers.items():
+        if b is not None:
+            module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def _leave_table_in_file(model, f: GGUFFile, entries: list[Entry], quantized: dict, dtype) -> dict[str, tuple]:
