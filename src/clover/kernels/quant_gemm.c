@@ -479,8 +479,8 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
  * [N, K/2], int6 / int5 nibbles then top-bit pairs / fifth bits [N, 3K/4] / [N, 5K/8]; `qrow` bytes per
  * stored row). Output panels take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes
  * of zero weight; its scales are zero too). One pass over the codes, where the PyTorch reordering took
- * ~10 passes: most of a GGUF load's time. Per column and 8 inputs the stored nibble bytes b0..b3 hold inputs (0,1) (2,3) (4,5)
- * (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte. `entries` stacked matrices (an
+ * ~10 passes: most of a GGUF load's time. Per column and 8 inputs the stored nibble bytes b0..b3 hold
+ * inputs (0,1) (2,3) (4,5) (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte. `entries` stacked matrices (an
  * expert slab: qentry / oentry bytes apart) in one call: a parallel region per expert cost more than
  * the packing on a busy machine. */
 int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
