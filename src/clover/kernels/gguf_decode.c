@@ -194,8 +194,11 @@ int clover_gguf_dequantize(int type, const uint8_t *raw, long row_bytes, long ro
                 int k = g * group + i, u;
                 if (bits == 8) u = (int8_t)q[k];
                 else if (bits == 4) u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
-                else if (bits == 6) u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4);
-                else u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15) | (((q[K / 2 + k / 8] >> (k % 8)) & 1) << 4);
+                else {
+                    u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
+                    if (bits == 6) u |= ((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4;
+                    else u |= ((q[K / 2 + k / 8] >> (k % 8)) & 1) << 4;
+                }
                 float w = has_mins ? s * (float)u + m : s * (float)(u - zero);
                 if (out_bf16) ((uint16_t *)out)[r * K + k] = f32_to_bf16(w);
                 else ((float *)out)[r * K + k] = w;

@@ -229,8 +229,8 @@ static const qkernel_fn QKERNELS4[QKERNEL_VARIANTS + 1] = {0, qkernel_4_1, qkern
 static const qkernel_fn QKERNELS6[QKERNEL_VARIANTS + 1] = {0, qkernel_6_1, qkernel_6_2, qkernel_6_3, qkernel_6_4, qkernel_6_5,
                                                 qkernel_6_6};
 
-static const qkernel_fn QKERNELS5[QKERNEL_VARIANTS + 1] = {0, qkernel_5_1, qkernel_5_2, qkernel_5_3, qkernel_5_4, qkernel_5_5,
-                                                qkernel_5_6};
+static const qkernel_fn QKERNELS5[QKERNEL_VARIANTS + 1] = {0, qkernel_5_1, qkernel_5_2, qkernel_5_3, qkernel_5_4,
+                                                            qkernel_5_5, qkernel_5_6};
 
 static const qkernel_fn *kernels_for(int bits) {
     return bits == 8 ? QKERNELS8 : bits == 6 ? QKERNELS6 : bits == 5 ? QKERNELS5 : QKERNELS4;
@@ -479,10 +479,10 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
  * [N, K/2], int6 / int5 nibbles then top-bit pairs / fifth bits [N, 3K/4] / [N, 5K/8]; `qrow` bytes per
  * stored row). Output panels take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes
  * of zero weight; its scales are zero too). One pass over the codes, where the PyTorch reordering took
- * ~10 passes: most of a GGUF load's time. Per column and 8 inputs the stored nibble bytes b0..b3 hold
- * inputs (0,1) (2,3) (4,5) (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte. `entries` stacked matrices (an
- * expert slab: qentry / oentry bytes apart) in one call: a parallel region per expert cost more than
- * the packing on a busy machine. */
+ * ~10 passes: most of a GGUF load's time. Per column and 8 inputs the stored nibble bytes b0..b3
+ * hold inputs (0,1) (2,3) (4,5) (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte.
+ * `entries` stacked matrices (an expert slab: qentry / oentry bytes apart) in one call: a parallel
+ * region per expert cost more than the packing on a busy machine. */
 int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
                              const int64_t *rows, int panels, uint8_t *out, long oentry, int threads) {
     if (!(bits == 8 || bits == 6 || bits == 5 || bits == 4) || K % 8) return -2;

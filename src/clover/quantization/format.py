@@ -11,8 +11,8 @@ scale s (and, optionally, offset m):
     mins     float16 [..., N, K/group_size]  optional: then w = s · q + m (bits 8) or s · u + m (bits 4),
                                              the asymmetric form GGUF's K-quants convert to exactly.
 
-Three more forms hold GGUF's K-quants and 5-bit types in memory bit for bit, at their own size (gguf/blocks.py; Clover
-does not write them to safetensors):
+Three more forms hold GGUF's K-quants and 5-bit types in memory bit for bit, at their own size
+(gguf/blocks.py; Clover does not write them to safetensors):
 
     bits 6:  qweight uint8 [..., N, 3K/4]   w = s · (u − 32)       (u in 0…63; the first K/2 bytes hold
                                                                     the low 4 bits as bits 4 does, byte
