@@ -5,8 +5,8 @@ The limits below are the C code's (the kernels also refuse anything else with an
   - all: bf16 inputs, no autograd (the kernels compute no gradients), CPU tensors;
   - gdn_core: a forward from scratch, or a cached one (the rows' state slots in the pool); up to 64
     tokens with a block, or any number of causal tokens (64 per call);
-  - attention: a cached forward, up to 64 tokens with a block, or any number of causal tokens (64 per
-    call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
+  - attention: a cached forward or one from scratch (K/V in scratch pages), up to 64 tokens with a
+    block, or any number of causal tokens (64 per call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
   - moe: a block packed into panels by `pack_for_cpu` (on a tensor-parallel shard, the
     shard's experts of the global routing; the module's `combine` sums the ranks' parts after it).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import PAGE_SIZE
 from .attention_cached import MAX_TOKENS as ATTENTION_MAX_TOKENS
 from .attention_cached import attention_cached
 from .gdn_short import MAX_TOKENS as GDN_MAX_TOKENS
@@ -71,7 +72,7 @@ def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
 
 
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
-    return ((qg.shape[1] <= ATTENTION_MAX_TOKENS or not block_len) and batch is not None
+    return ((qg.shape[1] <= ATTENTION_MAX_TOKENS or not block_len)
             and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
 
 
@@ -80,13 +81,19 @@ def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
     writing its K/V before it attends: a query's numbers never depend on how a prompt was chunked."""
     B, T = qg.shape[:2]
     out = torch.empty(B, T, attn.num_heads * attn.head_dim, dtype=qg.dtype)
-    table = batch.page_table()
-    kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
+    if batch is None:            # from scratch (`model(ids)`): each row's K/V in scratch pages, as a prefill
+        pages = -(-T // PAGE_SIZE)
+        kp = torch.empty(B * pages, PAGE_SIZE, attn.num_kv_heads, attn.head_dim, dtype=k.dtype)
+        vp, table = torch.empty_like(kp), torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+        starts = [0] * B
+    else:
+        table, starts = batch.page_table(), batch.starts
+        kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
     for r in range(B):
         for s in range(0, T, ATTENTION_MAX_TOKENS):
             e = min(T, s + ATTENTION_MAX_TOKENS)
             attention_cached(attn, qg[r, s:e], k[r, s:e], v[r, s:e], cos[r, s:e], sin[r, s:e], kp, vp, table[r],
-                             batch.starts[r] + s, block_len, out=out[r, s:e])
+                             starts[r] + s, block_len, out=out[r, s:e])
     return out
 
 
