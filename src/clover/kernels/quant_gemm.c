@@ -108,8 +108,8 @@ static inline __m512 half_scales(const uint16_t *s) { return _mm512_cvtph_ps(_mm
 /* A panel's scales (or mins): fp16 per group and column, or int8 codes with fp16 super-scales. */
 typedef struct { const void *values; const uint16_t *supers; int per_super; } QScales;
 
-/* group g's, in super-group `super` (g / per_super: counted by the caller, a division per group was
- * a tenth of a one-row product's time) */
+/* group g's, in super-group `super` (g / per_super, counted by the caller: no integer division per
+ * group in the loop) */
 static inline void group_scales(const QScales *q, int g, int super, __m512 *s0, __m512 *s1) {
     if (!q->supers) {
         const uint16_t *s = (const uint16_t *)q->values + g * PANEL;
