@@ -5,9 +5,9 @@
  *
  * Each block is widened to one code per input (u, 0…63) and then packed as the stored form packs it:
  * int8 codes copied, int4 nibble pairs (input 2j low, 2j+1 high), int6 / int5 nibble pairs plus a
- * plane of top bits (row byte K/2 + j: inputs 4j…4j+3 at bits 2i, or 8j…8j+7 at bit i). Scales are the file's own
- * bits: fp16 per group for the legacy types; for the K-quants int8 sub-scale codes with the block's
- * fp16 super-scale (and −dmin as the mins' super-scale, a sign flip). */
+ * plane of top bits (row byte K/2 + j: inputs 4j…4j+3 at bits 2i, or 8j…8j+7 at bit i). Scales are the
+ * file's own bits: fp16 per group for the legacy types; for the K-quants int8 sub-scale codes with the
+ * block's fp16 super-scale (and −dmin as the mins' super-scale, a sign flip). */
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -194,10 +194,10 @@ int clover_gguf_dequantize(int type, const uint8_t *raw, long row_bytes, long ro
                 int k = g * group + i, u;
                 if (bits == 8) u = (int8_t)q[k];
                 else if (bits == 4) u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
-                else {
-                    u = k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15;
-                    if (bits == 6) u |= ((q[K / 2 + k / 4] >> (2 * (k % 4))) & 3) << 4;
-                    else u |= ((q[K / 2 + k / 8] >> (k % 8)) & 1) << 4;
+                else {                                  /* int6 / int5: the nibble, then put_wide's top bits */
+                    int extra = bits - 4, per = 8 / extra;
+                    u = (k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15)
+                        | (((q[K / 2 + k / per] >> (extra * (k % per))) & ((1 << extra) - 1)) << 4);
                 }
                 float w = has_mins ? s * (float)u + m : s * (float)(u - zero);
                 if (out_bf16) ((uint16_t *)out)[r * K + k] = f32_to_bf16(w);

@@ -108,9 +108,7 @@ static inline __m512 half_scales(const uint16_t *s) { return _mm512_cvtph_ps(_mm
 /* A panel's scales (or mins): fp16 per group and column, or int8 codes with fp16 super-scales. */
 typedef struct { const void *values; const uint16_t *supers; int per_super; } QScales;
 
-/* group g's, in super-group `super` (g / per_super, counted by the caller: no integer division per
- * group in the loop) */
-static inline void group_scales(const QScales *q, int g, int super, __m512 *s0, __m512 *s1) {
+static inline void group_scales(const QScales *q, int g, __m512 *s0, __m512 *s1) {
     if (!q->supers) {
         const uint16_t *s = (const uint16_t *)q->values + g * PANEL;
         *s0 = half_scales(s);
@@ -118,7 +116,7 @@ static inline void group_scales(const QScales *q, int g, int super, __m512 *s0, 
         return;
     }
     const int8_t *c = (const int8_t *)q->values + g * PANEL;
-    const uint16_t *d = q->supers + super * PANEL;
+    const uint16_t *d = q->supers + (g / q->per_super) * PANEL;
     *s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), half_scales(d));
     *s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))),
                         half_scales(d + 16));
@@ -137,7 +135,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
     const __m512i fifth = _mm512_set1_epi8(0x10);                                                         \
     __m512 facc[2 * R];                                                                                   \
     for (int i = 0; i < 2 * R; i++) facc[i] = _mm512_setzero_ps();                                        \
-    for (int g = 0, super = 0, in_super = 0; g < groups; g++) {                                           \
+    for (int g = 0; g < groups; g++) {                                                                    \
         __m512i iacc[2 * R];                                                                              \
         for (int r = 0; r < R; r++) iacc[2 * r] = iacc[2 * r + 1] = _mm512_set1_epi32(start[g * R + r]); \
         const int32_t *wg = words + (long)g * (group / 4) * R;                                            \
@@ -190,7 +188,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
             }                                                                                             \
         }                                                                                                 \
         __m512 s0, s1;                                                                                    \
-        group_scales(S, g, super, &s0, &s1);                                                              \
+        group_scales(S, g, &s0, &s1);                                                                     \
         for (int r = 0; r < R; r++) {                                                                     \
             __m512 a = _mm512_set1_ps(alpha[g * R + r]);                                                  \
             facc[2 * r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[2 * r]), a), s0, facc[2 * r]); \
@@ -199,14 +197,13 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
         }                                                                                                 \
         if (Mn) {                                                                                         \
             __m512 m0, m1;                                                                                \
-            group_scales(Mn, g, super, &m0, &m1);                                                         \
+            group_scales(Mn, g, &m0, &m1);                                                                \
             for (int r = 0; r < R; r++) {                                                                 \
                 __m512 t = _mm512_set1_ps(offset[g * R + r]);                                             \
                 facc[2 * r] = _mm512_fmadd_ps(m0, t, facc[2 * r]);                                        \
                 facc[2 * r + 1] = _mm512_fmadd_ps(m1, t, facc[2 * r + 1]);                                \
             }                                                                                             \
         }                                                                                                 \
-        if (++in_super == S->per_super) in_super = 0, super++;                                            \
     }                                                                                                     \
     for (int r = 0; r < R; r++)                                                                           \
         store_row(C + r * ldc_bytes, ncols, c_fp32, facc[2 * r], facc[2 * r + 1], ep, row0 + r);          \
