@@ -11,8 +11,7 @@ import time
 import pytest
 import torch
 
-from clover.engine import Engine, EngineClosed, EngineOptions, QueueFull, RequestTooLarge, cache_bytes
-from clover.engine.metrics import Registry
+from clover.engine import Engine, EngineClosed, EngineMetrics, EngineOptions, QueueFull, RequestTooLarge, cache_bytes
 from clover.generation import GenerationSettingsError, generate_batch
 from tiny_models import make_model
 
@@ -69,9 +68,9 @@ def test_batched_requests_match_alone_with_joins_and_leaves(model):
         assert h.tokens == want, f"request {i}"
         assert h.finish_reason in ("eos", "length")
         assert h.stats["generated_tokens"] == len(want)
-    assert engine.metrics.step_batch.count() > 0
+    assert engine.metrics.value("clover_step_batch_size_count") > 0
     # More than one request shared a forward.
-    assert engine.metrics.step_batch.sum() > engine.metrics.step_batch.count()
+    assert engine.metrics.value("clover_step_batch_size_sum") > engine.metrics.value("clover_step_batch_size_count")
 
 
 def test_events_stream_blocks_in_order(model):
@@ -104,7 +103,7 @@ def test_queue_is_bounded(model):
         with pytest.raises(QueueFull):
             engine.submit([34, 35], max_new_tokens=4)
         assert engine.queue_depth == 1 and engine.batch_size == 1
-        assert engine.metrics.rejected.value(reason="queue_full") == 1
+        assert engine.metrics.value("clover_requests_rejected_total", reason="queue_full") == 1
         a.result(TIMEOUT)
         b.result(TIMEOUT)
         c = engine.generate([34, 35], max_new_tokens=4, timeout=TIMEOUT)
@@ -146,7 +145,7 @@ def test_invalid_requests_never_reach_the_decoder(model):
             engine.submit([])
         with pytest.raises(GenerationSettingsError, match="max_new_tokens"):
             engine.submit([6, 7], max_new_tokens=-3)
-        assert engine.metrics.steps.value() == 0
+        assert engine.metrics.value("clover_engine_steps_total") == 0
 
 
 def test_cancel_frees_the_slot_and_spares_the_others(model):
@@ -165,7 +164,7 @@ def test_cancel_frees_the_slot_and_spares_the_others(model):
     assert victim.finish_reason == "cancelled" and 0 < len(victim.tokens) < 200
     assert other.tokens == alone(model, [53, 54, 55], dict(max_new_tokens=20, block_size=2))
     assert queued.tokens == alone(model, [56, 57], dict(max_new_tokens=8))
-    assert engine.batch_size == 0 and engine.metrics.requests.value(finish_reason="cancelled") == 2
+    assert engine.batch_size == 0 and engine.metrics.value("clover_requests_total", finish_reason="cancelled") == 2
 
 
 def test_a_failing_step_fails_only_the_running_requests(model, monkeypatch):
@@ -187,7 +186,7 @@ def test_a_failing_step_fails_only_the_running_requests(model, monkeypatch):
     monkeypatch.undo()
     assert ok.finish_reason in ("eos", "length")
     assert ok.tokens == alone(model, [60, 61, 62], dict(max_new_tokens=16))
-    assert engine.metrics.step_errors.value() == 1
+    assert engine.metrics.value("clover_engine_step_errors_total") == 1
 
 
 def test_graceful_shutdown_finishes_running_requests(model):
@@ -226,12 +225,11 @@ def test_metrics_text_format(model):
     assert "clover_tokens_per_forward " in text and "clover_queue_depth 0" in text
     for line in text.splitlines():
         assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
-    r = Registry()
-    c = r.counter("x_total", "help", ("a",))
-    c.inc(2, a='q"\n')
-    assert r.render().splitlines()[-1] == 'x_total{a="q\\"\\n"} 2'
+    m = EngineMetrics()                                 # label values are escaped; counters only go up
+    m.http_requests.labels(route='q"\n', status="200").inc(2)
+    assert 'clover_http_requests_total{route="q\\"\\n",status="200"} 2.0' in m.render().splitlines()
     with pytest.raises(ValueError):
-        c.inc(-1, a="b")
+        m.steps.inc(-1)
 
 
 def test_options_are_validated():
@@ -299,10 +297,10 @@ def test_rotation_keeps_outputs_and_serves_newcomers_first(model):
         handles = [engine.submit(p, **s) for p, s in reqs]
         next(handles[-1].iter_events(TIMEOUT))            # all six have been admitted and served
         assert engine.active == 6
-        steps = engine.metrics.steps.value()
+        steps = engine.metrics.value("clover_engine_steps_total")
         newcomer = engine.submit([70, 71, 72], max_new_tokens=4, block_size=4)
         newcomer.result(TIMEOUT)
-        waited = engine.metrics.steps.value() - steps
+        waited = engine.metrics.value("clover_engine_steps_total") - steps
         for h in handles:
             h.result(TIMEOUT)
     assert newcomer.tokens == alone(model, [70, 71, 72], dict(max_new_tokens=4, block_size=4))

@@ -99,18 +99,18 @@ def test_largest_seed_is_accepted(served):
 ])
 def test_non_json_content_type_is_a_415_and_not_executed(served, headers, content):
     server, engine = served
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     r = httpx.post(server.url + "/v1/chat/completions", content=content, headers=headers, timeout=TIMEOUT)
     check_error(r, 415, None, ["application/json"])
-    assert engine.metrics.steps.value() == steps          # nothing ran
+    assert engine.metrics.value("clover_engine_steps_total") == steps          # nothing ran
 
 
 def test_utf16_body_declared_as_json_is_a_400(served):
     server, engine = served
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     check_error(post(server, "/v1/chat/completions", content=json.dumps(CHAT).encode("utf-16"), headers=JSON),
                 400, None, ["UTF-8"])
-    assert engine.metrics.steps.value() == steps
+    assert engine.metrics.value("clover_engine_steps_total") == steps
 
 
 def test_json_with_charset_utf8_is_accepted(served):
@@ -153,21 +153,21 @@ def test_405_names_the_allowed_methods(served, method, path, allowed):
 ])
 def test_poison_sampling_values_are_a_400(served, change, param):
     server, engine = served
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     check_error(post(server, "/v1/chat/completions", dict(CHAT, **change)), 400, param, [param])
-    assert engine.metrics.steps.value() == steps
+    assert engine.metrics.value("clover_engine_steps_total") == steps
     alive(server)
 
 
 # ---- bounded per-request compute: a documented maximum block size ----------------------------------
 def test_block_size_above_the_maximum_is_a_400(served):
     server, engine = served
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "block_size": 65536}
     check_error(post(server, "/v1/completions", body), 400, "block_size", ["max_block_size 1024"])
     check_error(post(server, "/v1/completions", dict(body, block_size=8, max_block_size=1 << 20)), 400,
                 "max_block_size", ["unknown field"])                # a request cannot raise the cap
-    assert engine.metrics.steps.value() == steps
+    assert engine.metrics.value("clover_engine_steps_total") == steps
 
 
 def test_the_maximum_block_size_is_configurable(model, tokenizer):
@@ -202,12 +202,12 @@ def status_count(server, route, status) -> float:
 def test_non_streaming_client_that_hangs_up_is_a_499_not_a_500(served, slow_forwards, caplog):
     server, engine = served
     errors, gone = server_errors(server), status_count(server, "/v1/completions", 499)
-    cancelled = engine.metrics.requests.value(finish_reason="cancelled")
+    cancelled = engine.metrics.value("clover_requests_total", finish_reason="cancelled")
     body = {"model": MODEL, "prompt": "Impatient", "max_tokens": 400, "block_size": 1, "ignore_eos": True}
     with caplog.at_level(logging.ERROR):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-        wait_for(lambda: engine.metrics.requests.value(finish_reason="cancelled") == cancelled + 1)
+        wait_for(lambda: engine.metrics.value("clover_requests_total", finish_reason="cancelled") == cancelled + 1)
         wait_for(lambda: status_count(server, "/v1/completions", 499) == gone + 1)
     assert server_errors(server) == errors
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
@@ -258,12 +258,12 @@ def guarded(model, tokenizer):
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", KEY])
 def test_api_key_is_required(guarded, method, path, authorization):
     server, engine = guarded
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     headers = dict(JSON, **({"authorization": authorization} if authorization else {}))
     r = httpx.request(method, server.url + path, headers=headers, content=json.dumps(CHAT), timeout=TIMEOUT)
     err = check_error(r, 401, None, ["API key"])
     assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
-    assert engine.metrics.steps.value() == steps
+    assert engine.metrics.value("clover_engine_steps_total") == steps
 
 
 def test_the_right_key_is_accepted_and_health_stays_open(guarded):

@@ -246,12 +246,12 @@ CHAT = {"model": MODEL, "messages": QUESTION, "max_tokens": 4}
 ])
 def test_bad_logprobs_requests(served, path, change, param, words):
     server, engine = served
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     body = dict(COMPLETION if path == "/v1/completions" else CHAT, **change)
     r = httpx.post(server.url + path, json=body, timeout=TIMEOUT)
     err = check_error(r, 400, param, words)
     assert err["type"] == "invalid_request_error"
-    assert engine.metrics.steps.value() == steps              # nothing was generated
+    assert engine.metrics.value("clover_engine_steps_total") == steps              # nothing was generated
 
 
 def test_scoring_in_chunks_equals_one_pass(model):

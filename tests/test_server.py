@@ -213,13 +213,14 @@ def test_sixteen_concurrent_requests_match_alone(served):
         return chat_text(client, prompt, **kw) if kind == "chat" else completion_text(client, prompt, **kw)
 
     alone = [run(j) for j in jobs]
-    steps_before = engine.metrics.steps.value()
-    batch_before = engine.metrics.step_batch.sum()
+    steps_before = engine.metrics.value("clover_engine_steps_total")
+    batch_before = engine.metrics.value("clover_step_batch_size_sum")
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(run, jobs))
     assert together == alone
-    steps = engine.metrics.steps.value() - steps_before
-    assert (engine.metrics.step_batch.sum() - batch_before) / steps > 2     # they really shared forwards
+    steps = engine.metrics.value("clover_engine_steps_total") - steps_before
+    batched = engine.metrics.value("clover_step_batch_size_sum") - batch_before
+    assert batched / steps > 2                                          # they really shared forwards
 
 
 def test_sampling_fields_behave(client):
@@ -307,10 +308,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 ])
 def test_bad_chat_fields(served, change, param, words):
     server, engine = served
-    steps = engine.metrics.steps.value()
+    steps = engine.metrics.value("clover_engine_steps_total")
     err = check_error(post(server, "/v1/chat/completions", dict(CHAT, **change)), 400, param, words)
     assert err["type"] == "invalid_request_error"
-    assert engine.metrics.steps.value() == steps          # nothing reached the engine
+    assert engine.metrics.value("clover_engine_steps_total") == steps          # nothing reached the engine
 
 
 def test_bad_requests_and_the_server_keeps_serving(served, tokenizer):
@@ -376,7 +377,7 @@ def test_disconnect_mid_stream_frees_the_slot(served, slow_forwards):
     client = server.client()
     kw = dict(max_tokens=24, extra_body={"block_size": 2})
     expected = completion_text(client, "Bystander", **kw)
-    cancelled = engine.metrics.requests.value(finish_reason="cancelled")
+    cancelled = engine.metrics.value("clover_requests_total", finish_reason="cancelled")
     with ThreadPoolExecutor(1) as pool:
         bystander = pool.submit(completion_text, client, "Bystander", **kw)
         body = {"model": MODEL, "prompt": "Leaver", "max_tokens": 400, "block_size": 1, "stream": True,
@@ -386,17 +387,17 @@ def test_disconnect_mid_stream_frees_the_slot(served, slow_forwards):
                 if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                     break               # leave after the first text
         assert bystander.result(TIMEOUT) == expected
-    wait_for(lambda: engine.metrics.requests.value(finish_reason="cancelled") == cancelled + 1)
+    wait_for(lambda: engine.metrics.value("clover_requests_total", finish_reason="cancelled") == cancelled + 1)
     wait_for(lambda: engine.batch_size == 0)
 
 
 def test_non_streaming_client_that_leaves_is_cancelled(served, slow_forwards):
     server, engine = served
-    cancelled = engine.metrics.requests.value(finish_reason="cancelled")
+    cancelled = engine.metrics.value("clover_requests_total", finish_reason="cancelled")
     body = {"model": MODEL, "prompt": "Impatient", "max_tokens": 400, "block_size": 1, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-    wait_for(lambda: engine.metrics.requests.value(finish_reason="cancelled") == cancelled + 1)
+    wait_for(lambda: engine.metrics.value("clover_requests_total", finish_reason="cancelled") == cancelled + 1)
     wait_for(lambda: engine.batch_size == 0)
 
 

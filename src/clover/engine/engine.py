@@ -177,14 +177,14 @@ class Engine:
         handle = RequestHandle(self, sequence, need, buffer_tokens, client)
         with self._lock:
             if not self.accepting:
-                self.metrics.rejected.inc(reason="closed")
+                self.metrics.rejected.labels(reason="closed").inc()
                 raise EngineClosed("the engine is shutting down and takes no new requests")
             self._waiting.append(handle)
             self._admit_locked()
             if len(self._waiting) > self.options.max_queue:     # then the newcomer is still queued, last
                 self._waiting.pop()
                 self.metrics.queue_depth.set(len(self._waiting))
-                self.metrics.rejected.inc(reason="queue_full")
+                self.metrics.rejected.labels(reason="queue_full").inc()
                 raise QueueFull(
                     f"the request queue is full ({len(self._waiting)} waiting, {self._slots} running): "
                     "try again later"

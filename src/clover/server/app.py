@@ -366,7 +366,7 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=metrics.registry.CONTENT_TYPE)
+        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
 
     add_playground(app)
     document_request_bodies(app, {

@@ -50,7 +50,7 @@ class CountRequests:
             await self.app(scope, receive, counting_send)
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
-            self.counter.inc(route=route, status=status[0])
+            self.counter.labels(route=route, status=status[0]).inc()
 
 
 class Guard:
