@@ -77,7 +77,8 @@ class ScriptedEngine(Engine):
     def accepting(self):
         return True
 
-    def submit(self, prompt_ids, settings=None, **overrides):
+    def submit(self, request, **_):             # the server submits what `validate` accepted
+        prompt_ids, settings = request.prompt_ids, request.settings
         self.prompts.append(list(prompt_ids))
         eos = settings.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from clover.cache import StatePool
+from clover.engine import Engine, EngineOptions, RequestTooLarge
 from clover.generation import GenerationSettings, generate_batch
-from clover.generation.decoder import Decoder, RequestTooLarge
+from clover.generation.decoder import Decoder
 from clover.generation.sequence import Sequence
 from tiny_models import make_model
 
@@ -107,8 +108,11 @@ def test_full_pool_makes_admission_wait_and_refuses_what_never_fits():
     assert peak == 1                                                      # 2 + 2 pages never fit in 3
     alone = [generate_batch(model, [p], s)[0].tokens for p in prompts]
     assert [q.response for q in seqs] == alone
-    with pytest.raises(RequestTooLarge, match="state pool"):
-        decoder.add(Sequence([7] * 100, s, model.config))
+    options = EngineOptions(max_sequences=4, max_cache_bytes=(1 + 2 * 4 + 4) * slot + 3 * page)
+    engine = Engine(model, options, start=False)
+    assert engine.pool.num_pages == 3
+    with pytest.raises(RequestTooLarge, match="state pool"):              # refused when submitted
+        engine.submit([7] * 100, s)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,8 +237,6 @@ def test_a_failing_decision_ends_only_its_own_request():
 
 
 def test_engine_reports_prefix_reuse_in_metrics_and_stats():
-    from clover.engine import Engine, EngineOptions
-
     model = fresh(dtype=torch.float32)
     prompt = torch.randint(5, 90, (50,), generator=torch.Generator().manual_seed(12)).tolist()
     with Engine(model, EngineOptions(max_batch=4, max_cache_bytes=1 << 24)) as engine:

@@ -95,7 +95,7 @@ class MirroredDecoder:
         self._ops: list = [("reset",)] if replaces_another else []
 
     def add(self, seq: Sequence, client=None) -> None:
-        self._inner.add(seq, client)         # raises for a request the pool can never hold: not sent
+        self._inner.add(seq, client)
         seed = seq.sampling_seed
         self._ops.append(("add", seq.id, seq.prompt, seq.settings, seed, client))
 

@@ -1,8 +1,7 @@
 """Serving engine: continuous batching over `clover.generation.Decoder`, a bounded queue, metrics."""
 
-from ..generation.decoder import RequestTooLarge
 from .budget import cache_bytes
-from .engine import Engine, EngineClosed, EngineOptions, QueueFull
+from .engine import Engine, EngineClosed, EngineOptions, QueueFull, RequestTooLarge
 from .handle import EngineEvent, RequestHandle
 from .metrics import EngineMetrics
 

@@ -8,8 +8,9 @@ between steps. Other threads only `submit()` (validate, queue) and `cancel()`.
 Admission: a request goes to the `Decoder` while fewer than `max_sequences` are there; otherwise it
 waits, FIFO, in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). The `Decoder`
 starts it once the model's state pool (sized for `max_sequences` from `max_cache_bytes` when the
-engine starts) can reserve its whole length — the pool's real capacity, not an estimate; a request
-longer than the whole pool is refused at `submit` (`RequestTooLarge`). Each step computes at most
+engine starts) can reserve its whole length — the pool's real capacity, not an estimate. `validate`
+(by `submit`, or by the server before it builds a grammar) checks a request once: settings, token ids,
+and a length the whole pool can hold (`RequestTooLarge`). Each step computes at most
 `max_batch` of the running requests, in turn (decoder.py, Rotation).
 
 Backpressure: a handle made with `buffer_tokens` (a server stream) that holds that many tokens its
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from ..cache import PoolFull
 from ..generation.api import resolve_settings
 from ..generation.api import validate as validate_request
-from ..generation.decoder import Decoder, check_fits
+from ..generation.decoder import Decoder, reserved_tokens
 from ..generation.scoring import causal_logprobs
 from ..generation.sequence import Sequence
 from ..generation.settings import GenerationSettings, GenerationSettingsError, check_token_ids
@@ -53,6 +54,18 @@ class QueueFull(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down or stopped and takes no new requests (HTTP 503)."""
+
+
+class RequestTooLarge(GenerationSettingsError):
+    """A request needs more of the state pool than the whole pool has: it could never run (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A prompt and its settings that `Engine.validate` accepted; `Engine.submit` queues it as it is."""
+
+    prompt_ids: list[int]
+    settings: GenerationSettings
 
 
 @dataclass(frozen=True)
@@ -152,29 +165,39 @@ class Engine:
         """Defaults of the model's generation_config.json ← `overrides` (GenerationSettingsError if bad)."""
         return resolve_settings(self.model, **overrides)
 
-    def validate(self, prompt_ids, settings: GenerationSettings) -> int:
-        """SPEC §9 checks, token ids, and the pool's size; returns the tokens of cache the request reserves."""
+    def validate(self, prompt_ids, settings: GenerationSettings) -> ValidatedRequest:
+        """SPEC §9 checks, token ids, and the pool's size (GenerationSettingsError, RequestTooLarge)."""
         validate_request(self.model, len(prompt_ids), settings)       # the context first: cheap for any length
-        check_token_ids(prompt_ids, self.vocab_size)
-        return check_fits(self.pool, self.config, len(prompt_ids), settings)
+        ids = check_token_ids(prompt_ids, self.vocab_size)
+        pool = self.pool
+        need = reserved_tokens(self.config, len(ids), settings.max_new_tokens, settings.block_size)
+        if pool.pages_for(need) > pool.num_pages:
+            raise RequestTooLarge(
+                f"this request needs {need} tokens of cache (prompt {len(ids)} + {settings.max_new_tokens} new tokens "
+                f"in blocks of {settings.block_size}), more than the whole state pool of "
+                f"{pool.num_pages * pool.page_size} tokens ({pool.nbytes()} bytes): raise the cache memory")
+        return ValidatedRequest(ids, settings)
 
-    def submit(self, prompt_ids, settings: GenerationSettings | None = None, grammar=None,
+    def submit(self, prompt, settings: GenerationSettings | None = None, grammar=None,
                buffer_tokens: int | None = None, client=None, step_events: bool = False,
                **overrides) -> RequestHandle:
-        """Queue a request. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed.
+        """Queue a request: prompt ids, validated here with `settings` (default: the model's) ← `overrides`,
+        or a `ValidatedRequest` from `validate`, queued as it is. Raises GenerationSettingsError (invalid),
+        QueueFull, EngineClosed.
         `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding).
         `buffer_tokens`: pause the request while this many of its tokens wait for the consumer.
         `client`: who sent it (an address, a key): turns are shared fairly between clients.
         `step_events`: its events also carry each denoising step (`EngineEvent.steps`)."""
-        if settings is None:
-            settings = self.settings(**overrides)
-        elif overrides:
-            settings = settings.replace(**overrides)
-        need = self.validate(prompt_ids, settings)
-        sequence = Sequence(prompt_ids, settings, self.config, grammar)
+        if not isinstance(prompt, ValidatedRequest):
+            if settings is None:
+                settings = self.settings(**overrides)
+            elif overrides:
+                settings = settings.replace(**overrides)
+            prompt = self.validate(prompt, settings)
+        sequence = Sequence(prompt.prompt_ids, prompt.settings, self.config, grammar)
         if step_events:
             sequence.trace_steps()
-        handle = RequestHandle(self, sequence, need, buffer_tokens, client)
+        handle = RequestHandle(self, sequence, buffer_tokens, client)
         with self._lock:
             if not self.accepting:
                 self.metrics.rejected.labels(reason="closed").inc()
@@ -318,7 +341,6 @@ class Engine:
     def _take_in(self, admitted, cancels) -> None:
         now = time.perf_counter()
         for handle in admitted:
-            handle.admitted_at = now
             self.metrics.queue_seconds.observe(now - handle.submitted_at)
             self.metrics.prompt_tokens.inc(handle.prompt_len)
             if handle in cancels:
@@ -328,12 +350,7 @@ class Engine:
             self._running[handle.id] = handle
             if handle.sequence.step_events is not None:
                 self._traced.add(handle.id)
-            try:
-                self._decoder.add(handle.sequence, handle.client)
-            except ValueError as exc:
-                del self._running[handle.id]
-                self._release(handle)
-                self._finish(handle, "error", str(exc), "request_too_large")
+            self._decoder.add(handle.sequence, handle.client)      # validated at submit: it fits the pool
         for handle in cancels:
             if self._running.pop(handle.id, None) is not None:
                 self._decoder.cancel(handle.sequence)

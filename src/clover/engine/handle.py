@@ -33,20 +33,17 @@ class EngineEvent:
 class RequestHandle:
     """A request inside the engine. Read `tokens`, `finish_reason`, `stats` once `finished`."""
 
-    def __init__(self, engine, sequence, cache_tokens: int, buffer_tokens: int | None = None, client=None):
+    def __init__(self, engine, sequence, buffer_tokens: int | None = None, client=None):
         self._engine = engine
         self.sequence = sequence
         self.id = sequence.id
         self.prompt_len = len(sequence.prompt)
-        self.settings = sequence.settings
-        self.cache_tokens = cache_tokens        # positions of the state pool it reserves
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code: str | None = None
         self.stats: dict | None = None
         self.submitted_at = time.perf_counter()
-        self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.client = client                    # who sent it: turns are shared fairly between clients

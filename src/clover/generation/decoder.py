@@ -45,7 +45,6 @@ import torch
 from ..transfer import device_tensor
 from .readback import decide_rows
 from .sequence import Sequence, batched_fills, batched_predictions
-from .settings import GenerationSettingsError
 
 log = logging.getLogger("clover.decoder")
 
@@ -71,21 +70,6 @@ def step_digest(events: list[StepEvent], running: list[Sequence]) -> int:
     seen = [(e.tokens, e.finished, e.sequence.finish_reason) for e in events]
     seen += [(s.phase, len(s.response), s.block) for s in running]
     return int.from_bytes(hashlib.blake2b(repr(seen).encode(), digest_size=8).digest(), "little", signed=True)
-
-
-class RequestTooLarge(GenerationSettingsError):
-    """A request needs more of the state pool than the whole pool has: it could never run (HTTP 400)."""
-
-
-def check_fits(pool, config, prompt_len: int, settings) -> int:
-    """The tokens of cache a request reserves (`reserved_tokens`); RequestTooLarge if the whole pool is smaller."""
-    need = reserved_tokens(config, prompt_len, settings.max_new_tokens, settings.block_size)
-    if pool.pages_for(need) > pool.num_pages:
-        raise RequestTooLarge(
-            f"this request needs {need} tokens of cache (prompt {prompt_len} + {settings.max_new_tokens} new tokens "
-            f"in blocks of {settings.block_size}), more than the whole state pool of "
-            f"{pool.num_pages * pool.page_size} tokens ({pool.nbytes()} bytes): raise the cache memory")
-    return need
 
 
 def reserved_tokens(config, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -129,7 +113,6 @@ class Decoder:
             seq.prefilled = len(seq.prompt)
             self.running.append(seq)
             return
-        check_fits(self.pool, self.model.config, len(seq.prompt), seq.settings)
         self.waiting.append(seq)
 
     def cancel(self, seq: Sequence) -> None:

@@ -125,7 +125,9 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             return await body_worker.prepare(kind, body)
         return await asyncio.to_thread(PREPARE[kind], body, tokenizer, served)
 
-    def make_settings(req, extra: dict, prompt_ids: list[int], prompt_param: str):
+    def validated(req, extra: dict, prompt_ids: list[int], prompt_param: str):
+        """The request's settings resolved and checked with its prompt (`Engine.validate`, once), before a
+        grammar is built for it; a refusal as a 400 naming the field."""
         over, asked = settings_overrides(req, extra)
         if max_block_size is not None:
             over["max_block_size"] = max_block_size
@@ -137,32 +139,24 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
                 room = (engine.context_limit - len(prompt_ids)) // settings.block_size * settings.block_size
                 if 1 <= room < settings.max_new_tokens:
                     settings = settings.replace(max_new_tokens=room)
-            engine.validate(prompt_ids, settings)
+            return engine.validate(prompt_ids, settings)
         except GenerationSettingsError as exc:
             message = str(exc)
             if "context" in message and "exceeds" in message:
                 raise bad_request(message, prompt_param, "context_length_exceeded") from None
             param = setting_param(message, max_param)
             raise bad_request(message, prompt_param if param == "prompt" else param, "invalid_value") from None
-        return settings
 
-    def submit(request, prompt_ids, settings, grammar=None, stream=False, steps=False):
+    def submit(request, checked, grammar=None, stream=False, steps=False):
         # the client, for fair turns: its address (behind a proxy, every request shares the proxy's)
-        extra = {"client": request.client.host if request.client else None}
-        if steps:
-            extra["step_events"] = True
-        if stream and stream_buffer_tokens:
-            extra["buffer_tokens"] = stream_buffer_tokens
-        if grammar is not None:
-            extra["grammar"] = grammar
+        client = request.client.host if request.client else None
         try:
-            return engine.submit(prompt_ids, settings, **extra)
+            return engine.submit(checked, grammar=grammar, client=client, step_events=steps,
+                                 buffer_tokens=(stream_buffer_tokens or None) if stream else None)
         except QueueFull as exc:
             raise APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down", {"Retry-After": "5"}) from None
-        except GenerationSettingsError as exc:
-            raise bad_request(str(exc), None, "invalid_value") from None
 
     def engine_error(event) -> APIError:
         if event.error_code == "shutdown":
@@ -205,13 +199,14 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             prompt.req, prompt.top_k, prompt.extra, prompt.stop, prompt.thinking, prompt.skip, prompt.steps,
             prompt.ids, prompt.plan)
         output = ChatOutput(plan)
-        settings = make_settings(req, extra, prompt_ids, "messages")
+        checked = validated(req, extra, prompt_ids, "messages")
+        settings = checked.settings
         inside_thinking = prompt_ends_thinking(prompt_ids, tokenizer)
         grammar = None
         constraint = structured.lark(req, plan, inside_thinking)    # response_format, tool calls
         if constraint is not None:
             grammar = await off_loop(request, structured.matcher, *constraint, settings)
-        handle = submit(request, prompt_ids, settings, grammar, req.stream, steps)
+        handle = submit(request, checked, grammar, req.stream, steps)
         text = TextStream(tokenizer, stop=stop, split_thinking=True, inside_thinking=inside_thinking,
                           skip_special_tokens=skip, eos_ids=settings.eos_token_id)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -278,20 +273,22 @@ def create_app(engine: Engine, tokenizer: CloverTokenizer, model_name: str = "cl
             if not req.echo:
                 raise bad_request("max_tokens 0 generates nothing: it needs echo: true (the prompt, scored with "
                                   "logprobs)", "max_tokens", "invalid_value")
-            try:
-                engine.check_scored(prompt_ids)
-            except GenerationSettingsError as exc:
-                raise scored_prompt_error(exc) from None
             logprobs = None
-            if top_k is not None:
+            if top_k is not None:                          # (score() checks the ids)
                 logprobs = completion_logprobs(tokenizer, prompt_ids, [], await score(prompt_ids, top_k), echo=True)
+            else:
+                try:
+                    engine.check_scored(prompt_ids)
+                except GenerationSettingsError as exc:
+                    raise scored_prompt_error(exc) from None
             n = len(prompt_ids)
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
                     "choices": [{"index": 0, "text": tokenizer.decode(prompt_ids), "logprobs": logprobs,
                                  "finish_reason": "length"}],
                     "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}, "clover": {}}
-        settings = make_settings(req, extra, prompt_ids, "prompt")
-        handle = submit(request, prompt_ids, settings, stream=req.stream, steps=steps)
+        checked = validated(req, extra, prompt_ids, "prompt")
+        settings = checked.settings
+        handle = submit(request, checked, stream=req.stream, steps=steps)
         text = TextStream(tokenizer, stop=stop, skip_special_tokens=skip, eos_ids=settings.eos_token_id)
 
         if not req.stream:
