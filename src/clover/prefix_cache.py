@@ -15,7 +15,7 @@ inside the shared part (chunks are `step_tokens`, 1024, when nothing else runs, 
 decode). GDN state exists only where a forward ended — it cannot be rebuilt for an arbitrary boundary
 without recomputing the prefix — so these are the points kept. Eviction: least recently used (a hit
 refreshes its entry), when a page or a slot is needed and none is free, and when the entries would hold
-more than `max_entries` slots.
+more than a third of the pool's slots.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    def __init__(self, pool, max_entries: int | None = None):
+    def __init__(self, pool):
         self.pool = pool
-        self.max_entries = max_entries
-        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()     # least recently used first
+        self._entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()   # by tokens, least recently used first
         # per the pool's `RefCounts` (cache.py: its pages, its slots): id → entries holding it
         self._holds = {pool.page_ids: Counter(), pool.slot_ids: Counter()}
         self.lookups = self.hits = self.reused_tokens = self.evictions = 0
@@ -51,21 +50,19 @@ class PrefixCache:
         if n == 0 or n % pool.page_size or seq.length != n or seq.spec_start is not None:
             return False
         key = tuple(tokens)
-        h = hash(key)
         with pool._lock:
-            if h in self._entries:
-                self._entries.move_to_end(h)
+            if key in self._entries:
+                self._entries.move_to_end(key)
                 return False
-            limit = self.max_entries if self.max_entries is not None else max(1, pool.num_slots // 3)
-            while len(self._entries) >= limit:
+            while len(self._entries) >= max(1, pool.num_slots // 3):
                 self.evict_one()
-            pages = tuple(seq._held.pages[: n // pool.page_size])
-            slot = seq._held.slot if pool.has_gdn else None
-            for ids, held in ((pool.page_ids, pages), (pool.slot_ids, () if slot is None else (slot,))):
+            entry = PrefixEntry(key, tuple(seq._held.pages[: n // pool.page_size]),
+                                seq._held.slot if pool.has_gdn else None)
+            for ids, held in self._held_ids(entry):
                 for i in held:
                     ids.ref(i)
                     self._holds[ids][i] += 1
-            self._entries[h] = PrefixEntry(key, pages, slot)
+            self._entries[key] = entry
             return True
 
     def lookup(self, prompt) -> PrefixEntry | None:
@@ -76,10 +73,9 @@ class PrefixCache:
             for n in lengths:
                 if n >= len(prompt):
                     continue
-                key = tuple(prompt[:n])
-                entry = self._entries.get(hash(key))
-                if entry is not None and entry.tokens == key:
-                    self._entries.move_to_end(hash(key))
+                entry = self._entries.get(tuple(prompt[:n]))
+                if entry is not None:
+                    self._entries.move_to_end(entry.tokens)
                     self.hits += 1
                     self.reused_tokens += n
                     return entry
@@ -112,16 +108,19 @@ class PrefixCache:
             if not self._entries:
                 return False
             _, entry = self._entries.popitem(last=False)
-            for ids, held in ((self.pool.page_ids, entry.pages), (self.pool.slot_ids, (entry.slot,))):
+            for ids, held in self._held_ids(entry):
+                holds = self._holds[ids]
                 for i in held:
-                    if i is not None:
-                        holds = self._holds[ids]
-                        holds[i] -= 1
-                        if not holds[i]:
-                            del holds[i]
-                        ids.drop(i)
+                    holds[i] -= 1
+                    if not holds[i]:
+                        del holds[i]
+                    ids.drop(i)
             self.evictions += 1
             return True
+
+    def _held_ids(self, entry: PrefixEntry):
+        """Per `RefCounts` of the pool (its pages, its slots), the ids `entry` holds."""
+        return ((self.pool.page_ids, entry.pages), (self.pool.slot_ids, () if entry.slot is None else (entry.slot,)))
 
     def clear(self) -> None:
         while self.evict_one():

@@ -81,12 +81,12 @@ class EngineOptions:
     prefix_cache: bool = True              # reuse cached prompt prefixes across requests
 
     def __post_init__(self):
-        for name in ("max_batch", "max_queue", "max_sequences"):
+        for name, least in (("max_batch", 1), ("max_queue", 0), ("max_sequences", 1)):
             v = getattr(self, name)
-            if v is None and name == "max_sequences":
+            if v is None and name == "max_sequences":            # None: chosen from max_batch
                 continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name} must be an integer >= {0 if name == 'max_queue' else 1}, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
         if self.max_cache_bytes is not None and (not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 1):
             raise ValueError(f"max_cache_bytes must be a positive integer or None, got {self.max_cache_bytes!r}")
 

@@ -122,16 +122,12 @@ class RequestHandle:
         with self._cond:
             batch = list(self._events)
             self._events.clear()
-            resumed = self._took(sum(len(e.tokens) for e in batch))
-        if resumed:
+            was_held = self.held
+            self._unread -= sum(len(e.tokens) for e in batch)
+            resumed = was_held and not self.held
+        if resumed:                     # the consumer caught up: a held request may run again
             self._engine.wake()
         return batch
-
-    def _took(self, n: int) -> bool:
-        """The consumer took `n` tokens (under _cond); True if that lets a held request run again."""
-        was_held = self.held
-        self._unread -= n
-        return was_held and not self.held
 
     def result(self, timeout: float | None = None) -> "RequestHandle":
         """Block until finished (events are consumed); returns self."""
