@@ -105,7 +105,7 @@ class Engine:
             try:
                 budget = default_cache_bytes(model, self.max_sequences)   # on a GPU: most of its free memory
             except ValueError:
-                if o.max_sequences is not None or o.max_batch == self.max_sequences:
+                if o.max_sequences is not None:
                     raise
                 log.warning("the device cannot hold the state of %d running requests: %d run at once (one step's "
                             "worth); set --max-sequences / --max-cache-gb to choose", self.max_sequences, o.max_batch)
