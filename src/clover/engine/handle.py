@@ -134,9 +134,3 @@ class RequestHandle:
         for _ in self.iter_events(timeout):
             pass
         return self
-
-    async def wait(self) -> "RequestHandle":
-        """Await the end of the request (events are consumed); returns self."""
-        async for _ in self.events():
-            pass
-        return self
