@@ -19,6 +19,11 @@ from ..transfer import device_tensor, to_device
 __all__ = ["ControlSettings", "apply_controls"]
 
 
+# Control values past this only overflow float32 logits (inf, then NaN): a bias of 1e9 already
+# outweighs any logit, a penalty factor of 1e9 (or 1e-9) already flattens or inflates every one.
+MAX_CONTROL_MAGNITUDE = 1e9
+
+
 @dataclass(frozen=True)
 class ControlSettings:
     """The ``dllm_*`` settings of SPEC §7 (defaults as in the spec's table)."""
@@ -33,33 +38,40 @@ class ControlSettings:
     dllm_think_end_strength: float = 10.0
 
     @classmethod
-    def field_names(cls) -> tuple:
-        """Names of all settings (handy for reading them out of generation configs / kwargs)."""
-        return tuple(f.name for f in fields(cls))
+    def field_names(cls) -> set[str]:
+        """Names of all settings (of this class or a subclass: what a generation config may set)."""
+        return {f.name for f in fields(cls)}
 
     def validate(self) -> "ControlSettings":
         """Raise ``ValueError`` naming the offending field; return ``self`` so calls can chain.
 
         SPEC §7: a penalty ≤ 0 or a window ≤ 0 is an error. Negative starts are rejected too
         (a response offset / think distance is never negative, so they would only hide a typo).
-        Non-finite values are rejected because they would poison the logits.
+        Non-finite values, and values past MAX_CONTROL_MAGNITUDE, are rejected because they would
+        poison the logits.
         """
-        for f in fields(self):
+        for f in fields(ControlSettings):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{f.name} must be a number, got {v!r}")
             if not math.isfinite(v):
                 raise ValueError(f"{f.name} must be finite, got {v!r}")
-        if self.dllm_repetition_penalty <= 0:
-            raise ValueError(
-                f"dllm_repetition_penalty must be > 0, got {self.dllm_repetition_penalty!r}"
-            )
+        if not isinstance(self.dllm_repetition_window, int):    # it slices the history: 1.0 used to crash the step
+            raise ValueError(f"dllm_repetition_window must be an integer, got {self.dllm_repetition_window!r}")
+        r = self.dllm_repetition_penalty
+        if not 1 / MAX_CONTROL_MAGNITUDE <= r <= MAX_CONTROL_MAGNITUDE:
+            raise ValueError(f"dllm_repetition_penalty must lie in [{1 / MAX_CONTROL_MAGNITUDE:g}, "
+                             f"{MAX_CONTROL_MAGNITUDE:g}] (beyond that float32 logits overflow), got {r}")
         for name in ("dllm_repetition_window", "dllm_length_penalty_window", "dllm_think_end_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("dllm_length_penalty_start", "dllm_think_end_start"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("dllm_length_penalty_strength", "dllm_think_end_strength"):
+            if abs(getattr(self, name)) > MAX_CONTROL_MAGNITUDE:
+                raise ValueError(f"{name} must lie in [-{MAX_CONTROL_MAGNITUDE:g}, {MAX_CONTROL_MAGNITUDE:g}] "
+                                 f"(larger biases overflow float32 logits), got {getattr(self, name)}")
         return self
 
     @property
