@@ -11,10 +11,11 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, positions_to_fill_batched
-from ..transfer import device_tensor, to_device
+from ..transfer import device_tensor
 from .constrained import BlockConstraint
 from .readback import resolve
 from .settings import GenerationSettings
@@ -390,19 +391,6 @@ def greedy_candidates(logits: torch.Tensor, exclude: int | None = None, with_con
     return tokens, confidence
 
 
-def _rows_padded(values: torch.Tensor, counts: list[int], fill) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [Σ counts] → ([B, max count] padded with `fill`, bool [B, max count] of the real entries)."""
-    device = values.device
-    B, width = len(counts), max(counts, default=0)
-    rows = to_device(torch.repeat_interleave(torch.arange(B), torch.tensor(counts, dtype=torch.long)), device)
-    cols = to_device(torch.cat([torch.arange(c) for c in counts]), device) if counts else rows
-    padded = torch.full((B, width), fill, dtype=values.dtype, device=device)
-    padded[rows, cols] = values
-    real = torch.zeros(B, width, dtype=torch.bool, device=device)
-    real[rows, cols] = True
-    return padded, real
-
-
 def _batched_controls(seqs, logits: torch.Tensor, queries, histories, extras) -> torch.Tensor:
     """Controls (SPEC §7) over the concatenated rows of `seqs`, which share a `batch_key`: per row its
     query positions, its histories (one per position) and its uncommitted tokens; float32 logits."""
@@ -450,8 +438,9 @@ def _fills(seqs: list["Sequence"], x: torch.Tensor, counts: list[int]) -> list[t
     if not sum(counts):
         return [x.new_zeros(0, dtype=torch.long) for _ in counts]
     tokens, confidence = batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)  # a mask "fill" never finishes
-    conf, real = _rows_padded(confidence, counts, float("-inf"))
-    toks, _ = _rows_padded(tokens, counts, -1)
+    conf = pad_sequence(torch.split(confidence, counts), batch_first=True, padding_value=float("-inf"))
+    toks = pad_sequence(torch.split(tokens, counts), batch_first=True, padding_value=-1)
+    real = torch.arange(conf.shape[1], device=x.device) < device_tensor(counts, x.device)[:, None]
     # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
     thresholds = device_tensor([float("-inf") if s.draft_completes() else s.settings.threshold for s in seqs],
                                x.device, torch.float32)
