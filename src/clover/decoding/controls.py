@@ -75,34 +75,20 @@ class ControlSettings:
         return self
 
     @property
-    def repetition_active(self) -> bool:
-        return self.dllm_repetition_penalty != 1.0
-
-    @property
-    def length_active(self) -> bool:
-        return self.dllm_length_penalty_strength != 0.0
-
-    @property
-    def think_end_active(self) -> bool:
-        """Settings-wise only: the control also needs a ``</think>`` id at run time."""
-        return self.dllm_think_end_strength != 0.0
-
-    @property
     def active(self) -> bool:
-        """Whether any control can change logits (lets callers skip ``apply_controls``)."""
-        return self.repetition_active or self.length_active or self.think_end_active
+        """Whether any control can change logits (lets callers skip ``apply_controls``; the think-end
+        control also needs a ``</think>`` id at run time)."""
+        return (self.dllm_repetition_penalty != 1.0 or self.dllm_length_penalty_strength != 0.0
+                or self.dllm_think_end_strength != 0.0)
 
 
-def _ramp(x: Tensor, start: float, window: float) -> Tensor:
-    """``clamp((x − start)/window, 0, 1)`` in float32."""
-    return ((x.to(torch.float32) - float(start)) / float(window)).clamp_(0.0, 1.0)
-
-
-def _all_before(x: Tensor, start: float) -> bool:
-    """Whether every entry of host tensor `x` is at most `start`, where a ramp is 0 and its bias adds
-    nothing (most of every response, for the length and think-end controls): checked on the host
-    only, since on a device it would be a sync."""
-    return x.device.type == "cpu" and (x.numel() == 0 or float(x.max()) <= start)
+def _ramp_bias(x: Tensor, strength: float, start: float, window: float) -> Tensor | None:
+    """``strength · clamp((x − start)/window, 0, 1)`` in float32; None when every entry of host tensor
+    `x` is at most `start`, where the ramp is 0 and the bias adds nothing (most of every response, for
+    the length and think-end controls): checked on the host only, since on a device it would be a sync."""
+    if x.device.type == "cpu" and (x.numel() == 0 or float(x.max()) <= start):
+        return None
+    return strength * ((x.to(torch.float32) - float(start)) / float(window)).clamp_(0.0, 1.0)
 
 
 def _penalise(x: Tensor, r: float) -> Tensor:
@@ -196,8 +182,8 @@ def apply_controls(
             if response_offsets is None:
                 raise ValueError("response_offsets is required when the length penalty is on")
             offs = torch.as_tensor(response_offsets, device=device).reshape(-1)
-            if not _all_before(offs, settings.dllm_length_penalty_start):
-                bias = s * _ramp(offs, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
+            bias = _ramp_bias(offs, s, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
+            if bias is not None:
                 eos_t = device_tensor(eos, device, torch.long)
                 out[:, eos_t] += bias.expand(N)[:, None]
 
@@ -205,8 +191,8 @@ def apply_controls(
     s = float(settings.dllm_think_end_strength)
     if s != 0.0 and think_end_id is not None and think_distance is not None and 0 <= think_end_id < V:
         j = torch.as_tensor(think_distance, device=device).reshape(-1)
-        if not _all_before(j, settings.dllm_think_end_start):
-            bias = s * _ramp(j, settings.dllm_think_end_start, settings.dllm_think_end_window)
+        bias = _ramp_bias(j, s, settings.dllm_think_end_start, settings.dllm_think_end_window)
+        if bias is not None:
             bias = torch.where(j >= 0, bias, torch.zeros_like(bias))
             out[:, think_end_id] += bias.expand(N)
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .decoder import Decoder, reserved_tokens, step_digest
 from .sequence import GenerationStats, Sequence
@@ -139,11 +140,8 @@ def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
         return full
     pad = model.generation_defaults.get("pad_token_id", model.config.pad_token_id)
     pad = 0 if pad is None else pad
-    width = max(len(f) for f in full)
-    out = torch.full((len(full), width), pad, dtype=torch.long)
-    for i, f in enumerate(full):
-        out[i, : len(f)] = torch.tensor(f)
-    out = out.to(input_ids.device)
+    out = pad_sequence([torch.tensor(f, dtype=torch.long) for f in full], batch_first=True,
+                       padding_value=pad).to(input_ids.device)
     return out if input_ids.dim() == 2 else out[0]
 
 

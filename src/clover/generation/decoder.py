@@ -414,34 +414,27 @@ class Decoder:
     def _causal_forwards(self, seqs: list[Sequence], produced) -> None:
         groups: dict[tuple, list[Sequence]] = defaultdict(list)
         for seq in seqs:
-            if seq.phase == "commit":
-                if seq.block_finishes():
-                    # The last block of a request needs no commit forward: nothing will read its cache.
-                    produced[seq.id] += seq.extend(list(seq.block))
-                    continue
-                # SPEC §5's allowed fusion: commit this block and run the next block's first
-                # denoising step in one forward ([resolved block | masks], the masks in block mode).
-                tokens = seq.block + [seq.mask_id] * seq.settings.block_size
-            elif seq.phase == "ar" or (seq.phase == "verify" and len(seq.block) == 1):
+            if seq.phase == "commit" and seq.block_finishes():
+                # The last block of a request needs no commit forward: nothing will read its cache.
+                produced[seq.id] += seq.extend(list(seq.block))
+                continue
+            if seq.phase == "ar" or (seq.phase == "verify" and len(seq.block) == 1):     # [pending] alone
                 if seq.pending in seq.settings.eos_token_id or seq.remaining <= 1:
                     # This token ends the request: the forward over it would only feed a cache nobody reads.
                     if seq.phase == "verify":          # a final one-token round, accepted without a forward
                         seq.record_verification(1)
                     produced[seq.id] += seq.extend([seq.pending])
                     continue
-                tokens = [seq.pending]
-            else:
-                tokens = seq.block
-            groups[(seq.phase, len(tokens))].append(seq)
-        for (phase, T), group in groups.items():
+            groups[(seq.phase, 1 if seq.phase == "ar" else len(seq.block))].append(seq)
+        for (phase, _), group in groups.items():
             for chunk in self._chunks(group):
                 if phase == "commit":
                     self._fused_commit(chunk, produced)
                     continue
 
                 def forward(rows, phase=phase):
-                    token_rows = [[s.pending] if phase == "ar" else s.block for s in rows]
-                    ids = device_tensor(token_rows, self.model.device, torch.long)
+                    ids = device_tensor([[s.pending] if phase == "ar" else s.block for s in rows], self.model.device,
+                                        torch.long)
                     if phase == "verify":
                         for s in rows:
                             s.cache.begin_speculation()
@@ -460,7 +453,8 @@ class Decoder:
                               else self._after_prediction(seq, predictions[seq.id])) for seq, _ in ran], self._fail)
 
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
-        """Commit each row's resolved block and denoise its next block of masks in the same forward."""
+        """SPEC §5's allowed fusion: commit each row's resolved block and run its next block's first
+        denoising step in one forward ([resolved block | next block], the next block in block mode)."""
         L = chunk[0].settings.block_size
         upcoming = {s.id: s.upcoming_block() for s in chunk}      # masks, or a grammar's forced start
 

@@ -57,11 +57,8 @@ class GenerationSettings(ControlSettings):
             raise GenerationSettingsError(
                 f"unknown generation setting(s): {', '.join(unknown)} (valid: {', '.join(sorted(names))})"
             )
-        values: dict = {}
-        for key, value in (defaults or {}).items():
-            if key in names:
-                values[key] = value
-        values.update({k: v for k, v in overrides.items()})
+        values = {k: v for k, v in (defaults or {}).items() if k in names}
+        values.update(overrides)
         if values.get("eos_token_id") is None and config is not None:
             values["eos_token_id"] = tuple(config.eos_token_id)
         eos = values.get("eos_token_id", ())
