@@ -352,32 +352,31 @@ def sampling_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.where(extreme[:, None], shifted, scaled)
 
 
-def safe_logits(logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(float32 logits no NaN can come out of, whether they were all finite — known on the host only).
-    NaN scores become -inf, +inf the largest float32, a row with no finite score uniform (zeros); each
-    row's result depends on that row alone. On a device the checks would each be a host sync, so the
-    safe forms run unconditionally; on the host all-finite logits (the usual case) skip the copies: a
-    block's [32, 248k] float32 logits are 32 MB each."""
+def safe_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 logits no NaN can come out of: NaN scores become -inf, +inf the largest float32, a row
+    with no finite score uniform (zeros); each row's result depends on that row alone. On a device the
+    checks would each be a host sync, so the safe forms run unconditionally; on the host all-finite
+    logits (the usual case) skip the copies: a block's [32, 248k] float32 logits are 32 MB each."""
     x = logits.float()
     on_host = x.device.type == "cpu"
-    finite = on_host and bool(torch.isfinite(x).all())
-    if not finite:
-        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
-        if not on_host or bool(dead.any()):
-            x = torch.where(dead, torch.zeros_like(x), x)
-    return x, finite
+    if on_host and bool(torch.isfinite(x).all()):
+        return x
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+    if not on_host or bool(dead.any()):
+        x = torch.where(dead, torch.zeros_like(x), x)
+    return x
 
 
 def greedy_candidates(logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
-    """`candidates(safe_logits(logits)[0], do_sample=False, ...)`: on the host one native pass per row
+    """`candidates(safe_logits(logits), do_sample=False, ...)`: on the host one native pass per row
     (kernels/decide.py: the same tokens, probabilities to fp32 rounding, each row as alone), ~37× faster
     than the tensor ops on a block's 32 × 248k logits; the reference elsewhere, without the kernels,
     and for the rows the kernel leaves (NaN, +inf, or only −inf)."""
     from ..kernels.decide import greedy
 
     def reference(rows):
-        return candidates(safe_logits(rows)[0], do_sample=False, exclude=exclude, with_confidence=with_confidence)
+        return candidates(safe_logits(rows), do_sample=False, exclude=exclude, with_confidence=with_confidence)
 
     decided = greedy(logits, exclude, with_confidence)
     if decided is None:
@@ -488,7 +487,7 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
     parts = []
     for i in range(0, max(1, x.shape[0]), step):
         if sampled:
-            chunk, _ = safe_logits(x[i:i + step])
+            chunk = safe_logits(x[i:i + step])
             parts.append(candidates(sampling_logits(chunk, s.temperature), do_sample=True, temperature=1.0,
                                     top_k=s.top_k, top_p=s.top_p, exclude=exclude,
                                     uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
