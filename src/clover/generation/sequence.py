@@ -21,8 +21,6 @@ from .readback import resolve
 from .settings import GenerationSettings
 
 _ids = itertools.count()
-# |logit| / temperature above this may overflow float32 on the way through softmax.
-_SAFE_SCALED_LOGIT = 1e30
 DECISION_CHUNK = 1 << 26   # logits entries (256 MB of float32) a batched decision works on at once
 
 
@@ -334,24 +332,6 @@ class Sequence:
         return values
 
 
-def sampling_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """`x / temperature` (float32, from `safe_logits`), row by row: a row whose largest finite |score|
-    / temperature would pass _SAFE_SCALED_LOGIT (overflowing float32 on the way through softmax) is
-    divided in float64 and shifted by its maximum instead — the same distribution, finite. Each row's
-    result depends on that row alone. On the host the float64 form is computed only when a row needs
-    it; on a device always (a check would be a host sync)."""
-    scaled = x / temperature
-    if not x.numel():
-        return scaled
-    largest = torch.where(torch.isfinite(x), x.abs(), 0).amax(-1)
-    extreme = largest / temperature > _SAFE_SCALED_LOGIT
-    if x.device.type == "cpu" and not bool(extreme.any()):
-        return scaled
-    wide = x.double() / temperature
-    shifted = (wide - wide.amax(dim=-1, keepdim=True)).float()           # max 0; the rest <= 0, maybe -inf
-    return torch.where(extreme[:, None], shifted, scaled)
-
-
 def safe_logits(logits: torch.Tensor) -> torch.Tensor:
     """Float32 logits no NaN can come out of: NaN scores become -inf, +inf the largest float32, a row
     with no finite score uniform (zeros); each row's result depends on that row alone. On a device the
@@ -474,8 +454,8 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
     """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
     rows each): sampled rows draw their uniforms from their own sequence's generator, as many as each
     would draw alone and in the same order, so every row gets exactly its own result. The logits are
-    made safe first (`safe_logits`, `sampling_logits`): no NaN or overflow reaches a draw inside the
-    shared decoder step and fails every co-batched request."""
+    made safe first (`safe_logits`, then `candidates`' `sampling_logits`): no NaN or overflow reaches a
+    draw inside the shared decoder step and fails every co-batched request."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0
     if sampled and sum(counts):
@@ -488,9 +468,8 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
     for i in range(0, max(1, x.shape[0]), step):
         if sampled:
             chunk = safe_logits(x[i:i + step])
-            parts.append(candidates(sampling_logits(chunk, s.temperature), do_sample=True, temperature=1.0,
-                                    top_k=s.top_k, top_p=s.top_p, exclude=exclude,
-                                    uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
+            parts.append(candidates(chunk, do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                    exclude=exclude, uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
         else:
             parts.append(greedy_candidates(x[i:i + step], exclude=exclude, with_confidence=with_confidence))
     tokens = torch.cat([t for t, _ in parts])
