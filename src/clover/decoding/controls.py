@@ -19,6 +19,11 @@ from ..transfer import device_tensor, to_device
 __all__ = ["ControlSettings", "apply_controls"]
 
 
+# Control values past this only overflow float32 logits (inf, then NaN): a bias of 1e9 already
+# outweighs any logit, a penalty factor of 1e9 (or 1e-9) already flattens or inflates every one.
+MAX_CONTROL_MAGNITUDE = 1e9
+
+
 @dataclass(frozen=True)
 class ControlSettings:
     """The ``dllm_*`` settings of SPEC §7 (defaults as in the spec's table)."""
@@ -33,64 +38,57 @@ class ControlSettings:
     dllm_think_end_strength: float = 10.0
 
     @classmethod
-    def field_names(cls) -> tuple:
-        """Names of all settings (handy for reading them out of generation configs / kwargs)."""
-        return tuple(f.name for f in fields(cls))
+    def field_names(cls) -> set[str]:
+        """Names of all settings (of this class or a subclass: what a generation config may set)."""
+        return {f.name for f in fields(cls)}
 
     def validate(self) -> "ControlSettings":
         """Raise ``ValueError`` naming the offending field; return ``self`` so calls can chain.
 
         SPEC §7: a penalty ≤ 0 or a window ≤ 0 is an error. Negative starts are rejected too
         (a response offset / think distance is never negative, so they would only hide a typo).
-        Non-finite values are rejected because they would poison the logits.
+        Non-finite values, and values past MAX_CONTROL_MAGNITUDE, are rejected because they would
+        poison the logits.
         """
-        for f in fields(self):
+        for f in fields(ControlSettings):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{f.name} must be a number, got {v!r}")
             if not math.isfinite(v):
                 raise ValueError(f"{f.name} must be finite, got {v!r}")
-        if self.dllm_repetition_penalty <= 0:
-            raise ValueError(
-                f"dllm_repetition_penalty must be > 0, got {self.dllm_repetition_penalty!r}"
-            )
+        if not isinstance(self.dllm_repetition_window, int):    # it slices the history: 1.0 used to crash the step
+            raise ValueError(f"dllm_repetition_window must be an integer, got {self.dllm_repetition_window!r}")
+        r = self.dllm_repetition_penalty
+        if not 1 / MAX_CONTROL_MAGNITUDE <= r <= MAX_CONTROL_MAGNITUDE:
+            raise ValueError(f"dllm_repetition_penalty must lie in [{1 / MAX_CONTROL_MAGNITUDE:g}, "
+                             f"{MAX_CONTROL_MAGNITUDE:g}] (beyond that float32 logits overflow), got {r}")
         for name in ("dllm_repetition_window", "dllm_length_penalty_window", "dllm_think_end_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("dllm_length_penalty_start", "dllm_think_end_start"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("dllm_length_penalty_strength", "dllm_think_end_strength"):
+            if abs(getattr(self, name)) > MAX_CONTROL_MAGNITUDE:
+                raise ValueError(f"{name} must lie in [-{MAX_CONTROL_MAGNITUDE:g}, {MAX_CONTROL_MAGNITUDE:g}] "
+                                 f"(larger biases overflow float32 logits), got {getattr(self, name)}")
         return self
 
     @property
-    def repetition_active(self) -> bool:
-        return self.dllm_repetition_penalty != 1.0
-
-    @property
-    def length_active(self) -> bool:
-        return self.dllm_length_penalty_strength != 0.0
-
-    @property
-    def think_end_active(self) -> bool:
-        """Settings-wise only: the control also needs a ``</think>`` id at run time."""
-        return self.dllm_think_end_strength != 0.0
-
-    @property
     def active(self) -> bool:
-        """Whether any control can change logits (lets callers skip ``apply_controls``)."""
-        return self.repetition_active or self.length_active or self.think_end_active
+        """Whether any control can change logits (lets callers skip ``apply_controls``; the think-end
+        control also needs a ``</think>`` id at run time)."""
+        return (self.dllm_repetition_penalty != 1.0 or self.dllm_length_penalty_strength != 0.0
+                or self.dllm_think_end_strength != 0.0)
 
 
-def _ramp(x: Tensor, start: float, window: float) -> Tensor:
-    """``clamp((x − start)/window, 0, 1)`` in float32."""
-    return ((x.to(torch.float32) - float(start)) / float(window)).clamp_(0.0, 1.0)
-
-
-def _all_before(x: Tensor, start: float) -> bool:
-    """Whether every entry of host tensor `x` is at most `start`, where a ramp is 0 and its bias adds
-    nothing (most of every response, for the length and think-end controls): checked on the host
-    only, since on a device it would be a sync."""
-    return x.device.type == "cpu" and (x.numel() == 0 or float(x.max()) <= start)
+def _ramp_bias(x: Tensor, strength: float, start: float, window: float) -> Tensor | None:
+    """``strength · clamp((x − start)/window, 0, 1)`` in float32; None when every entry of host tensor
+    `x` is at most `start`, where the ramp is 0 and the bias adds nothing (most of every response, for
+    the length and think-end controls): checked on the host only, since on a device it would be a sync."""
+    if x.device.type == "cpu" and (x.numel() == 0 or float(x.max()) <= start):
+        return None
+    return strength * ((x.to(torch.float32) - float(start)) / float(window)).clamp_(0.0, 1.0)
 
 
 def _penalise(x: Tensor, r: float) -> Tensor:
@@ -184,8 +182,8 @@ def apply_controls(
             if response_offsets is None:
                 raise ValueError("response_offsets is required when the length penalty is on")
             offs = torch.as_tensor(response_offsets, device=device).reshape(-1)
-            if not _all_before(offs, settings.dllm_length_penalty_start):
-                bias = s * _ramp(offs, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
+            bias = _ramp_bias(offs, s, settings.dllm_length_penalty_start, settings.dllm_length_penalty_window)
+            if bias is not None:
                 eos_t = device_tensor(eos, device, torch.long)
                 out[:, eos_t] += bias.expand(N)[:, None]
 
@@ -193,8 +191,8 @@ def apply_controls(
     s = float(settings.dllm_think_end_strength)
     if s != 0.0 and think_end_id is not None and think_distance is not None and 0 <= think_end_id < V:
         j = torch.as_tensor(think_distance, device=device).reshape(-1)
-        if not _all_before(j, settings.dllm_think_end_start):
-            bias = s * _ramp(j, settings.dllm_think_end_start, settings.dllm_think_end_window)
+        bias = _ramp_bias(j, s, settings.dllm_think_end_start, settings.dllm_think_end_window)
+        if bias is not None:
             bias = torch.where(j >= 0, bias, torch.zeros_like(bias))
             out[:, think_end_id] += bias.expand(N)
 

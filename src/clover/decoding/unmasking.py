@@ -11,7 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["candidates", "draw", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
+__all__ = ["candidates", "sampling_logits", "draw", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
 
 
 ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax on the CPU: its index temporary stays ~8 MB
@@ -21,6 +21,8 @@ DEVICE_ARGMAX_CHUNK = 1 << 24
 # Top-k / top-p sampling on the host sorts a row's top HEAD_RANKS + 1 entries first (the whole row only
 # when what the filters keep does not end inside them): a 32k-entry row's full sort took ~1.3 ms.
 HEAD_RANKS = 512
+# |logit| / temperature above this may overflow float32 on the way through softmax.
+_SAFE_SCALED_LOGIT = 1e30
 
 
 def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -77,7 +79,7 @@ def candidates(
 
     Greedy (``do_sample=False`` or ``temperature == 0``): argmax, ties → lowest id; confidence = its
     softmax probability at temperature 1 (top-k/top-p play no role).
-    Sampling: ``softmax(logits / temperature)`` restricted to the top-k ids (ties at the k-th value
+    Sampling: ``softmax(logits / temperature)`` (:func:`sampling_logits`) restricted to the top-k ids (ties at the k-th value
     → lower ids), then to the top-p nucleus (smallest prefix of the most likely ids whose cumulative
     probability ≥ p, never empty), renormalised; one draw per row (:func:`draw`) with the uniform
     ``uniforms[row]``, or when not given ``torch.rand(M, generator=generator)`` in float64 — so rows
@@ -109,7 +111,7 @@ def candidates(
 
     if uniforms is None:
         uniforms = torch.rand(M, generator=generator, dtype=torch.float64, device=x.device)
-    probs = torch.softmax(x / float(temperature), dim=-1)
+    probs = torch.softmax(sampling_logits(x, float(temperature)), dim=-1)
     use_k = top_k is not None and 0 < top_k < V
     use_p = top_p is not None and top_p < 1.0
     if not (use_k or use_p):
@@ -124,6 +126,22 @@ def candidates(
             dist[rows] = torch.zeros_like(probs[rows]).scatter_(-1, order, sp)
         return _avoid(tokens, probs, dist, exclude)
     return tokens, confidence
+
+
+def sampling_logits(x: Tensor, temperature: float) -> Tensor:
+    """``x / temperature`` for float32 ``x`` [M, V] (M ≥ 1), row by row: a row whose largest finite
+    |score| / temperature would pass _SAFE_SCALED_LOGIT (overflowing float32 on the way through
+    softmax) is divided in float64 and shifted by its maximum instead — the same distribution, finite.
+    Each row's result depends on that row alone. On the host the float64 form is computed only when a
+    row needs it; on a device always (a check would be a host sync)."""
+    scaled = x / temperature
+    largest = torch.where(torch.isfinite(x), x.abs(), 0).amax(-1)
+    extreme = largest / temperature > _SAFE_SCALED_LOGIT
+    if x.device.type == "cpu" and not bool(extreme.any()):
+        return scaled
+    wide = x.double() / temperature
+    shifted = (wide - wide.amax(dim=-1, keepdim=True)).float()           # max 0; the rest <= 0, maybe -inf
+    return torch.where(extreme[:, None], shifted, scaled)
 
 
 def _kept(sp: Tensor, top_k: Optional[int], top_p: Optional[float]) -> Tuple[Tensor, Tensor]:

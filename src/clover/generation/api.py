@@ -6,9 +6,11 @@ arguments; every request is validated (SPEC §9) before the first forward of any
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .decoder import Decoder, reserved_tokens, step_digest
 from .sequence import GenerationStats, Sequence
@@ -28,8 +30,18 @@ def resolve_settings(model, **overrides) -> GenerationSettings:
 
 
 def validate(model, prompt_len: int, settings: GenerationSettings) -> None:
-    config = model.config
-    settings.validate_request(prompt_len, config.max_position_embeddings, config.vocab_size)
+    """SPEC §9: reject a request for `model` before any forward. The final block is always resolved whole."""
+    config, L = model.config, settings.block_size
+    if prompt_len < 1:
+        raise GenerationSettingsError("the prompt is empty: at least one token is needed")
+    blocks = math.ceil(settings.max_new_tokens / L)
+    if prompt_len + blocks * L > config.max_position_embeddings:
+        raise GenerationSettingsError(
+            f"prompt {prompt_len} + {blocks * L} tokens for {blocks} block{'s' if blocks != 1 else ''} of {L} "
+            f"exceeds the {config.max_position_embeddings}-token context")
+    for e in settings.eos_token_id:
+        if not 0 <= e < config.vocab_size:
+            raise GenerationSettingsError(f"eos_token_id {e} is outside the vocabulary (size {config.vocab_size})")
     if settings.block_size > 1 and config.mask_token_id is None:
         raise GenerationSettingsError(
             f"block_size {settings.block_size} needs a mask token, but this model's config has no "
@@ -128,11 +140,8 @@ def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
         return full
     pad = model.generation_defaults.get("pad_token_id", model.config.pad_token_id)
     pad = 0 if pad is None else pad
-    width = max(len(f) for f in full)
-    out = torch.full((len(full), width), pad, dtype=torch.long)
-    for i, f in enumerate(full):
-        out[i, : len(f)] = torch.tensor(f)
-    out = out.to(input_ids.device)
+    out = pad_sequence([torch.tensor(f, dtype=torch.long) for f in full], batch_first=True,
+                       padding_value=pad).to(input_ids.device)
     return out if input_ids.dim() == 2 else out[0]
 
 

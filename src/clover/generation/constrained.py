@@ -46,7 +46,6 @@ class BlockConstraint:
         self.mask_id = mask_id
         self.valid = 0                     # leading block positions the grammar has consumed
         self._closing: list[int] = []      # the rest of a closing path the budget committed to
-        self.forced_tokens = 0             # tokens written by the grammar (forced or closing), not the model
 
     def new_block(self) -> None:
         self.valid = 0
@@ -100,8 +99,6 @@ class BlockConstraint:
             if token is None or not self.m.consume(token):
                 block[i] = self.mask_id         # refused: the frontier, decided again next step
                 break
-            if token != block[i]:
-                self.forced_tokens += 1
             block[i] = token
             i += 1
         self.valid = i

@@ -220,17 +220,16 @@ class Decoder:
                 if not seq.done:
                     self._fail(seq, exc)
 
-    def _rows(self, chunk: list[Sequence], forward):
+    def _rows(self, chunk: list[Sequence], forward) -> list[tuple[Sequence, object]]:
         """`forward(rows)` → one output per row. If the batched forward raises, each row runs alone
-        (a failed forward changed no sequence) and only the rows that fail alone fail. Yields
+        (a failed forward changed no sequence) and only the rows that fail alone fail. Returns
         (seq, output) for the rows that ran."""
         try:
-            outputs = forward(chunk)
-            pairs = list(zip(chunk, outputs))
+            return list(zip(chunk, forward(chunk)))
         except Exception as exc:
             if len(chunk) == 1:
                 self._fail(chunk[0], exc)
-                return
+                return []
             log.warning("a batched forward of %d rows failed (%s: %s); running them one by one", len(chunk),
                         type(exc).__name__, exc)
             pairs = []
@@ -239,8 +238,7 @@ class Decoder:
                     pairs.append((seq, forward([seq])[0]))
                 except Exception as row_exc:
                     self._fail(seq, row_exc)
-        for seq, out in pairs:
-            yield seq, out
+            return pairs
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         log.warning("request %s failed: %s: %s", seq.id, type(exc).__name__, exc)
@@ -289,7 +287,7 @@ class Decoder:
                 return self.model.runner.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
                                                 [seq.cache for seq in rows])
             decisions = []
-            ran = list(self._rows([seq for seq, _, _ in group], forward))
+            ran = self._rows([seq for seq, _, _ in group], forward)
             ended = [(seq, logits) for seq, logits in ran if spans[seq.id][1] == len(seq.prompt)
                      and (seq.settings.block_size == 1 or seq.settings.speculative)]
             predictions = self._predictions(ended, lambda seq, logits: (logits[0][None], [], 0))
@@ -299,12 +297,12 @@ class Decoder:
                 if self.prefix_cache and e % P == 0 and e < len(seq.prompt):
                     self.pool.prefix.insert(seq.prompt[:e], seq.cache)     # every page-aligned chunk end
                 if e == len(seq.prompt):
-                    decisions.append((seq, self._after_prefill(seq, predictions.get(seq.id))))
+                    decisions.append((seq, self._after_prediction(seq, predictions.get(seq.id))))
             decide_rows(decisions, self._fail)
 
-    def _after_prefill(self, seq: Sequence, prediction=None):
-        """The prompt is in: the first causal prediction (autoregressive, self-speculative), then the
-        first block or token."""
+    def _after_prediction(self, seq: Sequence, prediction=None):
+        """The prompt (or an autoregressive step's token) is in: the causal prediction of the next
+        token (autoregressive, self-speculative), then the first block, or the next token."""
         if prediction is not None:
             seq.pending = (yield from prediction)[0]
         if seq.settings.block_size == 1:
@@ -320,11 +318,10 @@ class Decoder:
             for chunk in self._chunks(group):
                 def forward(rows):
                     # which positions get logits, decided on the host (a device mask would be read back)
-                    wanted = torch.tensor([[t == s.mask_id for t in s.block] for s in rows])
-                    logits, distinct = self._block_step(rows, [s.block for s in rows], block=True, logits_at=wanted)
-                    per_row = torch.split(logits, [sum(t == s.mask_id for t in s.block) for s in rows])
-                    return list(zip(per_row, distinct))
-                self._denoise(list(self._rows(chunk, forward)))
+                    wanted = [[t == s.mask_id for t in s.block] for s in rows]
+                    return self._block_step(rows, [s.block for s in rows], [sum(w) for w in wanted], block=True,
+                                            logits_at=torch.tensor(wanted))
+                self._denoise(self._rows(chunk, forward))
 
     def _denoise(self, ran) -> None:
         """After a block forward, each row's decisions: its expert statistics and a denoising step
@@ -365,15 +362,16 @@ class Decoder:
         tokens = self._batched(args, lambda seqs, rows: batched_predictions(seqs, *map(list, zip(*rows))))
         return {seq.id: seq.predict_next_steps(*a, tokens.get(seq.id)) for seq, a in args}
 
-    def _block_step(self, rows: list[Sequence], tokens: list[list[int]], **kw):
+    def _block_step(self, rows: list[Sequence], tokens: list[list[int]], split: list[int] | None = None, **kw):
         """A forward of `tokens` (one row each) in block mode over the rows' caches (`runner.step`'s
-        `block` or `block_len`, and `logits_at`, in `kw`) with each row's expert selection → (logits,
-        per row the distinct experts of each MoE layer as a device tensor, or None without statistics,
-        read back with the rows' decisions)."""
+        `block` or `block_len`, and `logits_at`, in `kw`) with each row's expert selection → per row
+        (its logits: `split[b]` rows of the flat [N, V] ones when given, the distinct experts of each
+        MoE layer as a device tensor, or None without statistics, read back with the rows' decisions)."""
         ids = device_tensor(tokens, self.model.device, torch.long)
         stats: list = []                                   # per MoE layer a [rows] tensor
         logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=self._top_p(rows), stats=stats, **kw)
-        return logits, list(torch.stack(stats, 1)) if stats else [None] * len(rows)
+        distinct = list(torch.stack(stats, 1)) if stats else [None] * len(rows)
+        return list(zip(logits if split is None else torch.split(logits, split), distinct))
 
     def _top_p(self, chunk):
         """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
@@ -399,39 +397,32 @@ class Decoder:
     def _causal_forwards(self, seqs: list[Sequence], produced) -> None:
         groups: dict[tuple, list[Sequence]] = defaultdict(list)
         for seq in seqs:
-            if seq.phase == "commit":
-                if seq.block_finishes():
-                    # The last block of a request needs no commit forward: nothing will read its cache.
-                    produced[seq.id] += seq.extend(list(seq.block))
-                    continue
-                # SPEC §5's allowed fusion: commit this block and run the next block's first
-                # denoising step in one forward ([resolved block | masks], the masks in block mode).
-                tokens = seq.block + [seq.mask_id] * seq.settings.block_size
-            elif seq.phase == "ar" or (seq.phase == "verify" and len(seq.block) == 1):
+            if seq.phase == "commit" and seq.block_finishes():
+                # The last block of a request needs no commit forward: nothing will read its cache.
+                produced[seq.id] += seq.extend(list(seq.block))
+                continue
+            if seq.phase == "ar" or (seq.phase == "verify" and len(seq.block) == 1):     # [pending] alone
                 if seq.pending in seq.settings.eos_token_id or seq.remaining <= 1:
                     # This token ends the request: the forward over it would only feed a cache nobody reads.
                     if seq.phase == "verify":          # a final one-token round, accepted without a forward
                         seq.record_verification(1)
                     produced[seq.id] += seq.extend([seq.pending])
                     continue
-                tokens = [seq.pending]
-            else:
-                tokens = seq.block
-            groups[(seq.phase, len(tokens))].append(seq)
-        for (phase, T), group in groups.items():
+            groups[(seq.phase, 1 if seq.phase == "ar" else len(seq.block))].append(seq)
+        for (phase, _), group in groups.items():
             for chunk in self._chunks(group):
                 if phase == "commit":
                     self._fused_commit(chunk, produced)
                     continue
 
                 def forward(rows, phase=phase):
-                    token_rows = [[s.pending] if phase == "ar" else s.block for s in rows]
-                    ids = device_tensor(token_rows, self.model.device, torch.long)
+                    ids = device_tensor([[s.pending] if phase == "ar" else s.block for s in rows], self.model.device,
+                                        torch.long)
                     if phase == "verify":
                         for s in rows:
                             s.cache.begin_speculation()
                     return self.model.runner.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
-                ran = list(self._rows(chunk, forward))
+                ran = self._rows(chunk, forward)
                 for seq, _ in ran:
                     seq.stats.forwards += 1
                     seq.stats.causal_forwards += 1
@@ -441,19 +432,18 @@ class Decoder:
                 # rows that decide alike predict in one computation: AR from its one row, verify from all
                 predictions = self._predictions(ran, lambda seq, logits, phase=phase:
                                                 (logits[-1:], [], 0) if phase == "ar" else (logits, seq.block, 1))
-                decide_rows([(seq, getattr(self, f"_after_{phase}")(seq, predictions[seq.id], produced))
-                             for seq, _ in ran], self._fail)
+                decide_rows([(seq, self._after_verify(seq, predictions[seq.id], produced) if phase == "verify"
+                              else self._after_prediction(seq, predictions[seq.id])) for seq, _ in ran], self._fail)
 
     def _fused_commit(self, chunk: list[Sequence], produced) -> None:
-        """Commit each row's resolved block and denoise its next block of masks in the same forward."""
+        """SPEC §5's allowed fusion: commit each row's resolved block and run its next block's first
+        denoising step in one forward ([resolved block | next block], the next block in block mode)."""
         L = chunk[0].settings.block_size
         upcoming = {s.id: s.upcoming_block() for s in chunk}      # masks, or a grammar's forced start
 
         def forward(rows):
-            logits, distinct = self._block_step(rows, [s.block + upcoming[s.id] for s in rows], block_len=L,
-                                                logits_at="block")
-            return list(zip(logits, distinct))
-        ran = list(self._rows(chunk, forward))
+            return self._block_step(rows, [s.block + upcoming[s.id] for s in rows], block_len=L, logits_at="block")
+        ran = self._rows(chunk, forward)
         for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()                    # the block the forward fed: `upcoming_block`'s
@@ -462,10 +452,6 @@ class Decoder:
                     self._fail)
         self._denoise([(seq, (_masked_rows(logits, upcoming[seq.id], seq.mask_id), distinct))
                        for seq, (logits, distinct) in ran if seq.phase != "commit"])
-
-    def _after_ar(self, seq: Sequence, prediction, produced):
-        """The next token after the one this forward fed (already in the response)."""
-        seq.pending = (yield from prediction)[0]
 
     def _after_verify(self, seq: Sequence, prediction, produced):
         """SPEC §8 step 3: accept the longest run of draft tokens the causal mode agrees with."""

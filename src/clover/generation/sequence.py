@@ -11,17 +11,16 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, positions_to_fill_batched
-from ..transfer import device_tensor, to_device
+from ..transfer import device_tensor
 from .constrained import BlockConstraint
 from .readback import resolve
 from .settings import GenerationSettings
 
 _ids = itertools.count()
-# |logit| / temperature above this may overflow float32 on the way through softmax.
-_SAFE_SCALED_LOGIT = 1e30
 DECISION_CHUNK = 1 << 26   # logits entries (256 MB of float32) a batched decision works on at once
 
 
@@ -333,50 +332,31 @@ class Sequence:
         return values
 
 
-def sampling_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """`x / temperature` (float32, from `safe_logits`), row by row: a row whose largest finite |score|
-    / temperature would pass _SAFE_SCALED_LOGIT (overflowing float32 on the way through softmax) is
-    divided in float64 and shifted by its maximum instead — the same distribution, finite. Each row's
-    result depends on that row alone. On the host the float64 form is computed only when a row needs
-    it; on a device always (a check would be a host sync)."""
-    scaled = x / temperature
-    if not x.numel():
-        return scaled
-    largest = torch.where(torch.isfinite(x), x.abs(), 0).amax(-1)
-    extreme = largest / temperature > _SAFE_SCALED_LOGIT
-    if x.device.type == "cpu" and not bool(extreme.any()):
-        return scaled
-    wide = x.double() / temperature
-    shifted = (wide - wide.amax(dim=-1, keepdim=True)).float()           # max 0; the rest <= 0, maybe -inf
-    return torch.where(extreme[:, None], shifted, scaled)
-
-
-def safe_logits(logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(float32 logits no NaN can come out of, whether they were all finite — known on the host only).
-    NaN scores become -inf, +inf the largest float32, a row with no finite score uniform (zeros); each
-    row's result depends on that row alone. On a device the checks would each be a host sync, so the
-    safe forms run unconditionally; on the host all-finite logits (the usual case) skip the copies: a
-    block's [32, 248k] float32 logits are 32 MB each."""
+def safe_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 logits no NaN can come out of: NaN scores become -inf, +inf the largest float32, a row
+    with no finite score uniform (zeros); each row's result depends on that row alone. On a device the
+    checks would each be a host sync, so the safe forms run unconditionally; on the host all-finite
+    logits (the usual case) skip the copies: a block's [32, 248k] float32 logits are 32 MB each."""
     x = logits.float()
     on_host = x.device.type == "cpu"
-    finite = on_host and bool(torch.isfinite(x).all())
-    if not finite:
-        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
-        if not on_host or bool(dead.any()):
-            x = torch.where(dead, torch.zeros_like(x), x)
-    return x, finite
+    if on_host and bool(torch.isfinite(x).all()):
+        return x
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+    if not on_host or bool(dead.any()):
+        x = torch.where(dead, torch.zeros_like(x), x)
+    return x
 
 
 def greedy_candidates(logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
-    """`candidates(safe_logits(logits)[0], do_sample=False, ...)`: on the host one native pass per row
+    """`candidates(safe_logits(logits), do_sample=False, ...)`: on the host one native pass per row
     (kernels/decide.py: the same tokens, probabilities to fp32 rounding, each row as alone), ~37× faster
     than the tensor ops on a block's 32 × 248k logits; the reference elsewhere, without the kernels,
     and for the rows the kernel leaves (NaN, +inf, or only −inf)."""
     from ..kernels.decide import greedy
 
     def reference(rows):
-        return candidates(safe_logits(rows)[0], do_sample=False, exclude=exclude, with_confidence=with_confidence)
+        return candidates(safe_logits(rows), do_sample=False, exclude=exclude, with_confidence=with_confidence)
 
     decided = greedy(logits, exclude, with_confidence)
     if decided is None:
@@ -388,19 +368,6 @@ def greedy_candidates(logits: torch.Tensor, exclude: int | None = None, with_con
         if confidence is not None:
             confidence[rows] = sure
     return tokens, confidence
-
-
-def _rows_padded(values: torch.Tensor, counts: list[int], fill) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [Σ counts] → ([B, max count] padded with `fill`, bool [B, max count] of the real entries)."""
-    device = values.device
-    B, width = len(counts), max(counts, default=0)
-    rows = to_device(torch.repeat_interleave(torch.arange(B), torch.tensor(counts, dtype=torch.long)), device)
-    cols = to_device(torch.cat([torch.arange(c) for c in counts]), device) if counts else rows
-    padded = torch.full((B, width), fill, dtype=values.dtype, device=device)
-    padded[rows, cols] = values
-    real = torch.zeros(B, width, dtype=torch.bool, device=device)
-    real[rows, cols] = True
-    return padded, real
 
 
 def _batched_controls(seqs, logits: torch.Tensor, queries, histories, extras) -> torch.Tensor:
@@ -450,8 +417,9 @@ def _fills(seqs: list["Sequence"], x: torch.Tensor, counts: list[int]) -> list[t
     if not sum(counts):
         return [x.new_zeros(0, dtype=torch.long) for _ in counts]
     tokens, confidence = batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)  # a mask "fill" never finishes
-    conf, real = _rows_padded(confidence, counts, float("-inf"))
-    toks, _ = _rows_padded(tokens, counts, -1)
+    conf = pad_sequence(torch.split(confidence, counts), batch_first=True, padding_value=float("-inf"))
+    toks = pad_sequence(torch.split(tokens, counts), batch_first=True, padding_value=-1)
+    real = torch.arange(conf.shape[1], device=x.device) < device_tensor(counts, x.device)[:, None]
     # a completed draft fills every remaining mask: any confidence beats a threshold of −inf
     thresholds = device_tensor([float("-inf") if s.draft_completes() else s.settings.threshold for s in seqs],
                                x.device, torch.float32)
@@ -486,8 +454,8 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
     """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
     rows each): sampled rows draw their uniforms from their own sequence's generator, as many as each
     would draw alone and in the same order, so every row gets exactly its own result. The logits are
-    made safe first (`safe_logits`, `sampling_logits`): no NaN or overflow reaches a draw inside the
-    shared decoder step and fails every co-batched request."""
+    made safe first (`safe_logits`, then `candidates`' `sampling_logits`): no NaN or overflow reaches a
+    draw inside the shared decoder step and fails every co-batched request."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0
     if sampled and sum(counts):
@@ -499,10 +467,9 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
     parts = []
     for i in range(0, max(1, x.shape[0]), step):
         if sampled:
-            chunk, _ = safe_logits(x[i:i + step])
-            parts.append(candidates(sampling_logits(chunk, s.temperature), do_sample=True, temperature=1.0,
-                                    top_k=s.top_k, top_p=s.top_p, exclude=exclude,
-                                    uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
+            chunk = safe_logits(x[i:i + step])
+            parts.append(candidates(chunk, do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                    exclude=exclude, uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
         else:
             parts.append(greedy_candidates(x[i:i + step], exclude=exclude, with_confidence=with_confidence))
     tokens = torch.cat([t for t, _ in parts])

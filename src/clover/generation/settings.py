@@ -1,7 +1,8 @@
 """Per-request generation settings (SPEC §5, §7, §8, §10) and their validation (SPEC §9).
 
 Defaults come from the model directory's `generation_config.json`, then keyword arguments override
-them. Validation happens before any forward; every error names the setting and the numbers.
+them. Validation happens before any forward (a request's checks against the model: `api.validate`);
+every error names the setting and the numbers.
 """
 
 from __future__ import annotations
@@ -13,18 +14,11 @@ from dataclasses import dataclass
 from ..decoding.controls import ControlSettings
 
 DECODING_MODES = ("low_confidence", "self_speculative")
-# Keys of generation_config.json that are not generation settings (ignored, never an error).
-IGNORED_CONFIG_KEYS = {"_from_model_config", "transformers_version", "pad_token_id", "mask_token_id",
-                       "bos_token_id", "use_cache", "return_dict_in_generate", "output_scores"}
-
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 # Sampling runs in float32 with denormals flushed to zero (runtime.py): a positive temperature or
 # top_p below float32's smallest normal number acts as 0 there (a division by zero, an empty nucleus).
 FLOAT32_TINY = 2.0 ** -126
-# Control values past this only overflow float32 logits (inf, then NaN): a bias of 1e9 already
-# outweighs any logit, a penalty factor of 1e9 (or 1e-9) already flattens or inflates every one.
-MAX_CONTROL_MAGNITUDE = 1e9
 
 
 class GenerationSettingsError(ValueError):
@@ -53,10 +47,6 @@ class GenerationSettings(ControlSettings):
     max_block_size: int = 1024
 
     @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    @classmethod
     def resolve(cls, defaults: dict | None = None, config=None, **overrides) -> "GenerationSettings":
         """Merge built-in defaults ← generation_config.json (`defaults`) ← keyword `overrides`.
 
@@ -67,11 +57,8 @@ class GenerationSettings(ControlSettings):
             raise GenerationSettingsError(
                 f"unknown generation setting(s): {', '.join(unknown)} (valid: {', '.join(sorted(names))})"
             )
-        values: dict = {}
-        for key, value in (defaults or {}).items():
-            if key in names:
-                values[key] = value
-        values.update({k: v for k, v in overrides.items()})
+        values = {k: v for k, v in (defaults or {}).items() if k in names}
+        values.update(overrides)
         if values.get("eos_token_id") is None and config is not None:
             values["eos_token_id"] = tuple(config.eos_token_id)
         eos = values.get("eos_token_id", ())
@@ -156,42 +143,15 @@ class GenerationSettings(ControlSettings):
             raise GenerationSettingsError(f"seed must lie in [-2**63, 2**64 - 1] (what a torch generator "
                                           f"takes), got {self.seed}")
         fraction("block_expert_top_p")
-        integer("dllm_repetition_window", 1)          # it slices the history: 1.0 used to crash the step
         try:
             self.controls.validate()
         except ValueError as exc:
             raise GenerationSettingsError(str(exc)) from None
-        for name in ("dllm_length_penalty_strength", "dllm_think_end_strength"):
-            if abs(getattr(self, name)) > MAX_CONTROL_MAGNITUDE:
-                raise GenerationSettingsError(f"{name} must lie in [-{MAX_CONTROL_MAGNITUDE:g}, "
-                                              f"{MAX_CONTROL_MAGNITUDE:g}] (larger biases overflow float32 "
-                                              f"logits), got {getattr(self, name)}")
-        r = self.dllm_repetition_penalty
-        if not 1 / MAX_CONTROL_MAGNITUDE <= r <= MAX_CONTROL_MAGNITUDE:
-            raise GenerationSettingsError(f"dllm_repetition_penalty must lie in [{1 / MAX_CONTROL_MAGNITUDE:g}, "
-                                          f"{MAX_CONTROL_MAGNITUDE:g}] (beyond that float32 logits overflow), "
-                                          f"got {r}")
         if self.speculative and self.do_sample and self.temperature > 0:
             raise GenerationSettingsError(
                 "decoding='self_speculative' supports greedy decoding only (do_sample=False); "
                 "use decoding='low_confidence' for sampling"
             )
-
-    def validate_request(self, prompt_len: int, context_limit: int, vocab_size: int | None = None) -> None:
-        """SPEC §9: reject before any forward. The final block is always resolved whole."""
-        if prompt_len < 1:
-            raise GenerationSettingsError("the prompt is empty: at least one token is needed")
-        blocks = math.ceil(self.max_new_tokens / self.block_size)
-        needed = prompt_len + blocks * self.block_size
-        if needed > context_limit:
-            raise GenerationSettingsError(
-                f"prompt {prompt_len} + {blocks * self.block_size} tokens for {blocks} block"
-                f"{'s' if blocks != 1 else ''} of {self.block_size} exceeds the {context_limit}-token context"
-            )
-        if vocab_size is not None:
-            for e in self.eos_token_id:
-                if not 0 <= e < vocab_size:
-                    raise GenerationSettingsError(f"eos_token_id {e} is outside the vocabulary (size {vocab_size})")
 
 
 def check_token_ids(ids, vocab_size: int) -> list[int]:
