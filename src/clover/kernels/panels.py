@@ -12,28 +12,16 @@ one function for every form, the kernel choosing by the descriptor's bits.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
+from ..runtime import MADV_HUGEPAGE, advise_pages
 from .build import library
 
 PANEL = 32
 
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@functools.lru_cache(maxsize=None)
-def _madvise():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError, TypeError):       # no C library to ask (not a POSIX system)
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
 
 
 def weight_buffer(shape, dtype=torch.bfloat16) -> torch.Tensor:
@@ -42,13 +30,8 @@ def weight_buffer(shape, dtype=torch.bfloat16) -> torch.Tensor:
     Weights are streamed once per token; with 4 KB pages the vocabulary GEMV of the full bench model
     read 24–25 GB/s, with 2 MB pages 27–28 (in-process, alternating, 40 rounds). Elsewhere a no-op."""
     t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    madvise = _madvise() if nbytes >= 2 * HUGE_PAGE else None
-    if madvise is not None:
-        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)      # advice only: failure changes nothing
+    if t.numel() * t.element_size() >= 2 * HUGE_PAGE:
+        advise_pages(t, MADV_HUGEPAGE, HUGE_PAGE)      # advice only: failure changes nothing
     return t
 
 
