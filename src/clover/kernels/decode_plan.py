@@ -47,12 +47,14 @@ from torch import nn
 
 from ..cache import logits_rows
 from ..layers.file_embedding import FileEmbedding
+from ..layers.moe import SparseMoE
+from ..layers.packed import PackedLinear
 from ..quantization.modules import QuantizedEmbedding
 from .attention_cached import ROTARY_ARG, STEP_ARGS, attention_args
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .gdn_short import gdn_short_args
-from .moe_block import TOP_P_ARG, _moe_constants, moe_block_args
+from .moe_block import TOP_P_ARG, _moe_constants, moe_block_args, packed_for_kernels
 from .panels import OUT_ARG, linear_args
 from .rmsnorm import _scale, add_rmsnorm_args, versions
 
@@ -65,9 +67,7 @@ ONE_REGION = True      # off: a plan's calls run one by one, each its own parall
 
 
 def _linear_weight(module):
-    """(packed weight, None) of a kernel-packed map without bias or all-reduce, else None."""
-    from ..layers.packed import PackedLinear
-
+    """The packed weight of a kernel-packed map without bias or all-reduce, else None."""
     if type(module) is not PackedLinear or module.bias is not None:
         return None
     return module.packed
@@ -102,9 +102,6 @@ def refusal(model) -> str | None:
     """Why a causal one-token step of `model` cannot run as a plan (None: every call runs a native
     kernel the plan can bind). Only a kernel-packed model on the CPU backend is a candidate; for one,
     a refusal is a slower decode (the layers' path), so `DecodePlans` logs it once."""
-    from ..layers.moe import SparseMoE
-    from .moe_block import packed_for_kernels
-
     if getattr(model, "packed", None) != "clover-kernels":
         return "not packed for the native kernels"
     if model.runner.ranks > 1:
@@ -139,11 +136,6 @@ def refusal(model) -> str | None:
                 return f"layer {i}: attention head size {a.head_dim} or group {a.num_heads // a.num_kv_heads} " \
                        "beyond the kernel's (512, 16)"
     return None
-
-
-def supported(model) -> bool:
-    """Whether every call of a causal one-token step of `model` runs a native kernel the plan can bind."""
-    return refusal(model) is None
 
 
 class _Buffers:
