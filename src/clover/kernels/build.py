@@ -132,9 +132,8 @@ BF16_KERNELS = ("fma", "pairs")
 def bf16_kernels() -> str:
     """Which kernels multiply bf16 inputs by bf16 weights in this process: "fma" (widened to fp32, one
     FMA per input) or "pairs" (`vdpbf16ps`, two inputs per instruction). `CLOVER_BF16_DOT` = auto
-    (default) | fma | pairs; auto takes pairs on AMD CPUs (Zen 4 measured ~1.9× on whole products) and
-    FMA elsewhere (Intel CPUs without AMX issue `vdpbf16ps` at half the FMA rate). Both sum fp32
-    products of the same bf16 values; they differ in rounding order only."""
+    (default) | fma | pairs; auto takes pairs on AMD CPUs and FMA elsewhere (the module docstring says
+    why). Both sum fp32 products of the same bf16 values; they differ in rounding order only."""
     choice = runtime_options().bf16_dot
     if choice not in ("auto", *BF16_KERNELS):
         raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")

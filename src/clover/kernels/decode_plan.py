@@ -238,8 +238,7 @@ class _Steps:
 class _Plan:
     """The bound calls of a step of B rows × T tokens, the last `block_len` a block (see the module
     docstring): [kernel name, args] pairs, the kernel looked up in `library()` per step
-    (benchmarks.breakdown --glue swaps it). A one-token causal step binds the lm head as its last call;
-    other steps project the rows they are asked for after the list has run."""
+    (benchmarks.breakdown --glue swaps it)."""
 
     def __init__(self, model, B: int, T: int = 1, block_len: int = 0, recording: bool = False):
         self.B, self.T, self.block_len = B, T, block_len
