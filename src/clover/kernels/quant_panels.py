@@ -1,13 +1,13 @@
 """Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c`.
 
-`QuantPanelWeight.pack(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
+`QuantPanelWeight(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
 quantization/format.py) into 32-column panels; `panels.linear` and `panels.grouped_linear` are the
-products (one pair for every packed form). The
-kernels quantize their inputs too (int8 per group of the weight's group size, absmax, round to
-nearest even) and take integer dot products (quant_gemm.c says why); `reference_linear` is that
-arithmetic in PyTorch, the definition tests compare the kernels with. Against the weight-only product
-(`F.linear` with the dequantized weight) the input rounding adds a relative error of about 0.3%
-(int8 has 255 levels per group), small beside int4's own ~10% per weight.
+products (one pair for every packed form). The kernels quantize their inputs too (int8 per group of
+the weight's group size, absmax, round to nearest even) and take integer dot products (quant_gemm.c
+says why); `reference_linear` is that arithmetic in PyTorch, the definition tests compare the kernels
+with. Against the weight-only product (`F.linear` with the dequantized weight) the input rounding
+adds a relative error of about 0.3% (int8 has 255 levels per group), small beside int4's own ~10%
+per weight.
 """
 
 from __future__ import annotations
