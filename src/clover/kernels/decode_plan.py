@@ -85,19 +85,6 @@ def _fused_parts(fused):
     return parts
 
 
-def _sources(model) -> list:
-    """The parameters the kernels' fp32 constants are made from (their versions tell a reload)."""
-    out = [model.model.norm.weight]
-    for layer in model.model.layers:
-        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if layer.kind == "linear_attention":
-            m = layer.linear_attn
-            out += [m.conv1d.weight, m.conv1d_right.weight, m.A_log, m.dt_bias, m.block_mix_logits, m.norm.weight]
-        else:
-            out += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
-    return out
-
-
 def refusal(model) -> str | None:
     """Why a causal one-token step of `model` cannot run as a plan (None: every call runs a native
     kernel the plan can bind). Only a kernel-packed model on the CPU backend is a candidate; for one,
@@ -251,6 +238,7 @@ class _Plan:
         self.attn: list = []           # per attention layer: (layer index, per-row args lists)
         self.moe: list = []            # per MoE layer: its args list
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
+        self.sources: list = []        # the parameters its fp32 constants are made from (their versions tell a reload)
         self.tables = _PageTables(B)
         self.top_p = torch.ones(B, dtype=torch.float32)            # block expert selection, written per step
         self.distinct = [torch.zeros(B, dtype=torch.int64) for _ in model.model.layers]   # per MoE block
@@ -281,13 +269,18 @@ class _Plan:
         self.slots[id(args)][index] = value or 0
 
     # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
+    def _constants(self, module, constants):
+        """A module's kernel constants (rmsnorm.kernel_constants), kept alive with the plan."""
+        self.keep.append(constants)
+        self.sources += module.__dict__["_kernel_constants"][2]
+
     def _add(self, name, args):
         self.calls.append((name, args))
         return args
 
     def _norm(self, h, delta, norm, out_h, out_x):
         H = h.shape[-1]
-        self.keep.append(_scale(norm))
+        self._constants(norm, _scale(norm))
         self._add("clover_add_rmsnorm", add_rmsnorm_args(
             self.B * self.T, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
             norm, None if delta is None else out_h.data_ptr(), out_x.data_ptr(), 1))
@@ -313,7 +306,7 @@ class _Plan:
         u, z, b, a = self._project(m, f"gdn{m.layer_index}-" if self.recording else "gdn")
         if b.stride()[:2] != a.stride()[:2]:
             raise ValueError("decode plan: GDN b and a not from one stacked projection")
-        self.keep.append(gdn_constants(m))
+        self._constants(m, gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, T, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
@@ -328,7 +321,8 @@ class _Plan:
         # each row's call gets its own k and v pointers and token strides
         qg, k, v = self._project(attn, "attn")
         out = self.buf.scratch("attn_out", B, T, attn.num_heads * attn.head_dim)
-        self.keep += [_scale(attn.q_norm), _scale(attn.k_norm)]
+        for norm in (attn.q_norm, attn.k_norm):
+            self._constants(norm, _scale(norm))
         at = lambda t, r: (t[r].data_ptr(), t[r].stride(0))  # noqa: E731
         # the rotary width, tables, K/V pages, page table and start: written per step (see `run`)
         rows = [self._add("clover_attention_cached",
@@ -436,8 +430,7 @@ class DecodePlans:
         self.ok = why is None
         if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.runner.ranks == 1:
             log.info("steps of this model run through its layers, not a prepared plan: %s", why)
-        self.sources = _sources(model) if self.ok else []
-        self.version = versions(self.sources)
+        self.sources, self.version = [], 0      # what the plans' constants are made from (set by each new plan)
         self.plans: OrderedDict = OrderedDict()
         self.rotary = RotaryTable(model.model.rotary) if self.ok else None
         self.has_gdn = any(layer.kind == "linear_attention" for layer in model.model.layers)
@@ -456,14 +449,13 @@ class DecodePlans:
         if not self.lock.acquire(blocking=False):     # another thread is stepping this model
             return False, None
         try:
-            version = versions(self.sources)
-            if version != self.version:             # parameters rewritten: constants and plans anew
+            if versions(self.sources) != self.version:      # parameters rewritten: constants and plans anew
                 self.plans.clear()
-                self.version = version
             key = (B, T, block_len, batch.records is not None and T > block_len)
             plan = self.plans.get(key)
             if plan is None:
                 plan = self.plans[key] = _Plan(model, *key)
+                self.sources, self.version = plan.sources, versions(plan.sources)
                 if len(self.plans) > MAX_PLANS:
                     self.plans.popitem(last=False)
             else:
