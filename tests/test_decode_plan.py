@@ -314,7 +314,7 @@ def test_a_quantized_embedding_table(monkeypatch):
     model = make_model("base", seed=3, dtype=torch.bfloat16)
     weight = model.model.embed_tokens.weight
     model.model.embed_tokens = QuantizedEmbedding(*weight.shape, QuantSpec(4, 32), dtype=torch.bfloat16).fill(weight)
-    assert pack_for_cpu(model) > 0 and decode_plan.supported(model)
+    assert pack_for_cpu(model) > 0 and decode_plan.refusal(model) is None
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():
         _decode_both(model, monkeypatch, rows=(12, 5), steps=6)
@@ -331,7 +331,7 @@ def test_a_token_table_read_from_its_file(tmp_path, monkeypatch):
     model = make_model("base", seed=4, dtype=torch.bfloat16)
     save_checkpoint(model, model.config, tmp_path)
     fast = clover.load(tmp_path)
-    assert isinstance(fast.model.embed_tokens, FileEmbedding) and decode_plan.supported(fast)
+    assert isinstance(fast.model.embed_tokens, FileEmbedding) and decode_plan.refusal(fast) is None
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():
         _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)
@@ -379,7 +379,7 @@ def test_inputs_split_by_form(tmp_path, monkeypatch):
     from clover.gguf.embedding import QuantizedFileEmbedding
 
     assert isinstance(fast.model.embed_tokens, QuantizedFileEmbedding)    # the Q4_K token table read from the file
-    assert decode_plan.supported(fast)
+    assert decode_plan.refusal(fast) is None
     runs = _plan_runs(monkeypatch)
     with torch.inference_mode():
         _decode_both(fast, monkeypatch, rows=(12, 5), steps=6)

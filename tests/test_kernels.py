@@ -113,15 +113,13 @@ def test_grouped_linear_epilogues_gather_swiglu_and_scale(bf16_kernels):
     """The grouped form's gather (`rows`), SwiGLU over interleaved gate/up panels and per-row scaling
     give what the tensor ops they replace give: x[rows], then `F.silu(gate) * up`, then `ys * w`
     on bf16 tensors (bit-equal: same roundings), including a zero-padded intermediate size."""
-    from clover.kernels.panels import pack_gate_up
-
     g = torch.Generator().manual_seed(4)
     E, I, K, T = 5, 20, 48, 30                         # I = 20: padded to 32 inside the panels
     gate_up = torch.randn(E, 2 * I, K, generator=g).bfloat16()
     x = torch.randn(9, K, generator=g).bfloat16()
     rows = torch.randint(0, 9, (T,), generator=g)
     ids, offsets = torch.tensor([3, 0, 4]), torch.tensor([0, 11, 12, T])
-    fused = pack_gate_up(gate_up, I)
+    fused = PanelWeight(gate_up, swiglu=I)
     assert fused.out_features == 64
     got = grouped_linear(x, fused, offsets, ids, rows=rows, swiglu=True)
     plain = grouped_linear(x[rows], PanelWeight(gate_up), offsets, ids)

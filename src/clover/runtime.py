@@ -41,25 +41,34 @@ def release_free_memory() -> bool:
     return True
 
 
-def discard_pages(tensor: torch.Tensor) -> int:
-    """Hand the whole memory pages inside a contiguous tensor's bytes back to the OS now (Linux
-    `madvise(MADV_DONTNEED)`); returns the bytes released (0 elsewhere). The tensor then reads as zeros
-    there: only for a buffer nothing will read again — packing consumes a freshly loaded model's stored
-    expert codes this way, slab by slab, so they never all sit beside their packed copy (the tensor
-    itself is freed only once packing ends, too late to lower the peak)."""
+MADV_DONTNEED, MADV_HUGEPAGE = 4, 14
+
+
+def advise_pages(tensor: torch.Tensor, advice: int, page: int | None = None) -> int:
+    """Linux `madvise(advice)` over the whole pages (of `page` bytes, default the system's) inside a
+    contiguous CPU tensor's bytes; returns the bytes advised (0 elsewhere, or where it failed)."""
     import ctypes
     import sys
 
     if sys.platform != "linux" or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
         return 0
-    page = os.sysconf("SC_PAGE_SIZE")
+    page = page or os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr()
     lo, hi = -(-start // page) * page, (start + tensor.numel() * tensor.element_size()) // page * page
     if hi <= lo:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return hi - lo if libc.madvise(lo, hi - lo, 4) == 0 else 0          # 4: MADV_DONTNEED
+    return hi - lo if libc.madvise(lo, hi - lo, advice) == 0 else 0
+
+
+def discard_pages(tensor: torch.Tensor) -> int:
+    """Hand the whole memory pages inside a contiguous tensor's bytes back to the OS now (Linux
+    `madvise(MADV_DONTNEED)`); returns the bytes released (0 elsewhere). The tensor then reads as zeros
+    there: only for a buffer nothing will read again — packing consumes a freshly loaded model's stored
+    expert codes this way, slab by slab, so they never all sit beside their packed copy (the tensor
+    itself is freed only once packing ends, too late to lower the peak)."""
+    return advise_pages(tensor, MADV_DONTNEED)
 
 
 class InsufficientMemoryError(MemoryError, ValueError):

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import BatchIndex, ForwardBatch
-from ..transfer import device_tensor, to_device
+from ..cache import BatchIndex, ForwardBatch, logits_rows
+from ..transfer import device_tensor
 
 log = logging.getLogger(__name__)
 
@@ -241,11 +241,9 @@ class StepGraphs:
         n = ids.shape[0]
         if stats is not None:
             stats.extend(s[:n].clone() for s in layer_stats)
-        logits = logits[:n]
         if torch.is_tensor(logits_at):                 # the positions that will be read, chosen on the host
-            picked = to_device(logits_at.reshape(-1).nonzero().squeeze(1), logits.device)
-            return logits.reshape(-1, logits.shape[-1])[picked]
-        return logits.clone()
+            return logits_rows(logits_at, block_len, batch, logits.device)(logits[:n])
+        return logits[:n].clone()
 
     def _replay(self, key: GraphKey, ids, batch: ForwardBatch, block_top_p):
         graph = self.graphs.get(key)

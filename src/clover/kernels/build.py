@@ -35,11 +35,9 @@ from ..options import current as runtime_options
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
-                                                          "attention_cached.c", "gguf_decode.c", "decide.c",
-                                                          "steps.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h",
-                                                          "team.h")]
+# every C source and header here (the package ships them all)
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -134,9 +132,8 @@ BF16_KERNELS = ("fma", "pairs")
 def bf16_kernels() -> str:
     """Which kernels multiply bf16 inputs by bf16 weights in this process: "fma" (widened to fp32, one
     FMA per input) or "pairs" (`vdpbf16ps`, two inputs per instruction). `CLOVER_BF16_DOT` = auto
-    (default) | fma | pairs; auto takes pairs on AMD CPUs (Zen 4 measured ~1.9× on whole products) and
-    FMA elsewhere (Intel CPUs without AMX issue `vdpbf16ps` at half the FMA rate). Both sum fp32
-    products of the same bf16 values; they differ in rounding order only."""
+    (default) | fma | pairs; auto takes pairs on AMD CPUs and FMA elsewhere (the module docstring says
+    why). Both sum fp32 products of the same bf16 values; they differ in rounding order only."""
     choice = runtime_options().bf16_dot
     if choice not in ("auto", *BF16_KERNELS):
         raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")

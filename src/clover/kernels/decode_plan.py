@@ -47,12 +47,14 @@ from torch import nn
 
 from ..cache import logits_rows
 from ..layers.file_embedding import FileEmbedding
+from ..layers.moe import SparseMoE
+from ..layers.packed import PackedLinear
 from ..quantization.modules import QuantizedEmbedding
 from .attention_cached import ROTARY_ARG, STEP_ARGS, attention_args
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .gdn_short import gdn_short_args
-from .moe_block import TOP_P_ARG, _moe_constants, moe_block_args
+from .moe_block import TOP_P_ARG, _moe_constants, moe_block_args, packed_for_kernels
 from .panels import OUT_ARG, linear_args
 from .rmsnorm import _scale, add_rmsnorm_args, versions
 
@@ -65,9 +67,7 @@ ONE_REGION = True      # off: a plan's calls run one by one, each its own parall
 
 
 def _linear_weight(module):
-    """(packed weight, None) of a kernel-packed map without bias or all-reduce, else None."""
-    from ..layers.packed import PackedLinear
-
+    """The packed weight of a kernel-packed map without bias or all-reduce, else None."""
     if type(module) is not PackedLinear or module.bias is not None:
         return None
     return module.packed
@@ -85,26 +85,10 @@ def _fused_parts(fused):
     return parts
 
 
-def _sources(model) -> list:
-    """The parameters the kernels' fp32 constants are made from (their versions tell a reload)."""
-    out = [model.model.norm.weight]
-    for layer in model.model.layers:
-        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if layer.kind == "linear_attention":
-            m = layer.linear_attn
-            out += [m.conv1d.weight, m.conv1d_right.weight, m.A_log, m.dt_bias, m.block_mix_logits, m.norm.weight]
-        else:
-            out += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
-    return out
-
-
 def refusal(model) -> str | None:
     """Why a causal one-token step of `model` cannot run as a plan (None: every call runs a native
     kernel the plan can bind). Only a kernel-packed model on the CPU backend is a candidate; for one,
     a refusal is a slower decode (the layers' path), so `DecodePlans` logs it once."""
-    from ..layers.moe import SparseMoE
-    from .moe_block import packed_for_kernels
-
     if getattr(model, "packed", None) != "clover-kernels":
         return "not packed for the native kernels"
     if model.runner.ranks > 1:
@@ -139,11 +123,6 @@ def refusal(model) -> str | None:
                 return f"layer {i}: attention head size {a.head_dim} or group {a.num_heads // a.num_kv_heads} " \
                        "beyond the kernel's (512, 16)"
     return None
-
-
-def supported(model) -> bool:
-    """Whether every call of a causal one-token step of `model` runs a native kernel the plan can bind."""
-    return refusal(model) is None
 
 
 class _Buffers:
@@ -246,8 +225,7 @@ class _Steps:
 class _Plan:
     """The bound calls of a step of B rows × T tokens, the last `block_len` a block (see the module
     docstring): [kernel name, args] pairs, the kernel looked up in `library()` per step
-    (benchmarks.breakdown --glue swaps it). A one-token causal step binds the lm head as its last call;
-    other steps project the rows they are asked for after the list has run."""
+    (benchmarks.breakdown --glue swaps it)."""
 
     def __init__(self, model, B: int, T: int = 1, block_len: int = 0, recording: bool = False):
         self.B, self.T, self.block_len = B, T, block_len
@@ -260,6 +238,7 @@ class _Plan:
         self.attn: list = []           # per attention layer: (layer index, per-row args lists)
         self.moe: list = []            # per MoE layer: its args list
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
+        self.sources: list = []        # the parameters its fp32 constants are made from (their versions tell a reload)
         self.tables = _PageTables(B)
         self.top_p = torch.ones(B, dtype=torch.float32)            # block expert selection, written per step
         self.distinct = [torch.zeros(B, dtype=torch.int64) for _ in model.model.layers]   # per MoE block
@@ -290,13 +269,18 @@ class _Plan:
         self.slots[id(args)][index] = value or 0
 
     # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
+    def _constants(self, module, constants):
+        """A module's kernel constants (rmsnorm.kernel_constants), kept alive with the plan."""
+        self.keep.append(constants)
+        self.sources += module.__dict__["_kernel_constants"][2]
+
     def _add(self, name, args):
         self.calls.append((name, args))
         return args
 
     def _norm(self, h, delta, norm, out_h, out_x):
         H = h.shape[-1]
-        self.keep.append(_scale(norm))
+        self._constants(norm, _scale(norm))
         self._add("clover_add_rmsnorm", add_rmsnorm_args(
             self.B * self.T, H, h.data_ptr(), H, None if delta is None else delta.data_ptr(), 0 if delta is None else H,
             norm, None if delta is None else out_h.data_ptr(), out_x.data_ptr(), 1))
@@ -322,7 +306,7 @@ class _Plan:
         u, z, b, a = self._project(m, f"gdn{m.layer_index}-" if self.recording else "gdn")
         if b.stride()[:2] != a.stride()[:2]:
             raise ValueError("decode plan: GDN b and a not from one stacked projection")
-        self.keep.append(gdn_constants(m))
+        self._constants(m, gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, T, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
         self.gdn.append((m.layer_index, ptrs))
@@ -337,7 +321,8 @@ class _Plan:
         # each row's call gets its own k and v pointers and token strides
         qg, k, v = self._project(attn, "attn")
         out = self.buf.scratch("attn_out", B, T, attn.num_heads * attn.head_dim)
-        self.keep += [_scale(attn.q_norm), _scale(attn.k_norm)]
+        for norm in (attn.q_norm, attn.k_norm):
+            self._constants(norm, _scale(norm))
         at = lambda t, r: (t[r].data_ptr(), t[r].stride(0))  # noqa: E731
         # the rotary width, tables, K/V pages, page table and start: written per step (see `run`)
         rows = [self._add("clover_attention_cached",
@@ -445,8 +430,7 @@ class DecodePlans:
         self.ok = why is None
         if why is not None and getattr(model, "packed", None) == "clover-kernels" and model.runner.ranks == 1:
             log.info("steps of this model run through its layers, not a prepared plan: %s", why)
-        self.sources = _sources(model) if self.ok else []
-        self.version = versions(self.sources)
+        self.sources, self.version = [], 0      # what the plans' constants are made from (set by each new plan)
         self.plans: OrderedDict = OrderedDict()
         self.rotary = RotaryTable(model.model.rotary) if self.ok else None
         self.has_gdn = any(layer.kind == "linear_attention" for layer in model.model.layers)
@@ -465,14 +449,13 @@ class DecodePlans:
         if not self.lock.acquire(blocking=False):     # another thread is stepping this model
             return False, None
         try:
-            version = versions(self.sources)
-            if version != self.version:             # parameters rewritten: constants and plans anew
+            if versions(self.sources) != self.version:      # parameters rewritten: constants and plans anew
                 self.plans.clear()
-                self.version = version
             key = (B, T, block_len, batch.records is not None and T > block_len)
             plan = self.plans.get(key)
             if plan is None:
                 plan = self.plans[key] = _Plan(model, *key)
+                self.sources, self.version = plan.sources, versions(plan.sources)
                 if len(self.plans) > MAX_PLANS:
                     self.plans.popitem(last=False)
             else:

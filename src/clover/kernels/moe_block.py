@@ -21,15 +21,17 @@ from .rmsnorm import kernel_constants
 def _moe_constants(moe):
     """The C descriptors of the packed matrices the kernel reads, built once (a packed model is
     inference-only): the input maps (one stack, or the bf16 router part and the quantized shared
-    expert part), the experts' stacks and the shared expert's down projection."""
+    expert part: None where there is one), the experts' stacks and the shared expert's down
+    projection; and the sizes I, Is."""
     def make():
         if not packed_for_kernels(moe):
             raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu, its router and "
                              "shared expert input maps stacked as the kernel reads them")
         fused, (gate_up, down) = moe.fused_input, moe.experts.panels
         shared_down = moe.shared_expert.down_proj.packed
-        structs = [part[0].struct() for part in fused.parts] + [gate_up.struct(), down.struct(), shared_down.struct()]
-        return structs, len(fused.parts) == 2, gate_up.out_features // 2, shared_down.in_features
+        inputs = [part[0].struct() for part in fused.parts]
+        structs = inputs + [None] * (2 - len(inputs)) + [gate_up.struct(), down.struct(), shared_down.struct()]
+        return structs, gate_up.out_features // 2, shared_down.in_features
     return kernel_constants(moe, (), make)
 
 
@@ -40,14 +42,12 @@ def moe_block_args(moe, B: int, T: int, H: int, block_len: int, top_p, x, h, out
     """`clover_moe_block`'s arguments (the face's, the step plans' and benchmarks.kernel_ab's): B rows
     of T tokens of width H, the last `block_len` a block; `top_p` float32 [B] or None (selection off); addresses
     of x, h (or None), out and distinct (or None)."""
-    structs, split_input, I, Is = _moe_constants(moe)
-    w_in = structs[0]
-    shared_in, gate_up, down, shared_down = structs[1:] if split_input else (None, *structs[1:])
+    structs, I, Is = _moe_constants(moe)
     experts = moe.experts                     # a tensor-parallel shard's: experts first … first + count - 1
     addr = lambda s: None if s is None else ctypes.addressof(s)  # noqa: E731  (the structs live on `moe`)
     return [B, T, block_len, top_p, moe.min_block_experts, H, moe.num_experts,
-            getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, x, h, addr(w_in), addr(shared_in),
-            addr(gate_up), addr(down), addr(shared_down), out, distinct, threads]
+            getattr(experts, "first", 0), experts.num_experts, moe.top_k, I, Is, x, h, *map(addr, structs), out,
+            distinct, threads]
 
 
 def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: torch.Tensor | None = None):

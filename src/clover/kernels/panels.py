@@ -12,28 +12,16 @@ one function for every form, the kernel choosing by the descriptor's bits.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
+from ..runtime import MADV_HUGEPAGE, advise_pages
 from .build import library
 
 PANEL = 32
 
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@functools.lru_cache(maxsize=None)
-def _madvise():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError, TypeError):       # no C library to ask (not a POSIX system)
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
 
 
 def weight_buffer(shape, dtype=torch.bfloat16) -> torch.Tensor:
@@ -42,26 +30,31 @@ def weight_buffer(shape, dtype=torch.bfloat16) -> torch.Tensor:
     Weights are streamed once per token; with 4 KB pages the vocabulary GEMV of the full bench model
     read 24–25 GB/s, with 2 MB pages 27–28 (in-process, alternating, 40 rounds). Elsewhere a no-op."""
     t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    madvise = _madvise() if nbytes >= 2 * HUGE_PAGE else None
-    if madvise is not None:
-        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)      # advice only: failure changes nothing
+    if t.numel() * t.element_size() >= 2 * HUGE_PAGE:
+        advise_pages(t, MADV_HUGEPAGE, HUGE_PAGE)      # advice only: failure changes nothing
     return t
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] (or stacked [E, N, K]) → bf16 panels [ceil(N/32), K, 32] (or [E, ...]); see panel_gemm.c."""
+def pack_panels(weight: torch.Tensor, swiglu: int = 0) -> torch.Tensor:
+    """[N, K] (or stacked [E, N, K]) → bf16 panels [ceil(N/32), K, 32] (or [E, ...]), see panel_gemm.c:
+    slot 2j of panel p holds row 32p + j, slot 2j + 1 row 32p + 16 + j. `swiglu` = I: the rows are
+    gate rows then up rows, I each, and each panel holds 16 of both (I padded to a multiple of 16 with
+    zero rows: the SwiGLU epilogue's layout, `quant_panels.swiglu_rows`). Written straight into the
+    panel tensor: no full-size temporary beside the input unless rows are padded (packing a checkpoint
+    must not grow peak memory)."""
     *lead, N, K = weight.shape
-    w = weight.detach().to(torch.bfloat16)
-    pad = -N % PANEL
+    half = PANEL // 2
+    w = weight.detach()
+    if swiglu:
+        w = w.unflatten(-2, (2, swiglu))                                       # [..., 2, I, K]
+    pad = -w.shape[-2] % (half if swiglu else PANEL)
     if pad:
-        w = torch.cat([w, w.new_zeros(*lead, pad, K)], dim=-2)
-    P = (N + pad) // PANEL
+        w = torch.cat([w, w.new_zeros(*w.shape[:-2], pad, K)], dim=-2)
+    # [..., P, 2, 16, K]: panel p's rows (gate / up, or its first / second 16)
+    w = w.unflatten(-2, (-1, half)).transpose(-4, -3) if swiglu else w.unflatten(-2, (-1, 2, half))
+    P = w.shape[-4]
     out = weight_buffer((*lead, P, K, PANEL))
-    out.view(*lead, P, K, 16, 2).copy_(w.reshape(*lead, P, 2, 16, K).permute(*range(len(lead)), -4, -1, -2, -3))
+    out.view(*lead, P, K, half, 2).copy_(w.permute(*range(len(lead)), -4, -1, -2, -3))
     return out
 
 
@@ -75,13 +68,14 @@ class Weights(ctypes.Structure):
 
 
 class PanelWeight:
-    """One [N, K] bf16 matrix (or E stacked ones) in panel layout."""
+    """One [N, K] bf16 matrix (or E stacked ones) in panel layout (`swiglu`: see `pack_panels`)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, swiglu: int = 0):
         if weight.device.type != "cpu":
             raise ValueError("panel weights are for CPU inference")
-        *self.lead, self.out_features, self.in_features = weight.shape
-        self.panels = pack_panels(weight)
+        *self.lead, N, self.in_features = weight.shape
+        self.panels = pack_panels(weight, swiglu)
+        self.out_features = self.panels.shape[-3] * PANEL if swiglu else N
         self._struct = None
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -186,25 +180,3 @@ def grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor, ids: torch.Te
             None if scale is None else scale.data_ptr(), torch.get_num_threads()), "grouped linear",
             f"unsupported shape or group size (a SwiGLU epilogue needs N a multiple of {PANEL}, got {N})")
     return out
-
-
-def pack_gate_up(gate_up: torch.Tensor, intermediate: int) -> PanelWeight:
-    """Stacked expert [E, 2I, K] (gate rows, then up rows) → panels whose 32 columns are 16 gate columns
-    and the 16 matching up columns (the SwiGLU epilogue's layout); I is padded to a multiple of 16
-    with zero rows. Written straight into the panel tensor: no full-size temporary beside the input
-    (packing a checkpoint must not grow peak memory)."""
-    E, _, K = gate_up.shape
-    half = PANEL // 2
-    P = -(-intermediate // half)
-    pw = PanelWeight.__new__(PanelWeight)
-    pw.lead, pw.out_features, pw.in_features = [E], 2 * P * half, K
-    panels = weight_buffer((E, P, K, half, 2))
-    if intermediate % half:
-        panels.zero_()
-    full = intermediate // half                      # whole 16-row blocks, then a partial one
-    for slot, part in enumerate((gate_up[:, :intermediate], gate_up[:, intermediate:])):
-        panels[:, :full, :, :, slot].copy_(part[:, :full * half].reshape(E, full, half, K).transpose(-1, -2))
-        if intermediate % half:
-            panels[:, full, :, : intermediate % half, slot].copy_(part[:, full * half:].transpose(-1, -2))
-    pw.panels, pw._struct = panels.view(E, P, K, PANEL), None
-    return pw

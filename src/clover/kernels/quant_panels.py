@@ -1,13 +1,13 @@
 """Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c`.
 
-`QuantPanelWeight.pack(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
+`QuantPanelWeight(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
 quantization/format.py) into 32-column panels; `panels.linear` and `panels.grouped_linear` are the
-products (one pair for every packed form). The
-kernels quantize their inputs too (int8 per group of the weight's group size, absmax, round to
-nearest even) and take integer dot products (quant_gemm.c says why); `reference_linear` is that
-arithmetic in PyTorch, the definition tests compare the kernels with. Against the weight-only product
-(`F.linear` with the dequantized weight) the input rounding adds a relative error of about 0.3%
-(int8 has 255 levels per group), small beside int4's own ~10% per weight.
+products (one pair for every packed form). The kernels quantize their inputs too (int8 per group of
+the weight's group size, absmax, round to nearest even) and take integer dot products (quant_gemm.c
+says why); `reference_linear` is that arithmetic in PyTorch, the definition tests compare the kernels
+with. Against the weight-only product (`F.linear` with the dequantized weight) the input rounding
+adds a relative error of about 0.3% (int8 has 255 levels per group), small beside int4's own ~10%
+per weight.
 """
 
 from __future__ import annotations
@@ -78,15 +78,16 @@ class QuantPanelWeight:
     afterwards), so neither a stack of experts nor a 248k-row vocabulary projection ever sits whole
     beside its packed copy."""
 
+    # the per-row values packed beside the codes: group scales, group mins, two-level super-scales / mins
+    SCALES = ("scales", "mins", "super_scales", "super_mins")
+
     def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None,
                  super_scales: torch.Tensor | None = None, super_mins: torch.Tensor | None = None,
                  consume: bool = False):
         *lead, N, _ = qweight.shape
-        groups = scales.shape[-1]
         K = round(qweight.shape[-1] / CODE_BYTES[bits])
-        self.bits, self.group, self.in_features = bits, K // groups, K
-        supers = None if super_scales is None else super_scales.shape[-1]
-        self.super_group = 0 if supers is None else K // supers
+        self.bits, self.group, self.in_features = bits, K // scales.shape[-1], K
+        self.super_group = 0 if super_scales is None else K // super_scales.shape[-1]
         self.lead = lead
         if rows is None and N % PANEL:
             rows = torch.arange(N)
@@ -96,14 +97,10 @@ class QuantPanelWeight:
             rows = torch.cat([rows, rows.new_full((P * PANEL - len(rows),), -1)])
         stack = math.prod(lead)
         self.data = weight_buffer((stack, P, K * PANEL * bits // 8), dtype=torch.uint8)
-        self.scales = torch.empty(stack, P, groups, PANEL, dtype=scales.dtype)
-        self.mins = None if mins is None else torch.empty(stack, P, groups, PANEL, dtype=mins.dtype)
-        self.super_scales = None if supers is None else torch.empty(stack, P, supers, PANEL, dtype=torch.float16)
-        self.super_mins = None if super_mins is None else torch.empty(stack, P, supers, PANEL, dtype=torch.float16)
-        q3, s3 = qweight.reshape(stack, N, -1), scales.reshape(stack, N, groups)
-        m3 = None if mins is None else mins.reshape(stack, N, groups)
-        ss3 = None if supers is None else super_scales.reshape(stack, N, supers)
-        sm3 = None if super_mins is None else super_mins.reshape(stack, N, supers)
+        q3 = qweight.reshape(stack, N, -1)
+        given = dict(zip(self.SCALES, (scales, mins, super_scales, super_mins)))
+        stored = {name: t.reshape(stack, N, t.shape[-1]) for name, t in given.items() if t is not None}
+        packed = {name: torch.empty(stack, P, t.shape[-1], PANEL, dtype=t.dtype) for name, t in stored.items()}
         step = STEP_CODES_NATIVE if library() is not None else STEP_CODES
         band = max(1, step // (PANEL * K))                        # panels per step of one entry
         if band >= P:
@@ -116,24 +113,19 @@ class QuantPanelWeight:
             for p0 in range(0, P, band):
                 p1 = min(P, p0 + band)
                 self._pack_codes(q3[e0:e1], rows, e0, e1, p0, p1)
-                for src, dst in ((s3, self.scales), (m3, self.mins), (ss3, self.super_scales), (sm3, self.super_mins)):
-                    if src is not None:
-                        self._pack_scales(src[e0:e1], dst, rows, e0, p0, p1)
+                for name, src in stored.items():
+                    self._pack_scales(src[e0:e1], packed[name], rows, e0, p0, p1)
                 if by_band:
-                    for src in (q3, s3, m3, ss3, sm3):
-                        if src is not None:
-                            discard_pages(src[e0, p0 * PANEL:p1 * PANEL])
+                    for src in (q3, *stored.values()):
+                        discard_pages(src[e0, p0 * PANEL:p1 * PANEL])
             if consume and not by_band:   # these entries' stored pages go back to the OS now
-                for src in (q3, s3, m3, ss3, sm3):
-                    if src is not None:
-                        discard_pages(src[e0:e1])
+                for src in (q3, *stored.values()):
+                    discard_pages(src[e0:e1])
         shape = (*lead, P) if lead else (P,)
         self.data = self.data.view(*shape, -1)
-        self.scales = self.scales.view(*shape, groups, PANEL)
-        self.mins = None if self.mins is None else self.mins.view(*shape, groups, PANEL)
-        if supers is not None:
-            self.super_scales = self.super_scales.view(*shape, supers, PANEL)
-            self.super_mins = None if self.super_mins is None else self.super_mins.view(*shape, supers, PANEL)
+        for name in self.SCALES:
+            t = packed.get(name)
+            setattr(self, name, None if t is None else t.view(*shape, *t.shape[2:]))
         self._struct = None
 
     @staticmethod
@@ -179,22 +171,19 @@ class QuantPanelWeight:
     def struct(self) -> Weights:
         """The C descriptor (weights.h); built once (the tensors never move)."""
         if self._struct is None:
-            entry = self.data[0] if self.lead else self.data
-            sentry = self.scales[0] if self.lead else self.scales
+            entry = lambda t: (t[0] if self.lead else t).numel()  # noqa: E731  (one stacked entry's size)
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
             supers = self.super_scales
-            self._struct = Weights(self.bits, self.group, self.data.data_ptr(), self.scales.data_ptr(),
-                                    None if self.mins is None else self.mins.data_ptr(),
-                                    entry.numel(), sentry.numel(), self.super_group,
-                                    None if supers is None else supers.data_ptr(),
-                                    None if self.super_mins is None else self.super_mins.data_ptr(),
-                                    0 if supers is None else (supers[0] if self.lead else supers).numel())
+            self._struct = Weights(self.bits, self.group, self.data.data_ptr(), self.scales.data_ptr(), ptr(self.mins),
+                                   entry(self.data), entry(self.scales), self.super_group, ptr(supers),
+                                   ptr(self.super_mins), 0 if supers is None else entry(supers))
         return self._struct
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        out = {"qdata": self.data, "qscales": self.scales}
-        for key, tensor in (("qmins", self.mins), ("qsuper_scales", self.super_scales), ("qsuper_mins", self.super_mins)):
-            if tensor is not None:
-                out[key] = tensor
+        out = {"qdata": self.data}
+        for name in self.SCALES:
+            if getattr(self, name) is not None:
+                out["q" + name] = getattr(self, name)
         return out
 
 

@@ -29,12 +29,12 @@ def versions(tensors) -> int:
 
 def kernel_constants(module, sources, make):
     """What `make()` builds from `sources` (the module's parameters the kernel reads, as fp32 copies or
-    C descriptors), kept on `module` and made again whenever a source was written since (a weight
-    reload through `load_state_dict` copies into them, bumping their versions)."""
+    C descriptors), kept on `module` with its sources and made again whenever a source was written
+    since (a weight reload through `load_state_dict` copies into them, bumping their versions)."""
     version = versions(sources)
     cached = module.__dict__.get("_kernel_constants")
     if cached is None or cached[0] != version:
-        cached = module.__dict__["_kernel_constants"] = (version, make())
+        cached = module.__dict__["_kernel_constants"] = (version, make(), tuple(sources))
     return cached[1]
 
 

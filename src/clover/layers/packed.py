@@ -26,10 +26,10 @@ def packing_available() -> bool:
     return available()
 
 
-def _pack(weight: torch.Tensor):
+def _pack(weight: torch.Tensor, swiglu: int = 0):
     from ..kernels.panels import PanelWeight
 
-    return PanelWeight(weight)
+    return PanelWeight(weight, swiglu)
 
 
 def _quantized(module) -> bool:
@@ -91,10 +91,8 @@ def pack_experts(experts, consume: bool = False) -> None:
         del dn
     else:
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
-        from ..kernels.panels import pack_gate_up
-
         intermediate = experts.down_proj.shape[-1]
-        gate_up = pack_gate_up(experts.gate_up_proj.data, intermediate)
+        gate_up = _pack(experts.gate_up_proj.data, swiglu=intermediate)
         experts.gate_up_proj = None
         down = experts.down_proj.data
         if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
