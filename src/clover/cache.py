@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layers.norms import compute_dtype
+from .prefix_cache import PrefixCache
 from .transfer import device_tensor, to_device
 
 PAGE_SIZE = 32
@@ -225,8 +226,6 @@ class StatePool:
         self.slot_ids = RefCounts(slots, pinned=1)      # slot 0, the zero state: pinned, never written
         self.reserved_pages = 0                     # promised to sequences, not yet taken
         self.reserved_slots = 0
-        from .prefix_cache import PrefixCache
-
         self.prefix = PrefixCache(self)
 
     def _allocate(self, slots: int, pages: int, dev) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.panels import grouped_linear, refuse_moving
 from .expert_selection import route_top_k, select_block_experts_batched
 from .packed import project
 
@@ -58,8 +59,6 @@ class Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):
         if self.panels is not None:
-            from ..kernels.panels import refuse_moving
-
             refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
@@ -81,8 +80,6 @@ class Experts(nn.Module):
         counts = torch.bincount(expert, minlength=self.num_experts)
         weight = weight.to(x.dtype)
         if self.panels is not None:      # packed for the native kernels: gather, SwiGLU, weighting inside
-            from ..kernels.panels import grouped_linear
-
             gate_up, down = self.panels
             ids = counts.nonzero().squeeze(1)
             offsets = torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)])
