@@ -2,8 +2,8 @@
 
 Expert weights are stored fused, as transformers 5 does: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`.
 The fast path groups token-slots by expert so each routed expert's weights are read once per forward
-for all of its tokens, and experts nobody routed to are never touched. `reference_experts` is the
-plain per-slot definition kept beside it for tests.
+for all of its tokens, and experts nobody routed to are never touched. The block itself is the "moe"
+op's reference (backend.py).
 """
 
 from __future__ import annotations
@@ -96,15 +96,6 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, ys)
 
 
-def reference_experts(experts: Experts, x, indices, weights):
-    """Per-slot definition (slow): Σ_j w_j · down(silu(gate(x)) · up(x)) for each token's k experts."""
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j in range(indices.shape[1]):
-            out[n] += weights[n, j].to(x.dtype) * experts._expert(x[n], int(indices[n, j]))
-    return out
-
-
 class SparseMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -165,7 +156,3 @@ class SparseMoE(nn.Module):
             distinct = (hits > 0).sum(1)
         return out, distinct
 
-
-def moe_reference(moe: SparseMoE, x, block_len: int, block_top_p):
-    """The MoE block's output (routed + gated shared experts, no residual) and its distinct experts."""
-    return moe(x, block_len, block_top_p)
