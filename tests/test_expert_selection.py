@@ -3,11 +3,7 @@
 import pytest
 import torch
 
-from clover.layers.expert_selection import (
-    route_top_k,
-    select_block_experts,
-    select_block_experts_batched,
-)
+from clover.layers.expert_selection import route_top_k, select_block_experts_batched
 
 # Three tokens, six experts, k = 2. Top-2 candidates: {0,1}, {1,3}, {2,4}; expert 5 never.
 PI = torch.tensor(
@@ -23,6 +19,11 @@ PI = torch.tensor(
 
 def kept(mask):
     return mask.nonzero().squeeze(-1).tolist()
+
+
+def select_block_experts(router_probs, top_k, top_p, min_experts):
+    """Kept experts Bool[E] of one block (router_probs [L, E]): the batched selection, alone in its batch."""
+    return select_block_experts_batched(router_probs[None], top_k, top_p, min_experts)[0]
 
 
 @pytest.mark.parametrize(

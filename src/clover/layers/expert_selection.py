@@ -17,7 +17,6 @@ from torch import Tensor
 
 __all__ = [
     "validate_block_expert_top_p",
-    "select_block_experts",
     "select_block_experts_batched",
     "route_top_k",
 ]
@@ -99,22 +98,6 @@ def select_block_experts_batched(
     keep_sorted |= torch.arange(E, device=device) < n_min
     keep_sorted |= (p >= 1.0)[:, None]  # p = 1: selection off for that row
     return torch.zeros_like(keep_sorted).scatter_(-1, rank_order, keep_sorted)
-
-
-def select_block_experts(
-    router_probs: Tensor, top_k: int, top_p: float, min_experts: int
-) -> Tensor:
-    """Kept experts ``Bool[E]`` for one block (``router_probs[L, E]``); see the batched version."""
-    validate_block_expert_top_p(top_p)
-    if router_probs.dim() != 2:
-        raise ValueError(f"router_probs must be [L, E], got shape {tuple(router_probs.shape)}")
-    E = router_probs.shape[-1]
-    if float(top_p) >= 1.0:
-        _check_k(top_k, E, min_experts)
-        return torch.ones(E, dtype=torch.bool, device=router_probs.device)
-    return select_block_experts_batched(
-        router_probs[None], top_k, float(top_p), min_experts, check=False
-    )[0]
 
 
 def route_top_k(
