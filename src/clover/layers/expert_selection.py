@@ -15,6 +15,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .norms import compute_dtype
+
 __all__ = [
     "validate_block_expert_top_p",
     "select_block_experts_batched",
@@ -80,7 +82,7 @@ def select_block_experts_batched(
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device).reshape(-1).expand(B)
     if check:
         validate_block_expert_top_p(p)
-    probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
+    probs = router_probs.to(compute_dtype(router_probs.dtype))
 
     # Aggregate top-k mass per expert.
     cand = top_k_lowest_index_first(probs, k)
@@ -117,7 +119,7 @@ def route_top_k(
     N, E = router_probs.shape
     if top_k < 1 or top_k > E:
         raise ValueError(f"top_k must lie in [1, {E}], got {top_k!r}")
-    probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
+    probs = router_probs.to(compute_dtype(router_probs.dtype))
     if allowed is None:
         idx = top_k_lowest_index_first(probs, top_k)
         w = probs.gather(-1, idx)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..kernels.panels import grouped_linear, refuse_moving
 from .expert_selection import route_top_k, select_block_experts_batched
+from .norms import compute_dtype
 from .packed import project
 
 
@@ -39,8 +40,7 @@ class Router(nn.Module):
 
 
 def router_probs(logits: torch.Tensor) -> torch.Tensor:
-    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.softmax(logits.to(cdt), dim=-1)
+    return torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
 
 
 class Experts(nn.Module):
