@@ -381,12 +381,11 @@ class StatePool:
 
     def _seq_take_slot(self, held: _Holdings) -> int:
         """A fresh slot for a sequence, out of its reservation while it has one left."""
-        if not held.reserved_slots:
-            return self._take(self.slot_ids)
         slot = self._take(self.slot_ids)
-        held.reserved_slots -= 1
-        self.reserved_slots -= 1
-        held.own_slots.append(slot)
+        if held.reserved_slots:
+            held.reserved_slots -= 1
+            self.reserved_slots -= 1
+            held.own_slots.append(slot)
         return slot
 
     def _seq_set_slot(self, held: _Holdings, slot: int, taken: bool = False) -> None:
@@ -517,10 +516,6 @@ class SequenceState:
         """Give everything back to the pool now (also done when the handle is garbage-collected)."""
         self._finalizer()
 
-    @property
-    def has_gdn(self) -> bool:
-        return self.pool.has_gdn
-
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GDN layer `layer`'s conv tail [C, K−1] and recurrent state [Hv, dk, dv] (views into the pool:
         read them, do not write them)."""
@@ -587,7 +582,7 @@ class SequenceState:
             return
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
-        if self.has_gdn and (self.spec_start is None or n < self.spec_start):
+        if self.pool.has_gdn and (self.spec_start is None or n < self.spec_start):
             raise ValueError(
                 "GDN states cannot be truncated without a snapshot: call begin_speculation() before the "
                 "tokens to be dropped, or restore() a snapshot"
@@ -605,7 +600,7 @@ class SequenceState:
             self.spec_start = self.length
             self.pool.slot_ids.ref(self._held.slot)
             self._held.saved_slot = self._held.slot
-            self._records = {i: [] for i in self.pool.conv} if self.has_gdn else None
+            self._records = {i: [] for i in self.pool.conv} if self.pool.has_gdn else None
 
     def _close_speculation(self) -> None:
         self.spec_start = None
@@ -624,7 +619,7 @@ class SequenceState:
         pool, held = self.pool, self._held
         keep = n - start
         with pool._lock:
-            if self.has_gdn and n != self.length:
+            if pool.has_gdn and n != self.length:
                 if keep == 0:
                     pool._seq_set_slot(held, held.saved_slot)
                 else:
