@@ -63,16 +63,14 @@ def select_block_experts_batched(
     top_k: int,
     top_p: Union[Tensor, float],
     min_experts: int,
-    *,
-    check: bool = True,
 ) -> Tensor:
     """Kept experts ``Bool[B, E]`` for each sequence's block (``router_probs[B, L, E]``).
 
     Per row: ``m_e = Σ_t Σ_{e∈C_t} π_t[e]`` over each token's top-k candidates ``C_t``; experts ranked
     by ``m_e`` descending (ties → lower index); keep the shortest prefix with cumulative mass
     ``≥ p·Σ m``, and at least ``min_experts`` (capped at E; ≥1 always). Zero-mass experts enter
-    only to reach the minimum. Rows with ``p == 1`` keep all experts. ``check=False`` skips the
-    validation of ``top_p`` (a host sync), for callers that validated it once per request.
+    only to reach the minimum. Rows with ``p == 1`` keep all experts. ``top_p`` is not checked here
+    (a host sync): callers validate it once per forward (``validate_block_expert_top_p``).
     """
     if router_probs.dim() != 3:
         raise ValueError(f"router_probs must be [B, L, E], got shape {tuple(router_probs.shape)}")
@@ -80,8 +78,6 @@ def select_block_experts_batched(
     device = router_probs.device
     k, n_min = _check_k(top_k, E, min_experts)
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device).reshape(-1).expand(B)
-    if check:
-        validate_block_expert_top_p(p)
     probs = router_probs.to(compute_dtype(router_probs.dtype))
 
     # Aggregate top-k mass per expert.

@@ -136,9 +136,7 @@ class SparseMoE(nn.Module):
         allowed = None
         if block_len and block_top_p is not None:
             block_probs = probs.view(B, T, -1)[:, T - block_len:]
-            # validated once per forward by the model (`_top_p`): checking it here would sync per layer
-            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts,
-                                                check=False)
+            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts)
             allowed = torch.ones(B, T, self.num_experts, dtype=torch.bool, device=x.device)
             allowed[:, T - block_len:] = kept[:, None, :]
             allowed = allowed.view(B * T, -1)
