@@ -3,11 +3,7 @@
 import pytest
 import torch
 
-from clover.layers.expert_selection import (
-    route_top_k,
-    select_block_experts,
-    select_block_experts_batched,
-)
+from clover.layers.expert_selection import route_top_k, select_block_experts_batched, validate_block_expert_top_p
 
 # Three tokens, six experts, k = 2. Top-2 candidates: {0,1}, {1,3}, {2,4}; expert 5 never.
 PI = torch.tensor(
@@ -23,6 +19,11 @@ PI = torch.tensor(
 
 def kept(mask):
     return mask.nonzero().squeeze(-1).tolist()
+
+
+def select_block_experts(router_probs, top_k, top_p, min_experts):
+    """Kept experts Bool[E] of one block (router_probs [L, E]): the batched selection, alone in its batch."""
+    return select_block_experts_batched(router_probs[None], top_k, top_p, min_experts)[0]
 
 
 @pytest.mark.parametrize(
@@ -59,10 +60,11 @@ def test_zero_mass_block_keeps_minimum():
 
 @pytest.mark.parametrize("p", [0.0, -0.1, 1.5, float("nan")])
 def test_invalid_p_raises(p):
+    """(Checked once per forward, before the layers select: `ModelRunner.block_top_p`.)"""
     with pytest.raises(ValueError):
-        select_block_experts(PI, 2, p, 1)
+        validate_block_expert_top_p(p)
     with pytest.raises(ValueError):
-        select_block_experts_batched(PI[None], 2, torch.tensor([p]), 1)
+        validate_block_expert_top_p(torch.tensor([0.5, p]))
 
 
 def test_batched_equals_unbatched():

@@ -67,7 +67,7 @@ def test_pages_and_slots_come_back_after_forwards_snapshots_and_speculation():
         before = [t.clone() for t in seq.gdn_state(0)]
         snap = seq.snapshot()
         model.step(ids[:, :3], [seq])                                   # a new slot, the old one untouched
-        assert seq.slot != first and pool.slot_refs(first) == 1          # the snapshot still holds it
+        assert seq.slot != first and pool.slot_ids.refs[first] == 1          # the snapshot still holds it
         assert all(torch.equal(a, b) for a, b in zip(before, (pool.conv[0][first], pool.recurrent[0][first])))
         seq.restore(snap)
         assert seq.slot == first and seq.length == 45
@@ -165,12 +165,12 @@ def test_reused_state_at_a_page_boundary_equals_recomputation():
         for a, b in zip(mine, theirs):
             assert a.shape == b.shape and (a - b).abs().max() <= 1e-10
     # the reused sequence continues like the direct one; its pages are shared, not copied
-    assert reused.pages[:3] == list(entry.pages) and all(pool.page_refs(p) >= 2 for p in entry.pages)
+    assert reused.pages[:3] == list(entry.pages) and all(pool.page_ids.refs[p] >= 2 for p in entry.pages)
     nxt = torch.tensor([prompt[96:]])
     with torch.no_grad():
         a, b = model.step(nxt, [reused]), model.step(nxt, [direct])
     assert (a - b).abs().max() <= 1e-10
-    assert pool.page_refs(entry.pages[-1]) >= 2                           # writing after it left it shared
+    assert pool.page_ids.refs[entry.pages[-1]] >= 2                           # writing after it left it shared
 
 
 def test_eviction_frees_cached_prefixes_under_pressure():

@@ -27,7 +27,7 @@ from typing import Callable
 
 from .layers.attention import attention_reference
 from .layers.gated_deltanet import gdn_core_reference
-from .layers.moe import moe_reference
+from .layers.moe import SparseMoE
 from .layers.norms import add_rmsnorm_reference
 
 # op → its PyTorch definition (next to its module in layers/, which never imports this module)
@@ -35,7 +35,7 @@ REFERENCES: dict[str, Callable] = {
     "add_rmsnorm": add_rmsnorm_reference,
     "gdn_core": gdn_core_reference,
     "attention": attention_reference,
-    "moe": moe_reference,
+    "moe": SparseMoE.__call__,            # the module itself
 }
 
 # The sequence-mixing ops, and where their `batch` (a `ForwardBatch`, or None) is among the arguments.

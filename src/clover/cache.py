@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layers.norms import compute_dtype
+from .prefix_cache import PrefixCache
 from .transfer import device_tensor, to_device
 
 PAGE_SIZE = 32
@@ -44,22 +45,6 @@ class PoolFull(RuntimeError):
 
 
 @dataclass
-class GDNRecord:
-    """A GDN layer's committed inputs during a speculation, for its rollback: the mixer's projections
-    (u, z, b, a) per forward and the `gdn_core` op that took them. A rollback replays the accepted tokens
-    through that same op from the kept state, so the state it leaves is bit for bit the one an
-    autoregressive step per token makes (the kernels' causal passes do not depend on how tokens are
-    grouped into calls)."""
-
-    inputs: list = field(default_factory=list)  # (u [T, C], z [T, ·], b [T, Hv], a [T, Hv]) per forward
-    replay: tuple | None = None                 # (mixer, gdn_core)
-
-    def add(self, mixer, gdn_core, u, z, b, a) -> None:
-        self.inputs.append((u, z, b, a))
-        self.replay = (mixer, gdn_core)
-
-
-@dataclass
 class ForwardBatch:
     """What one cached forward does, per row — all the layers need to read and write the pool.
 
@@ -67,8 +52,8 @@ class ForwardBatch:
     all of them, the block's as scratch). `commits[b]`: how many of them become state (T − block_len,
     or the row's own length in a right-padded prefill). `pages[b]`: its page table, covering
     starts[b] + T. `read_slots` / `write_slots`: the GDN slot each row starts from / its state after the
-    commit goes to (None when nothing is committed). `records`: per row, per GDN layer, a `GDNRecord`
-    that receives the committed tokens' inputs (open speculations), or None."""
+    commit goes to (None when nothing is committed). `records`: per row, per GDN layer, a list that
+    receives the committed tokens' inputs (an open speculation: `SequenceState.rollback`), or None."""
 
     pool: "StatePool"
     starts: list[int]
@@ -225,8 +210,6 @@ class StatePool:
         self.slot_ids = RefCounts(slots, pinned=1)      # slot 0, the zero state: pinned, never written
         self.reserved_pages = 0                     # promised to sequences, not yet taken
         self.reserved_slots = 0
-        from .prefix_cache import PrefixCache
-
         self.prefix = PrefixCache(self)
 
     def _allocate(self, slots: int, pages: int, dev) -> None:
@@ -313,12 +296,6 @@ class StatePool:
                 raise PoolFull(f"the state pool's {what} are all in use")
         return ids.take()
 
-    def page_refs(self, page: int) -> int:
-        return self.page_ids.refs[page]
-
-    def slot_refs(self, slot: int) -> int:
-        return self.slot_ids.refs[slot]
-
     # ---- scratch ---------------------------------------------------------------------------------
     def take_scratch(self, tokens: int) -> tuple[list[int], int]:
         """Pages for `tokens` positions and one GDN slot (0 without GDN layers) that no sequence owns:
@@ -404,12 +381,11 @@ class StatePool:
 
     def _seq_take_slot(self, held: _Holdings) -> int:
         """A fresh slot for a sequence, out of its reservation while it has one left."""
-        if not held.reserved_slots:
-            return self._take(self.slot_ids)
         slot = self._take(self.slot_ids)
-        held.reserved_slots -= 1
-        self.reserved_slots -= 1
-        held.own_slots.append(slot)
+        if held.reserved_slots:
+            held.reserved_slots -= 1
+            self.reserved_slots -= 1
+            held.own_slots.append(slot)
         return slot
 
     def _seq_set_slot(self, held: _Holdings, slot: int, taken: bool = False) -> None:
@@ -513,16 +489,18 @@ class SequenceState:
     snapshot() / restore(): a GDN slot reference and a length (K/V roll back by length);
     truncate(n): drop positions ≥ n (GDN layers need an open speculation covering them);
     speculation: `begin_speculation()` keeps the current slot and makes the next causal forwards record
-    each GDN layer's per-token inputs (pre-conv `u`, and `q, k, v, g, β`). `rollback(n)` then brings the
-    sequence to length `n` by replaying only the delta rule over the accepted tokens from the kept slot —
-    no model layer is re-run and no per-position recurrent state is stored."""
+    each GDN layer's inputs after its projections (`u, z, b, a`). `rollback(n)` then brings the sequence
+    to length `n` by replaying the GDN op over the accepted tokens from the kept slot — no projection
+    or other layer is re-run and no per-position recurrent state is stored."""
 
     def __init__(self, pool: StatePool, held: _Holdings):
         self.pool = pool
         self._held = held
         self.length = 0
         self.spec_start: int | None = None
-        self._records: dict | None = None          # GDN layer index → GDNRecord, during speculation
+        # during a speculation, GDN layer index → the forwards it committed: (mixer, gdn_core, u, z, b, a)
+        # each, u [T, C], z [T, ·], b, a [T, Hv], and the op that took them
+        self._records: dict | None = None
         self._finalizer = weakref.finalize(self, pool._release, held)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
@@ -537,10 +515,6 @@ class SequenceState:
     def release(self) -> None:
         """Give everything back to the pool now (also done when the handle is garbage-collected)."""
         self._finalizer()
-
-    @property
-    def has_gdn(self) -> bool:
-        return self.pool.has_gdn
 
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GDN layer `layer`'s conv tail [C, K−1] and recurrent state [Hv, dk, dv] (views into the pool:
@@ -558,7 +532,7 @@ class SequenceState:
         """Give GDN layer `layer` this state (tests, imports): into a fresh slot shared by no one."""
         pool = self.pool
         with pool._lock:
-            if pool.slot_refs(self._held.slot) > 1 or self._held.slot == 0:
+            if pool.slot_ids.refs[self._held.slot] > 1 or self._held.slot == 0:
                 fresh = pool._seq_take_slot(self._held)
                 for i in pool.conv:
                     pool.conv[i][fresh].copy_(pool.conv[i][self._held.slot])
@@ -608,7 +582,7 @@ class SequenceState:
             return
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
-        if self.has_gdn and (self.spec_start is None or n < self.spec_start):
+        if self.pool.has_gdn and (self.spec_start is None or n < self.spec_start):
             raise ValueError(
                 "GDN states cannot be truncated without a snapshot: call begin_speculation() before the "
                 "tokens to be dropped, or restore() a snapshot"
@@ -626,12 +600,7 @@ class SequenceState:
             self.spec_start = self.length
             self.pool.slot_ids.ref(self._held.slot)
             self._held.saved_slot = self._held.slot
-            self._records = {i: GDNRecord() for i in self.pool.conv} if self.has_gdn else None
-
-    def end_speculation(self) -> None:
-        """Accept everything written since `begin_speculation()`."""
-        with self.pool._lock:
-            self._close_speculation()
+            self._records = {i: [] for i in self.pool.conv} if self.pool.has_gdn else None
 
     def _close_speculation(self) -> None:
         self.spec_start = None
@@ -640,25 +609,28 @@ class SequenceState:
         self._held.saved_slot = None
 
     def rollback(self, n: int) -> None:
-        """Keep positions `< n` (n ≥ the speculation start), replaying the delta rule for GDN layers."""
+        """Keep positions `< n` (n ≥ the speculation start). GDN layers replay the accepted tokens through
+        the op that took them, from the kept state: the state left is bit for bit the one an
+        autoregressive step per token makes (the kernels' causal passes do not depend on how tokens are
+        grouped into calls)."""
         start = self.spec_start
         if start is None or not start <= n <= self.length:
             raise ValueError(f"rollback to {n} needs an open speculation starting at or before it (start {start})")
         pool, held = self.pool, self._held
         keep = n - start
         with pool._lock:
-            if self.has_gdn and n != self.length:
+            if pool.has_gdn and n != self.length:
                 if keep == 0:
                     pool._seq_set_slot(held, held.saved_slot)
                 else:
                     target = held.slot
-                    if pool.slot_refs(target) > 1 or target in (held.saved_slot, 0):
+                    if pool.slot_ids.refs[target] > 1 or target in (held.saved_slot, 0):
                         target = pool._seq_take_slot(held)
                     replay = ForwardBatch(self.pool, [start], [keep], 0, [list(held.pages)], [held.saved_slot],
                                           [target], None)
-                    for record in self._records.values():
-                        mixer, gdn_core = record.replay
-                        u, z, b, a = (torch.cat(parts)[None, :keep] for parts in zip(*record.inputs))
+                    for forwards in self._records.values():
+                        mixer, gdn_core = forwards[0][:2]
+                        u, z, b, a = (torch.cat(parts)[None, :keep] for parts in list(zip(*forwards))[2:])
                         gdn_core(mixer, u, z, b, a, replay, 0)        # (the output is not needed)
                     if target != held.slot:
                         pool._seq_set_slot(held, target, taken=True)

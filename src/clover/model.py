@@ -15,6 +15,7 @@ from torch import nn
 
 from .cache import logits_rows
 from .config import CloverConfig
+from .kernels.panels import refuse_moving
 from .layers.attention import Attention
 from .layers.gated_deltanet import GatedDeltaNet
 from .layers.moe import SparseMoE
@@ -76,8 +77,6 @@ class CloverForCausalLM(nn.Module):
     def _apply(self, fn, recurse=True):
         # checked before any submodule is touched: a packed model refuses `.to()` / casts whole
         if getattr(self, "packed", None):
-            from .kernels.panels import refuse_moving
-
             refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 

@@ -410,8 +410,8 @@ class _Plan:
             for mixer, pieces in self.gdn_inputs:
                 for r, records in enumerate(batch.records):
                     if records is not None:
-                        records[mixer.layer_index].add(mixer, model.backend.gdn_core,
-                                                       *(t[r, :P].clone() for t in pieces))
+                        records[mixer.layer_index].append((mixer, model.backend.gdn_core,
+                                                           *(t[r, :P].clone() for t in pieces)))
         if logits is not None:
             return None if logits_at == "none" else logits.view(B, 1, -1)
         if logits_at == "none":

@@ -16,19 +16,6 @@ import torch
 import torch.nn.functional as F
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
-    """Token-by-token definition. Cheap for T = 1 (decode), the reference for everything else."""
-    outs = []
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
-        k_t = k[:, :, t]                                                   # [B, H, dk]
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k_t)
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]             # [B, H, dv]
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
-    return torch.stack(outs, dim=2), state
-
-
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunked form: O(T/C) sequential steps of matmuls instead of T rank-1 updates.
 
@@ -90,13 +77,18 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
     return q[:, :, 0, None, :] @ new, new                                  # [B, H, 1, dv]
 
 
-def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Dispatch: the single-token step for one or two tokens, the chunked form otherwise."""
-    T = q.shape[2]
-    if T > 2:
-        return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token by token, `gated_delta_rule_step` per token: the reference the chunked form is tested
+    against, and the path for one or two tokens."""
     outs = []
-    for t in range(T):
+    for t in range(q.shape[2]):
         o, state = gated_delta_rule_step(*(x[:, :, t:t + 1] for x in (q, k, v, g, beta)), state)
         outs.append(o)
-    return (outs[0] if T == 1 else torch.cat(outs, dim=2)), state
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), state
+
+
+def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Dispatch: the recurrent form for one or two tokens, the chunked form otherwise."""
+    if q.shape[2] > 2:
+        return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state)

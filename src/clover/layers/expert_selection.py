@@ -15,9 +15,10 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .norms import compute_dtype
+
 __all__ = [
     "validate_block_expert_top_p",
-    "select_block_experts",
     "select_block_experts_batched",
     "route_top_k",
 ]
@@ -62,16 +63,14 @@ def select_block_experts_batched(
     top_k: int,
     top_p: Union[Tensor, float],
     min_experts: int,
-    *,
-    check: bool = True,
 ) -> Tensor:
     """Kept experts ``Bool[B, E]`` for each sequence's block (``router_probs[B, L, E]``).
 
     Per row: ``m_e = Σ_t Σ_{e∈C_t} π_t[e]`` over each token's top-k candidates ``C_t``; experts ranked
     by ``m_e`` descending (ties → lower index); keep the shortest prefix with cumulative mass
     ``≥ p·Σ m``, and at least ``min_experts`` (capped at E; ≥1 always). Zero-mass experts enter
-    only to reach the minimum. Rows with ``p == 1`` keep all experts. ``check=False`` skips the
-    validation of ``top_p`` (a host sync), for callers that validated it once per request.
+    only to reach the minimum. Rows with ``p == 1`` keep all experts. ``top_p`` is not checked here
+    (a host sync): callers validate it once per forward (``validate_block_expert_top_p``).
     """
     if router_probs.dim() != 3:
         raise ValueError(f"router_probs must be [B, L, E], got shape {tuple(router_probs.shape)}")
@@ -79,9 +78,7 @@ def select_block_experts_batched(
     device = router_probs.device
     k, n_min = _check_k(top_k, E, min_experts)
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device).reshape(-1).expand(B)
-    if check:
-        validate_block_expert_top_p(p)
-    probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
+    probs = router_probs.to(compute_dtype(router_probs.dtype))
 
     # Aggregate top-k mass per expert.
     cand = top_k_lowest_index_first(probs, k)
@@ -101,22 +98,6 @@ def select_block_experts_batched(
     return torch.zeros_like(keep_sorted).scatter_(-1, rank_order, keep_sorted)
 
 
-def select_block_experts(
-    router_probs: Tensor, top_k: int, top_p: float, min_experts: int
-) -> Tensor:
-    """Kept experts ``Bool[E]`` for one block (``router_probs[L, E]``); see the batched version."""
-    validate_block_expert_top_p(top_p)
-    if router_probs.dim() != 2:
-        raise ValueError(f"router_probs must be [L, E], got shape {tuple(router_probs.shape)}")
-    E = router_probs.shape[-1]
-    if float(top_p) >= 1.0:
-        _check_k(top_k, E, min_experts)
-        return torch.ones(E, dtype=torch.bool, device=router_probs.device)
-    return select_block_experts_batched(
-        router_probs[None], top_k, float(top_p), min_experts, check=False
-    )[0]
-
-
 def route_top_k(
     router_probs: Tensor, top_k: int, allowed: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor]:
@@ -134,7 +115,7 @@ def route_top_k(
     N, E = router_probs.shape
     if top_k < 1 or top_k > E:
         raise ValueError(f"top_k must lie in [1, {E}], got {top_k!r}")
-    probs = router_probs if router_probs.dtype == torch.float64 else router_probs.to(torch.float32)
+    probs = router_probs.to(compute_dtype(router_probs.dtype))
     if allowed is None:
         idx = top_k_lowest_index_first(probs, top_k)
         w = probs.gather(-1, idx)

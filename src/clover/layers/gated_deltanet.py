@@ -90,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         if batch is not None and batch.records is not None and P:      # an open speculation: its rollback
             for r, records in enumerate(batch.records):                 # replays these through `core`
                 if records is not None:
-                    records[self.layer_index].add(self, core, *(t[r, :P] for t in (u, z, b, a)))
+                    records[self.layer_index].append((self, core, *(t[r, :P] for t in (u, z, b, a))))
         return self.out_proj(core(self, u, z, b, a, batch, block_len))
 
 

@@ -2,8 +2,8 @@
 
 Expert weights are stored fused, as transformers 5 does: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`.
 The fast path groups token-slots by expert so each routed expert's weights are read once per forward
-for all of its tokens, and experts nobody routed to are never touched. `reference_experts` is the
-plain per-slot definition kept beside it for tests.
+for all of its tokens, and experts nobody routed to are never touched. The block itself is the "moe"
+op's reference (backend.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.panels import grouped_linear, refuse_moving
 from .expert_selection import route_top_k, select_block_experts_batched
+from .norms import compute_dtype
 from .packed import project
 
 
@@ -38,8 +40,7 @@ class Router(nn.Module):
 
 
 def router_probs(logits: torch.Tensor) -> torch.Tensor:
-    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.softmax(logits.to(cdt), dim=-1)
+    return torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
 
 
 class Experts(nn.Module):
@@ -58,8 +59,6 @@ class Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):
         if self.panels is not None:
-            from ..kernels.panels import refuse_moving
-
             refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
@@ -81,8 +80,6 @@ class Experts(nn.Module):
         counts = torch.bincount(expert, minlength=self.num_experts)
         weight = weight.to(x.dtype)
         if self.panels is not None:      # packed for the native kernels: gather, SwiGLU, weighting inside
-            from ..kernels.panels import grouped_linear
-
             gate_up, down = self.panels
             ids = counts.nonzero().squeeze(1)
             offsets = torch.cat([counts.new_zeros(1), counts[ids].cumsum(0)])
@@ -97,15 +94,6 @@ class Experts(nn.Module):
                     start += count
             ys = ys * weight[:, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
-
-
-def reference_experts(experts: Experts, x, indices, weights):
-    """Per-slot definition (slow): Σ_j w_j · down(silu(gate(x)) · up(x)) for each token's k experts."""
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j in range(indices.shape[1]):
-            out[n] += weights[n, j].to(x.dtype) * experts._expert(x[n], int(indices[n, j]))
-    return out
 
 
 class SparseMoE(nn.Module):
@@ -148,9 +136,7 @@ class SparseMoE(nn.Module):
         allowed = None
         if block_len and block_top_p is not None:
             block_probs = probs.view(B, T, -1)[:, T - block_len:]
-            # validated once per forward by the model (`_top_p`): checking it here would sync per layer
-            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts,
-                                                check=False)
+            kept = select_block_experts_batched(block_probs, self.top_k, block_top_p, self.min_block_experts)
             allowed = torch.ones(B, T, self.num_experts, dtype=torch.bool, device=x.device)
             allowed[:, T - block_len:] = kept[:, None, :]
             allowed = allowed.view(B * T, -1)
@@ -168,7 +154,3 @@ class SparseMoE(nn.Module):
             distinct = (hits > 0).sum(1)
         return out, distinct
 
-
-def moe_reference(moe: SparseMoE, x, block_len: int, block_top_p):
-    """The MoE block's output (routed + gated shared experts, no residual) and its distinct experts."""
-    return moe(x, block_len, block_top_p)

@@ -18,31 +18,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-
-def packing_available() -> bool:
-    from ..kernels import available
-
-    return available()
-
-
-def _pack(weight: torch.Tensor, swiglu: int = 0):
-    from ..kernels.panels import PanelWeight
-
-    return PanelWeight(weight, swiglu)
-
-
-def _quantized(module) -> bool:
-    from ..quantization.modules import QuantizedLinear
-
-    return isinstance(module, QuantizedLinear)
+from ..kernels import available as packing_available
+from ..kernels.panels import PanelWeight, refuse_moving
+from ..kernels.panels import linear as packed_linear
+from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
+from ..quantization.modules import QuantizedLinear
+from ..runtime import release_free_memory
 
 
 def _pack_quantized(linears: list, consume: bool = False):
     """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels.
     `consume`: a lone map's stored codes may be handed back as they are packed (a model only the caller
     holds); maps stacked from several are always consumed, the stack being this function's own copy."""
-    from ..kernels.quant_panels import QuantPanelWeight
 
     def stacked(name):
         if getattr(linears[0], name) is None:
@@ -56,7 +43,7 @@ def _pack_quantized(linears: list, consume: bool = False):
 
 def _kind(module):
     """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form."""
-    if _quantized(module):
+    if isinstance(module, QuantizedLinear):
         return ("quantized", module.bits, module.group_size, module.super_group, module.mins is not None)
     weight = getattr(module, "weight", None)
     return ("bf16",) if weight is not None and weight.dtype == torch.bfloat16 else None
@@ -70,19 +57,11 @@ def project(module: nn.Module, x: torch.Tensor) -> list:
     return [module.get_submodule(name)(x) for name in module.input_projections]
 
 
-def packed_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-    from ..kernels.panels import linear
-
-    return linear(x, packed, bias)
-
-
 def pack_experts(experts, consume: bool = False) -> None:
     """Replace an `Experts` module's matrices by stacked panels for the native kernels (`experts.panels`,
     their tensors registered as its buffers). `consume`: quantized stacks hand their stored pages back
     as they are packed (nothing else may read them)."""
     if experts.quantized:
-        from ..kernels.quant_panels import QuantPanelWeight, swiglu_rows
-
         gu, dn = experts.gate_up_proj, experts.down_proj
         experts.gate_up_proj = experts.down_proj = None
         gate_up = QuantPanelWeight(**gu.stored(), rows=swiglu_rows(dn.shape[-1]), consume=consume)
@@ -92,12 +71,12 @@ def pack_experts(experts, consume: bool = False) -> None:
     else:
         # One stack at a time, freed as soon as it is packed: the transient extra memory is one tensor.
         intermediate = experts.down_proj.shape[-1]
-        gate_up = _pack(experts.gate_up_proj.data, swiglu=intermediate)
+        gate_up = PanelWeight(experts.gate_up_proj.data, swiglu=intermediate)
         experts.gate_up_proj = None
         down = experts.down_proj.data
         if gate_up.out_features // 2 != intermediate:           # zero columns for the zero-padded rows
             down = torch.cat([down, down.new_zeros(*down.shape[:2], gate_up.out_features // 2 - intermediate)], -1)
-        down = _pack(down)
+        down = PanelWeight(down)
         experts.down_proj = None
     experts.panels = (gate_up, down)
     register_packed(experts, "gate_up", gate_up)           # registered state (see PackedWeights)
@@ -111,8 +90,6 @@ class PackedWeights(nn.Module):
     `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
 
     def _apply(self, fn, recurse=True):
-        from ..kernels.panels import refuse_moving
-
         refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
@@ -133,7 +110,7 @@ class FusedProjection(PackedWeights):
 
     def __init__(self, linears: list):
         super().__init__()
-        self.sizes = [m.out_features if _quantized(m) else m.weight.shape[0] for m in linears]
+        self.sizes = [m.out_features if isinstance(m, QuantizedLinear) else m.weight.shape[0] for m in linears]
         self.parts = []                                    # (packed, bias, sizes) per run of one kind
         start = 0
         while start < len(linears):
@@ -141,10 +118,10 @@ class FusedProjection(PackedWeights):
             while end < len(linears) and _kind(linears[end]) == _kind(linears[start]):
                 end += 1
             run = linears[start:end]
-            if _quantized(run[0]):
+            if isinstance(run[0], QuantizedLinear):
                 packed = _pack_quantized(run)
             else:
-                packed = _pack(torch.cat([m.weight.detach() for m in run]))
+                packed = PanelWeight(torch.cat([m.weight.detach() for m in run]))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
@@ -167,7 +144,8 @@ class PackedLinear(PackedWeights):
     def __init__(self, linear: nn.Module, consume: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack_quantized([linear], consume) if _quantized(linear) else _pack(linear.weight)
+        self.packed = (_pack_quantized([linear], consume) if isinstance(linear, QuantizedLinear)
+                       else PanelWeight(linear.weight))
         register_packed(self, "weight_packed", self.packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
@@ -200,11 +178,9 @@ def pack_for_cpu(model, consume: bool = False) -> int:
 
 def packs(model) -> bool:
     """Whether `pack_for_cpu` packs `model`: bf16 on the CPU, with the native kernels available."""
-    from ..kernels import available
-
     if model.dtype != torch.bfloat16 or model.device.type != "cpu":
         return False                        # (checked first: deciding on the kernels may compile them)
-    return available()
+    return packing_available()
 
 
 def pack_part(model, prefix: str, consume: bool = False) -> int:
@@ -214,8 +190,6 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
     stacks (`pack_experts`) and large quantized matrices (the vocabulary projection) are consumed slab by
     slab as they are packed, so not even one layer's stored experts sit whole beside their packed
     copy — only for a model nothing else references."""
-    from ..runtime import release_free_memory
-
     def inside(name: str) -> bool:
         return not prefix or name == prefix or name.startswith(prefix + ".")
 
@@ -226,7 +200,7 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
     names = [name for name, m in model.named_modules()
              if inside(name) and (
                  (isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and not (tied and m is model.lm_head))
-                 or _quantized(m)
+                 or isinstance(m, QuantizedLinear)
                  or (getattr(m, "gate_up_proj", None) is not None        # an `Experts` stack (moe.py)
                      and (m.quantized or m.gate_up_proj.dtype == torch.bfloat16)))]
     for qualified in names:

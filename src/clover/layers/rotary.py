@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .norms import compute_dtype
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float):
@@ -20,13 +22,12 @@ class RotaryEmbedding(nn.Module):
     def _inv_freq(self, cdt, device):
         key = (cdt, str(device))
         if key not in self._tables:
-            inv = self.inv_freq64 if cdt == torch.float64 else self.inv_freq64.to(torch.float32)
-            self._tables[key] = inv.to(device)
+            self._tables[key] = self.inv_freq64.to(device=device, dtype=cdt)
         return self._tables[key]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] → (cos, sin) [B, T, rotary_dim] in `dtype`."""
-        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        cdt = compute_dtype(dtype)
         freqs = positions.to(cdt)[..., None] * self._inv_freq(cdt, positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

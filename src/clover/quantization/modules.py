@@ -2,7 +2,7 @@
 
 `QuantizedWeight` holds one stored matrix (or expert stack) as `qweight` / `scales` / `mins` buffers
 (format.py); indexing it (`w[e]`) or `dequantize()` gives float weights, so the PyTorch reference
-paths (`Experts._expert`, `reference_experts`) run unchanged on a quantized model. `QuantizedLinear`
+paths (`Experts._expert`) run unchanged on a quantized model. `QuantizedLinear`
 is the `nn.Linear` stand-in; its forward dequantizes on every call: the definition the CPU kernels are
 tested against (kernels/quant_panels.py), not a fast path. `quantize_model` turns a built model's
 matrices into these modules — on the meta device before a quantized checkpoint is read, or on real
