@@ -35,9 +35,13 @@ from ..options import current as runtime_options
 
 log = logging.getLogger(__name__)
 
-# every C source and header here (the package ships them all)
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+# named, not globbed: where they are missing (the flattened remote code of an HF export) the build fails and
+# the reference runs, instead of linking an empty library
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
+                                                          "attention_cached.c", "gguf_decode.c", "decide.c",
+                                                          "steps.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h",
+                                                          "team.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
