@@ -20,7 +20,6 @@ from clover.config import CloverConfig
 from clover.generation import GenerationSettings
 from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
-from clover.server.protocol import APIError
 from clover.server.structured import auto_lark, call_lark
 from clover.server.tool_calls import parse_tool_calls
 from clover.tokenization import CloverTokenizer
