@@ -14,6 +14,7 @@ import clover
 from clover.generation import generate_batch
 from clover.generation.api import resolve_settings
 from clover.generation.constrained import BlockConstraint
+from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
 from clover.tokenization import CloverTokenizer
 
@@ -94,7 +95,7 @@ def test_a_structured_step_fills_only_the_frontier(grammars, tok):
         logits = torch.full((16 - k, grammars.vocab_size), -10.0)
         logits[:, x] = 10.0                      # every position sure of 'x'
         logits[0, tok.encode("{")[0]] = 20.0
-        seq.denoise(logits)
+        resolve(seq.denoise_steps(logits))
         filled = [t for t in seq.block if t != MASK]
         if thinking:                             # free text: all 16 taken, valid as thinking
             assert filled == tok.encode("{") + [x] * 15

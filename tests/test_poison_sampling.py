@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from clover.generation import GenerationSettings, generate_batch
+from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
 from clover.generation.settings import GenerationSettingsError
 from reference_generation import CONTROLS_OFF
@@ -74,7 +75,7 @@ def test_non_finite_logits_give_valid_tokens(do_sample):
     logits[2, 9] = float("inf")                                # +inf: that id is certain
     logits[3, :] = float("-inf")                               # every id ruled out
     seq = sequence(do_sample=do_sample, temperature=0.7, seed=1)
-    tokens = seq.predict_next(logits, [], 0)
+    tokens = resolve(seq.predict_next_steps(logits, [], 0))
     assert all(0 <= t < V for t in tokens)
     assert tokens[0] != 7 and tokens[2] == 9
 
@@ -84,7 +85,7 @@ def test_tiny_temperature_samples_the_argmax():
     V = sharp_model().config.vocab_size
     logits = 30.0 * torch.randn(6, V, generator=torch.Generator().manual_seed(1))
     seq = sequence(do_sample=True, temperature=2e-38, seed=3)
-    assert seq.predict_next(logits, [], 0) == logits.argmax(-1).tolist()
+    assert resolve(seq.predict_next_steps(logits, [], 0)) == logits.argmax(-1).tolist()
 
 
 def test_poison_request_does_not_fail_its_batch():

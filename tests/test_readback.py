@@ -123,7 +123,7 @@ def test_batched_fills_equal_each_rows_own_denoise(controls, on, chunk_rows, mon
     logits[3][2, :] = float("-inf")
     alone = copy.deepcopy(seqs)
     for s, x in zip(alone, logits):
-        s.denoise(x)
+        readback.resolve(s.denoise_steps(x))
     fills = batched_fills(seqs, logits)
     for s, x, f in zip(seqs, logits, fills):
         readback.resolve(s.denoise_steps(x, f))
@@ -152,7 +152,7 @@ def test_batched_predictions_equal_each_rows_own(controls, chunk_rows, monkeypat
     seen = [0, 1, 0, 1]
     alone = copy.deepcopy(seqs)
     got = [t.tolist() for t in batched_predictions(seqs, logits, extras, seen)]
-    assert got == [s.predict_next(x, e, f) for s, x, e, f in zip(alone, logits, extras, seen)]
+    assert got == [readback.resolve(s.predict_next_steps(x, e, f)) for s, x, e, f in zip(alone, logits, extras, seen)]
 
 
 @pytest.mark.parametrize("controls", [{}, STRONG])

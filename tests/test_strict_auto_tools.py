@@ -2,7 +2,7 @@
 text or calls; a call, once `<tool_call>` is written, must follow its function's schema.
 
 The grammar is checked on hand-written texts, then driven by a scripted "model" through the real
-causal decoding path (`Sequence.predict_next` with the request's grammar, as autoregressive decoding
+causal decoding path (`Sequence.predict_next_steps` with the request's grammar, as autoregressive decoding
 and self-speculative verification use it): the model wants to write a fixed text, and the grammar
 keeps what is valid and corrects what is not — a scripted model can write invalid calls on purpose,
 which the trained demo model rarely does; tests/test_structured_output.py checks on the demo model that
@@ -18,8 +18,8 @@ import torch
 import clover
 from clover.config import CloverConfig
 from clover.generation import GenerationSettings
+from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
-from clover.server.protocol import APIError
 from clover.server.structured import auto_lark, call_lark
 from clover.server.tool_calls import parse_tool_calls
 from clover.tokenization import CloverTokenizer
@@ -138,12 +138,12 @@ def scripted_decode(tok, grammars, lark, script: str, max_new_tokens: int = 200)
         x[tok.encode(rest)[0] if rest else EOS] += 20.0
         return x[None]
 
-    seq.pending = seq.predict_next(logits(), [], 0)[0]
+    seq.pending = resolve(seq.predict_next_steps(logits(), [], 0))[0]
     while True:
         seq.extend([seq.pending])
         if seq.done:
             return seq.response, seq.finish_reason
-        seq.pending = seq.predict_next(logits(), [], 0)[0]
+        seq.pending = resolve(seq.predict_next_steps(logits(), [], 0))[0]
 
 
 @pytest.mark.parametrize("script", ["Plain text, with <b>markup</b>, a <tab> and 5 < 7.",

@@ -14,6 +14,7 @@ import torch
 
 from ..cache import PAGE_SIZE, StatePool
 from ..generation.decoder import reserved_tokens
+from ..generation.settings import GenerationSettings
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ CUDA_RESERVE_BYTES = 6 << 30
 def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size: int,
                 page_size: int = PAGE_SIZE) -> int:
     """Bytes of K/V pages and GDN slots one request holds while it runs."""
-    tokens = reserved_tokens(config, prompt_len, max_new_tokens, block_size)
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, block_size=block_size)
+    tokens = reserved_tokens(config, prompt_len, settings)
     return (-(-tokens // page_size) * StatePool.bytes_per_page(config, dtype, page_size)
             + 2 * StatePool.bytes_per_slot(config, dtype))               # 0 for a model without GDN layers
 

@@ -167,10 +167,9 @@ class Engine:
 
     def validate(self, prompt_ids, settings: GenerationSettings) -> ValidatedRequest:
         """SPEC §9 checks, token ids, and the pool's size (GenerationSettingsError, RequestTooLarge)."""
-        validate_request(self.model, len(prompt_ids), settings)       # the context first: cheap for any length
-        ids = check_token_ids(prompt_ids, self.vocab_size)
+        ids = validate_request(self.model, prompt_ids, settings)
         pool = self.pool
-        need = reserved_tokens(self.config, len(ids), settings.max_new_tokens, settings.block_size)
+        need = reserved_tokens(self.config, len(ids), settings)
         if pool.pages_for(need) > pool.num_pages:
             raise RequestTooLarge(
                 f"this request needs {need} tokens of cache (prompt {len(ids)} + {settings.max_new_tokens} new tokens "
@@ -218,8 +217,6 @@ class Engine:
     def check_scored(self, token_ids) -> list[int]:
         """The ids as a list, if a scoring job can take them (GenerationSettingsError if not)."""
         ids = check_token_ids(token_ids, self.vocab_size)
-        if not ids:
-            raise GenerationSettingsError("prompt is empty: at least one token is needed")
         if len(ids) > self.context_limit:
             raise GenerationSettingsError(f"prompt of {len(ids)} tokens exceeds the {self.context_limit}-token context")
         return ids

@@ -29,16 +29,16 @@ def resolve_settings(model, **overrides) -> GenerationSettings:
     return GenerationSettings.resolve(model.generation_defaults, model.config, **overrides)
 
 
-def validate(model, prompt_len: int, settings: GenerationSettings) -> None:
-    """SPEC §9: reject a request for `model` before any forward. The final block is always resolved whole."""
-    config, L = model.config, settings.block_size
-    if prompt_len < 1:
-        raise GenerationSettingsError("the prompt is empty: at least one token is needed")
+def validate(model, prompt_ids, settings: GenerationSettings) -> list[int]:
+    """SPEC §9: reject a request for `model` before any forward (GenerationSettingsError); returns its
+    prompt's ids, checked (`check_token_ids`). The final block is always resolved whole."""
+    config, L, n = model.config, settings.block_size, len(prompt_ids)
     blocks = math.ceil(settings.max_new_tokens / L)
-    if prompt_len + blocks * L > config.max_position_embeddings:
+    if n + blocks * L > config.max_position_embeddings:       # the context first: cheap for any length
         raise GenerationSettingsError(
-            f"prompt {prompt_len} + {blocks * L} tokens for {blocks} block{'s' if blocks != 1 else ''} of {L} "
+            f"prompt {n} + {blocks * L} tokens for {blocks} block{'s' if blocks != 1 else ''} of {L} "
             f"exceeds the {config.max_position_embeddings}-token context")
+    ids = check_token_ids(prompt_ids, config.vocab_size)
     for e in settings.eos_token_id:
         if not 0 <= e < config.vocab_size:
             raise GenerationSettingsError(f"eos_token_id {e} is outside the vocabulary (size {config.vocab_size})")
@@ -47,6 +47,7 @@ def validate(model, prompt_len: int, settings: GenerationSettings) -> None:
             f"block_size {settings.block_size} needs a mask token, but this model's config has no "
             "mask_token_id (a plain Qwen3.5-MoE checkpoint): use block_size=1"
         )
+    return ids
 
 
 def generate_batch(model, prompts, settings: GenerationSettings | list[GenerationSettings], on_event=None,
@@ -76,9 +77,8 @@ def make_sequences(model, prompts, settings, grammars=None) -> list[Sequence]:
         raise ValueError(f"{len(prompts)} prompts but {len(grammars)} grammars")
     seqs = []
     for prompt, s, grammar in zip(prompts, settings, grammars):
-        prompt = check_token_ids(prompt.tolist() if torch.is_tensor(prompt) else prompt, model.config.vocab_size)
-        validate(model, len(prompt), s)
-        seqs.append(Sequence(prompt, s, model.config, grammar))
+        ids = validate(model, prompt.tolist() if torch.is_tensor(prompt) else prompt, s)
+        seqs.append(Sequence(ids, s, model.config, grammar))
     return seqs
 
 
@@ -152,9 +152,7 @@ def fit_pool(model, seqs: list[Sequence]) -> None:
     keeps the old one's slots; sequences still on the old pool keep it alive, others let it go."""
     runner = model.runner
     pool = runner.state_pool()
-    config = model.config
-    need = max(pool.pages_for(reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens,
-                                              seq.settings.block_size)) for seq in seqs)
+    need = max(pool.pages_for(reserved_tokens(model.config, len(seq.prompt), seq.settings)) for seq in seqs)
     if need <= pool.num_pages:
         return
     max_sequences = max(1, (pool.num_slots - 1) // 3)

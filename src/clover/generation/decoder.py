@@ -72,22 +72,20 @@ def step_digest(events: list[StepEvent], running: list[Sequence]) -> int:
     return int.from_bytes(hashlib.blake2b(repr(seen).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def reserved_tokens(config, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Positions a request may ever occupy in the pool: its prompt, every block of its answer (the final
-    block is resolved whole), and the next block's scratch rows of the commit forward (a commit carries
-    [block | next block's masks])."""
-    blocks = -(-max_new_tokens // block_size)
-    return min(prompt_len + (blocks + 1) * block_size, config.max_position_embeddings + block_size)
+def reserved_tokens(config, prompt_len: int, settings) -> int:
+    """Positions a request (a prompt of `prompt_len` tokens, `settings`' max_new_tokens and block_size)
+    may ever occupy in the pool: its prompt, every block of its answer (the final block is resolved
+    whole), and the next block's scratch rows of the commit forward (a commit carries [block | next
+    block's masks])."""
+    L = settings.block_size
+    blocks = -(-settings.max_new_tokens // L)
+    return min(prompt_len + (blocks + 1) * L, config.max_position_embeddings + L)
 
 
 def _masked_rows(logits, block: list[int], mask_id: int):
     """The rows of a block's logits [L, V] at its masked positions (all of them: no copy)."""
     rows = [i for i, t in enumerate(block) if t == mask_id]
     return logits if len(rows) == len(block) else logits[rows]
-
-
-def _reserved(seq: Sequence, config) -> int:
-    return reserved_tokens(config, len(seq.prompt), seq.settings.max_new_tokens, seq.settings.block_size)
 
 
 class Decoder:
@@ -177,7 +175,7 @@ class Decoder:
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
-            need = _reserved(seq, self.model.config)
+            need = reserved_tokens(self.model.config, len(seq.prompt), seq.settings)
             if not self.pool.can_reserve(need):
                 if not self.running:       # nothing will free memory: evict cached prefixes, else fail
                     if self.pool.prefix.evict_one():
@@ -356,7 +354,7 @@ class Decoder:
 
     def _predictions(self, ran, args_of) -> dict:
         """Per sequence id, the `predict_next_steps` decision of each of a forward's `(seq, logits)` rows;
-        `args_of(seq, logits)`: the arguments `predict_next` takes (logits, extra, seen_first). Rows that
+        `args_of(seq, logits)`: the arguments `predict_next_steps` takes (logits, extra, seen_first). Rows that
         decide alike predict in one computation (`sequence.batched_predictions`)."""
         args = [(seq, args_of(seq, logits)) for seq, logits in ran]
         tokens = self._batched(args, lambda seqs, rows: batched_predictions(seqs, *map(list, zip(*rows))))

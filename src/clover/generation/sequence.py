@@ -17,7 +17,6 @@ from ..decoding.controls import apply_controls
 from ..decoding.unmasking import candidates, positions_to_fill_batched
 from ..transfer import device_tensor
 from .constrained import BlockConstraint
-from .readback import resolve
 from .settings import GenerationSettings
 
 _ids = itertools.count()
@@ -65,9 +64,10 @@ class Sequence:
     """Decoding state of one request. Phases: prefill → (denoise ↔ commit | ar | denoise → verify) → done."""
 
     def __init__(self, prompt, settings: GenerationSettings, config, grammar=None):
-        """`grammar`: a `clover.grammar.GrammarMatcher` the response must follow (None: free)."""
+        """`prompt`: checked token ids, a list of ints (`settings.check_token_ids`); `grammar`: a
+        `clover.grammar.GrammarMatcher` the response must follow (None: free)."""
         self.id = next(_ids)
-        self.prompt = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+        self.prompt = prompt
         self.settings = settings
         self.mask_id = config.mask_token_id
         self.think_id, self.think_end_id = config.think_token_id, config.think_end_token_id
@@ -223,9 +223,7 @@ class Sequence:
         return torch.tensor(tokens[-window:], dtype=torch.long)
 
     def _generator_for(self, device: torch.device):
-        """The request's sampling generator on `device` (None when it does not sample)."""
-        if self.sampling_seed is None:
-            return None
+        """The request's sampling generator on `device` (only a sampling request draws)."""
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.sampling_seed)
@@ -237,20 +235,17 @@ class Sequence:
         start = 1 if self._seed_is_mask else 0
         return [i for i in range(start, len(self.block)) if self.block[i] == self.mask_id]
 
-    def denoise(self, masked_logits: torch.Tensor) -> None:
-        """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
-        mask-id positions, in position order (the decoder scores every mask id it sees, so a seed
-        that is the mask id has a row too: it is dropped here)."""
-        resolve(self.denoise_steps(masked_logits))
-
     def draft_completes(self) -> bool:
         """Whether this denoising step ends a self-speculative draft (every remaining mask is filled)."""
         return self.settings.speculative and self.draft_steps_done + 1 >= self.settings.draft_steps
 
     def denoise_steps(self, masked_logits: torch.Tensor, fills: torch.Tensor | None = None):
-        """`denoise` as a decision (generation/readback.py): it yields its fills to be read back with
-        the other rows' and applies them when resumed. `fills`: this row's share of `batched_fills`
-        (its logits then go unused)."""
+        """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
+        mask-id positions, in position order (the decoder scores every mask id it sees, so a seed
+        that is the mask id has a row too: it is dropped here). A decision (generation/readback.py):
+        it yields its fills to be read back with the other rows' and applies them when resumed
+        (`readback.resolve` runs it alone). `fills`: this row's share of `batched_fills` (its logits
+        then go unused)."""
         s = self.settings
         masked = self.masked_positions()
         constraint = controlled = None
@@ -310,18 +305,15 @@ class Sequence:
             self.step_events.append({"block": self.blocks_started - 1, "start": len(self.response),
                                      "forward": self.stats.forwards, "accepted": accepted})
 
-    def predict_next(self, logits: torch.Tensor, extra: list[int], seen_first: int) -> list[int]:
+    def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int,
+                           tokens: torch.Tensor | None = None):
         """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`,
         having seen `extra[: seen_first + k]` after the committed tokens. Greedy or sampled. Under a
         grammar, each prediction is the grammar's choice (consumed) and they stop at the first that
-        differs from `extra` (what verification accepts no further than)."""
-        return resolve(self.predict_next_steps(logits, extra, seen_first))
-
-    def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int,
-                           tokens: torch.Tensor | None = None):
-        """`predict_next` as a decision (generation/readback.py); returns the predictions. Under a
-        grammar it reads the device itself (the grammar walks the choices one by one). `tokens`:
-        this row's share of `batched_predictions` (its logits then go unused)."""
+        differs from `extra` (what verification accepts no further than). A decision
+        (generation/readback.py; `readback.resolve` runs it alone) that returns the predictions;
+        under a grammar it reads the device itself (the grammar walks the choices one by one).
+        `tokens`: this row's share of `batched_predictions` (its logits then go unused)."""
         if tokens is None and self.constraint is not None:
             x, _ = _controlled_predictions([self], [logits], [extra], [seen_first])
             return self.constraint.choose_run(x, lambda row: int(batched_candidates([self], row, [1])[0][0]),
@@ -404,7 +396,7 @@ def _controlled_masks(seqs: list["Sequence"], masked_logits: list[torch.Tensor])
 
 
 def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`denoise`'s device half for rows with one `batch_key`, all at once: one controls / candidates /
+    """`denoise_steps`' device half for rows with one `batch_key`, all at once: one controls / candidates /
     confidence / fill computation over every row's masked positions instead of ~20 small kernels per
     row (what a GPU step would otherwise spend launching them). Each row's result, [its masked
     positions] of token or −1, is what it gets alone (every op is row-wise; a row alone decides
@@ -413,9 +405,8 @@ def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> 
 
 
 def _fills(seqs: list["Sequence"], x: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    """LowConfidence's fills (SPEC §5) from the controlled logits of `_controlled_masks`."""
-    if not sum(counts):
-        return [x.new_zeros(0, dtype=torch.long) for _ in counts]
+    """LowConfidence's fills (SPEC §5) from the controlled logits of `_controlled_masks` (each row has
+    at least one masked position: a block with none is not denoised)."""
     tokens, confidence = batched_candidates(seqs, x, counts, exclude=seqs[0].mask_id)  # a mask "fill" never finishes
     conf = pad_sequence(torch.split(confidence, counts), batch_first=True, padding_value=float("-inf"))
     toks = pad_sequence(torch.split(tokens, counts), batch_first=True, padding_value=-1)
@@ -429,7 +420,7 @@ def _fills(seqs: list["Sequence"], x: torch.Tensor, counts: list[int]) -> list[t
 
 def _controlled_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
                             seen_first: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """The controlled logits of causal rows (arguments per row as `predict_next` takes them),
+    """The controlled logits of causal rows (arguments per row as `predict_next_steps` takes them),
     concatenated, and how many each row has."""
     counts = [x.shape[0] for x in logits]
     queries, histories = [], []
@@ -441,8 +432,8 @@ def _controlled_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], 
 
 def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
                         seen_first: list[int]) -> list[torch.Tensor]:
-    """`predict_next`'s device half for rows with one `batch_key`, all at once (arguments per row as
-    `predict_next` takes them): each row's tokens, as it gets them alone (a row alone predicts through
+    """`predict_next_steps`' device half for rows with one `batch_key`, all at once (arguments per row
+    as it takes them): each row's tokens, as it gets them alone (a row alone predicts through
     here too); pass them as `predict_next_steps(..., tokens=)`."""
     x, counts = _controlled_predictions(seqs, logits, extras, seen_first)
     tokens, _ = batched_candidates(seqs, x, counts, with_confidence=False)
@@ -452,24 +443,23 @@ def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extr
 def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | None = None,
                        with_confidence: bool = True):
     """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
-    rows each): sampled rows draw their uniforms from their own sequence's generator, as many as each
+    rows each, at least one row in all): sampled rows draw their uniforms from their own sequence's generator, as many as each
     would draw alone and in the same order, so every row gets exactly its own result. The logits are
     made safe first (`safe_logits`, then `candidates`' `sampling_logits`): no NaN or overflow reaches a
     draw inside the shared decoder step and fails every co-batched request."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0
-    if sampled and sum(counts):
+    if sampled:
         uniforms = torch.cat([torch.rand(n, generator=seq._generator_for(x.device), dtype=torch.float64,
-                                         device=x.device) for seq, n in zip(seqs, counts) if n])
+                                         device=x.device) for seq, n in zip(seqs, counts)])
     # a few hundred rows at a time: a softmax, a sort or a cumulative sum over the whole vocabulary
     # makes temporaries of several times the logits' size (64 rows' blocks: 2048 rows, 2 GB each)
-    step = max(1, DECISION_CHUNK // max(1, x.shape[-1]))
+    step = max(1, DECISION_CHUNK // x.shape[-1])
     parts = []
-    for i in range(0, max(1, x.shape[0]), step):
+    for i in range(0, x.shape[0], step):
         if sampled:
-            chunk = safe_logits(x[i:i + step])
-            parts.append(candidates(chunk, do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                    exclude=exclude, uniforms=uniforms[i:i + step] if chunk.shape[0] else None))
+            parts.append(candidates(safe_logits(x[i:i + step]), do_sample=True, temperature=s.temperature,
+                                    top_k=s.top_k, top_p=s.top_p, exclude=exclude, uniforms=uniforms[i:i + step]))
         else:
             parts.append(greedy_candidates(x[i:i + step], exclude=exclude, with_confidence=with_confidence))
     tokens = torch.cat([t for t, _ in parts])

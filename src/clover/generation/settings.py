@@ -155,9 +155,9 @@ class GenerationSettings(ControlSettings):
 
 
 def check_token_ids(ids, vocab_size: int) -> list[int]:
-    """`ids` (ints, numpy or tensor integers) as a list of ints below `vocab_size`, else
-    GenerationSettingsError naming the first that is not."""
-    if type(ids) is list and set(map(type, ids)) <= {int} and (not ids or 0 <= min(ids) and max(ids) < vocab_size):
+    """`ids` (ints, numpy or tensor integers) as a list of ints below `vocab_size`, at least one, else
+    GenerationSettingsError naming the first that is not (or saying the prompt is empty)."""
+    if type(ids) is list and ids and set(map(type, ids)) <= {int} and 0 <= min(ids) and max(ids) < vocab_size:
         # Plain ints in range, checked without a Python-level loop: the server calls this on its event
         # loop, and a 100k-token prompt took ~30 ms a call the slow way (~5 ms this way).
         return list(ids)
@@ -165,4 +165,6 @@ def check_token_ids(ids, vocab_size: int) -> list[int]:
     for t in out:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise GenerationSettingsError(f"prompt token {t!r} is not an id below vocab_size {vocab_size}")
+    if not out:
+        raise GenerationSettingsError("the prompt is empty: at least one token is needed")
     return out
