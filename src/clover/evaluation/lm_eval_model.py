@@ -25,7 +25,6 @@ import logging
 import sys
 import time
 from collections import defaultdict
-from itertools import chain, zip_longest
 from pathlib import Path
 
 import torch
@@ -38,7 +37,6 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import clover
 from clover.generation.api import generate_batch, resolve_settings
-from clover.generation.sequence import GenerationStats
 from clover.generation.settings import GenerationSettings
 from clover.tokenization import CHAT_TEMPLATE, ENDOFTEXT, IM_END, THINK_END, CloverTokenizer
 
@@ -51,35 +49,53 @@ RUNS: list["RunStats"] = []          # every CloverLM's statistics in this proce
 
 
 class RunStats:
-    """What one evaluation run cost, per lm-eval task: generation from its requests' `GenerationStats`,
-    scoring from the causal forwards it took."""
+    """What one evaluation run cost, per lm-eval task: generation from `GenerationStats`, scoring from
+    the causal forwards it took."""
 
     def __init__(self):
-        self.generation: dict[str, list[GenerationStats]] = defaultdict(list)
+        self.generation = defaultdict(lambda: {"requests": 0, "generated_tokens": 0, "forwards": 0,
+                                               "block_forwards": 0, "experts": [], "expert_forwards": []})
         self.generation_seconds = 0.0
         self.scoring = {"requests": 0, "forwards": 0, "tokens": 0, "seconds": 0.0}
 
-    def add_generation(self, task: str, stats: GenerationStats) -> None:
-        self.generation[task or "?"].append(stats)
+    def add_generation(self, task: str, stats) -> None:
+        row = self.generation[task or "?"]
+        row["requests"] += 1
+        row["generated_tokens"] += stats.generated_tokens
+        row["forwards"] += stats.forwards
+        row["block_forwards"] += stats.block_forwards
+        for layer, per_forward in enumerate(stats.distinct_experts):
+            while len(row["experts"]) <= layer:
+                row["experts"].append(0)
+                row["expert_forwards"].append(0)
+            row["experts"][layer] += sum(per_forward)
+            row["expert_forwards"][layer] += len(per_forward)
 
     @staticmethod
-    def _summary(runs: list[GenerationStats]) -> dict:
-        """The requests' totals as one `GenerationStats.as_dict` (its ratios over all their forwards)."""
-        layers = zip_longest(*(s.distinct_experts for s in runs), fillvalue=())
-        total = GenerationStats(distinct_experts=[list(chain.from_iterable(layer)) for layer in layers])
-        for name in ("generated_tokens", "forwards", "block_forwards"):
-            setattr(total, name, sum(getattr(s, name) for s in runs))
-        d = total.as_dict()
-        return {"requests": len(runs), **{k: d[k] for k in ("generated_tokens", "forwards", "block_forwards",
-                                                             "tokens_per_forward", "mean_distinct_experts_per_layer")}}
+    def _summary(row: dict) -> dict:
+        experts = [round(e / n, 2) if n else 0.0 for e, n in zip(row["experts"], row["expert_forwards"])]
+        return {"requests": row["requests"], "generated_tokens": row["generated_tokens"],
+                "forwards": row["forwards"], "block_forwards": row["block_forwards"],
+                "tokens_per_forward": round(row["generated_tokens"] / row["forwards"], 4) if row["forwards"] else 0.0,
+                "mean_distinct_experts_per_layer": experts}
 
     def as_dict(self) -> dict:
-        out = {"generation": {task: self._summary(runs) for task, runs in sorted(self.generation.items())},
+        total = {"requests": 0, "generated_tokens": 0, "forwards": 0, "block_forwards": 0, "experts": [],
+                 "expert_forwards": []}
+        for row in self.generation.values():
+            for key in ("requests", "generated_tokens", "forwards", "block_forwards"):
+                total[key] += row[key]
+            for name in ("experts", "expert_forwards"):
+                for layer, value in enumerate(row[name]):
+                    if len(total[name]) <= layer:
+                        total[name].append(0)
+                    total[name][layer] += value
+        out = {"generation": {task: self._summary(row) for task, row in sorted(self.generation.items())},
                "loglikelihood": dict(self.scoring, seconds=round(self.scoring["seconds"], 3))}
         if self.generation:
-            all_row = self._summary([s for runs in self.generation.values() for s in runs])
+            all_row = self._summary(total)
             all_row["seconds"] = round(self.generation_seconds, 3)
-            all_row["tokens_per_second"] = (round(all_row["generated_tokens"] / self.generation_seconds, 2)
+            all_row["tokens_per_second"] = (round(total["generated_tokens"] / self.generation_seconds, 2)
                                             if self.generation_seconds else 0.0)
             out["generation"]["all"] = all_row
         return out
