@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from clover.cache import BatchIndex
 from clover.gpu import paged_attention
 
-pytestmark = pytest.mark.skipif(paged_attention._flex_attention() is None, reason="this torch has no FlexAttention")
-
 P, PAGES, HKV, HQ, D = 32, 24, 2, 8, 16
 
 

@@ -11,6 +11,7 @@ import torch
 
 from clover.quantization import QuantSpec, dequantize, quantize, quantize_model
 from clover.quantization.convert import QuantizeError, quantize_checkpoint
+from clover.quantization.format import ZERO_POINT, codes, group_scales
 from tiny_models import make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,6 +67,33 @@ def test_spec_validation():
 
 
 # ---- kernels against their reference arithmetic ---------------------------------------------------
+def quantize_inputs(x: torch.Tensor, group: int):
+    """The kernels' input rounding in PyTorch: x [M, K] → (codes int8-valued fp64 [M, K/G, G], scale α [M, K/G])."""
+    a = x.to(torch.float32).reshape(x.shape[0], -1, group)
+    amax = a.abs().amax(-1, keepdim=True)
+    # (a true division: `127.0 / tensor` would be reciprocal-then-multiply, rounding differently from C)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(a * inv)
+    return q.double(), (amax / 127.0).squeeze(-1).double()
+
+
+def reference_linear(x: torch.Tensor, qweight, scales, mins, bits: int, super_scales=None,
+                     super_mins=None) -> torch.Tensor:
+    """What `linear` computes, in float64: inputs rounded as the kernel rounds them, then
+    Σ_g α·(s·Σ w_code·a [+ m·Σa]) with the dequantized codes. x [M, K], weights stored [N, ...] → [M, N]."""
+    c = codes(qweight, bits).double()
+    if mins is None:
+        c = c - ZERO_POINT[bits]
+    N, K = c.shape
+    G = K // scales.shape[-1]
+    q, alpha = quantize_inputs(x.reshape(-1, K), G)                      # [M, g, G], [M, g]
+    dots = torch.einsum("mgk,ngk->mng", q, c.view(N, -1, G))              # exact integers
+    out = (dots * group_scales(scales, super_scales).double()[None]).mul(alpha[:, None, :])
+    if mins is not None:
+        out = out + group_scales(mins, super_mins).double()[None] * (alpha * q.sum(-1))[:, None, :]
+    return out.sum(-1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group", [16, 32, 64])
@@ -75,7 +103,7 @@ def test_quantized_linear_kernel_matches_reference(bits, group, offsets):
     exact integer dots, per-group fp32 scaling): equal to fp32 rounding for 1…13 rows, bf16 and fp32
     inputs, N not a multiple of the panel; and within the input rounding (~0.5%) of the weight-only product."""
     from clover.kernels.panels import linear
-    from clover.kernels.quant_panels import QuantPanelWeight, reference_linear
+    from clover.kernels.quant_panels import QuantPanelWeight
 
     g = torch.Generator().manual_seed(bits * 100 + group)
     N, K = 70, 256
@@ -103,7 +131,7 @@ def test_quantized_grouped_kernel_matches_reference(bits):
     import torch.nn.functional as F
 
     from clover.kernels.panels import grouped_linear
-    from clover.kernels.quant_panels import QuantPanelWeight, reference_linear, swiglu_rows
+    from clover.kernels.quant_panels import QuantPanelWeight, swiglu_rows
 
     g = torch.Generator().manual_seed(7)
     E, I, K = 5, 32, 64
@@ -168,7 +196,7 @@ def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
     """int6 / int5 codes and two-level scales (GGUF K-quants held as loaded) beside int8/int4: the kernels equal
     their float64 reference to fp32 rounding for 1…13 rows, and the dense and grouped forms agree."""
     from clover.kernels.panels import grouped_linear, linear
-    from clover.kernels.quant_panels import QuantPanelWeight, reference_linear, swiglu_rows
+    from clover.kernels.quant_panels import QuantPanelWeight, swiglu_rows
     from clover.quantization.format import dequantize
 
     g = torch.Generator().manual_seed(bits * 10 + 2 * two_level + offsets)

@@ -16,6 +16,8 @@ environment, at import or per call. `current()` is what the rest of the package 
     CLOVER_PAGED_ATTENTION=auto|1|0   FlexAttention over the pool's pages for short forwards on CUDA
     CLOVER_FLA=0               fla-core's GDN kernels off (the PyTorch delta rule instead)
     CLOVER_DIST_TIMEOUT=SECONDS       how long collectives wait for the other ranks
+Read here too: XDG_CACHE_HOME (the kernels' default cache), CC (their compiler), TRITON_INTERPRET
+(whether fla-core's Triton kernels can run on the CPU, under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import os
 from dataclasses import dataclass
 
 _SWITCH = ("auto", "1", "0")
+# the fields read from another variable than CLOVER_<FIELD>
+_VARIABLES = {"cache_home": "XDG_CACHE_HOME", "cc": "CC", "triton_interpret": "TRITON_INTERPRET",
+              "dist_timeout_s": "CLOVER_DIST_TIMEOUT"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class Options:
     fla: bool = True
     dist_timeout_s: float = 600.0
     cache_home: str = ""                # $XDG_CACHE_HOME, read here with the rest
+    cc: str = "cc"                      # $CC
+    triton_interpret: str = ""          # $TRITON_INTERPRET
 
     @classmethod
     def from_environment(cls, environ=None, **overrides) -> "Options":
@@ -49,9 +56,7 @@ class Options:
         env = os.environ if environ is None else environ
         values = {}
         for f in dataclasses.fields(cls):
-            variable = "XDG_CACHE_HOME" if f.name == "cache_home" else f"CLOVER_{f.name.upper()}"
-            if f.name == "dist_timeout_s":
-                variable = "CLOVER_DIST_TIMEOUT"
+            variable = _VARIABLES.get(f.name, f"CLOVER_{f.name.upper()}")
             raw = env.get(variable)
             if raw is None or raw == "":
                 continue

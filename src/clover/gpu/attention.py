@@ -1,7 +1,7 @@
-"""Gated attention (`attention`, see layers/attention.py for the definition) over the state pool, batched.
+"""Gated attention (`attention`): the reference (layers/attention.py) with all rows attending at once.
 
-A cached forward writes every row's new K/V into its pages with one `index_copy_`. Short forwards on
-CUDA (decode, block steps, commits) then attend over the pages in place (gpu/paged_attention.py).
+Once the reference has written every row's new K/V into its pages, short forwards on CUDA (decode,
+block steps, commits) attend over the pages in place (gpu/paged_attention.py).
 Otherwise — prefill chunks, or where the paged path does not run — the keys 0 … S−1 of each row (S: the
 longest row's end) are gathered from the pages with one index for one SDPA call over all rows. No
 mask when every query sees every key of its row — a decode step or a block step of rows with equal
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers.attention import attend_uncached, attention_inputs
+from ..layers.attention import attention_reference
 from .paged_attention import applies as paged_applies, attend_paged
 
 
@@ -42,24 +42,17 @@ def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
 
+def _attend_pool(attn, q, kf, vf, batch, block_len: int) -> torch.Tensor:
+    """All rows at once over the pool (this forward's K/V written): in place where the paged path
+    runs, else over keys gathered from the pages."""
+    T = q.shape[2]
+    idx = batch.index(q.device, T)
+    out = None
+    if paged_applies(q.device, T):
+        out = attend_paged(q, batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index], idx, block_len)
+    return out if out is not None else _attend_gathered(q, kf, vf, idx, T, block_len)
+
+
 def attention_fast(attn, qg, k, v, cos, sin, batch, block_len: int):
-    """`attention` (same arguments and result as `attention_reference`)."""
-    B, T, _ = qg.shape
-    q, k, v, gate = attention_inputs(attn, qg, k, v, cos, sin)            # q [B, Hq, T, D], k/v [B, Hkv, T, D]
-    if batch is None:
-        out = attend_uncached(q, k, v, block_len)
-    else:
-        idx = batch.index(q.device, T)
-        pool = batch.pool
-        Hkv, D = attn.num_kv_heads, attn.head_dim
-        kf = pool.k[attn.layer_index].view(-1, Hkv, D)                     # [pages·P, Hkv, D]
-        vf = pool.v[attn.layer_index].view(-1, Hkv, D)
-        kf.index_copy_(0, idx.new_rows, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kf.dtype))
-        vf.index_copy_(0, idx.new_rows, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vf.dtype))
-        out = None
-        if paged_applies(q.device, T):
-            out = attend_paged(q, pool.k[attn.layer_index], pool.v[attn.layer_index], idx, block_len)
-        if out is None:
-            out = _attend_gathered(q, kf, vf, idx, T, block_len)
-    out = out.transpose(1, 2).reshape(B, T, attn.num_heads * attn.head_dim)
-    return out * torch.sigmoid(gate)
+    """`attention` (same arguments and result as `attention_reference`), all rows at once."""
+    return attention_reference(attn, qg, k, v, cos, sin, batch, block_len, attend_cached=_attend_pool)

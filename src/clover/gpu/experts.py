@@ -23,6 +23,8 @@ A tensor-parallel rank's experts (`ExpertShard`) take the global routing remappe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -50,13 +52,8 @@ def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: to
         indices, weights = _local_routing(indices, weights, first, experts.num_experts)
     if experts.quantized and indices.numel() < experts.num_experts:
         return _per_slot(x, indices, weights, experts.gate_up_proj, experts.down_proj)
-    if not grouped_mm_available(x):
-        return Experts.forward(experts, x, indices, weights)      # (over the local routing, for a shard too)
-    if experts.quantized:
-        # down's float stack made only once gate/up's is freed: the transient peak is the larger of the two
-        return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj.dequantize(x.dtype),
-                             lambda: experts.down_proj.dequantize(x.dtype))
-    return _grouped_gemm(x, indices, weights, experts.num_experts, experts.gate_up_proj, experts.down_proj)
+    grouped = functools.partial(_grouped_gemm, experts) if grouped_mm_available(x) else None   # else per expert
+    return Experts.forward(experts, x, indices, weights, grouped)      # (over the local routing, for a shard too)
 
 
 def _local_routing(indices, weights, first: int, count: int):
@@ -91,29 +88,26 @@ def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:
     return (ys * slot_weights).view(N, k, H).sum(1)
 
 
-def _grouped_gemm(x, indices, weights, num_experts: int, gate_up: torch.Tensor, down) -> torch.Tensor:
-    """The grouped-GEMM body over float expert stacks gate_up [E, 2I, H], down [E, H, I] (or a function
-    that makes down, called once gate_up is no longer needed)."""
-    N, k = indices.shape
-    flat_expert = indices.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
-    token_of_slot = order // k
+def _grouped_gemm(experts, x, token, expert, weight) -> torch.Tensor:
+    """`Experts.grouped` (token-slots sorted by expert: `Experts.forward`) as two grouped GEMMs. Quantized
+    stacks are dequantized as each GEMM needs them, down's once gate/up's is freed: the transient peak
+    is the larger of the two."""
     # (a scatter, not bincount: bincount's output size depends on the data, which CUDA graphs cannot capture)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
-        0, flat_expert, torch.ones_like(flat_expert))
+    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, expert, torch.ones_like(expert))
     offs = counts.cumsum(0).to(torch.int32)                                 # [E]: each expert's end
-    xs = x[token_of_slot]                                                   # [N·k, H] grouped by expert
-    hidden = GROUPED_MM(xs, gate_up.transpose(-2, -1), offs=offs)           # [N·k, 2I]
-    del gate_up
+    hidden = GROUPED_MM(x[token], _float(experts.gate_up_proj, x.dtype).transpose(-2, -1), offs=offs)  # [N·k, 2I]
     gate, up = hidden.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
-    down = down() if callable(down) else down
-    ys = GROUPED_MM(hidden, down.transpose(-2, -1), offs=offs)              # [N·k, H]
-    ys = ys * weights.reshape(-1)[order, None].to(x.dtype)
+    ys = GROUPED_MM(hidden, _float(experts.down_proj, x.dtype).transpose(-2, -1), offs=offs)          # [N·k, H]
+    ys = ys * weight[:, None].to(x.dtype)
     # Back to token order without atomics (CUDA's index_add_ adds in a varying order, so repeated runs
     # could round differently): each token's k products, in expert order, summed in one reduction
     # (fp32 accumulation for bf16, rounded once, as the reference's sum of a token's experts).
-    row_of_slot = torch.empty_like(order)
-    row_of_slot[order] = torch.arange(N * k, device=x.device)
-    rows = row_of_slot.view(N, k).sort(dim=1).values                         # [N, k]: ys rows, expert order
+    rows = torch.argsort(token, stable=True).view(x.shape[0], -1)          # [N, k]: ys rows, expert order
     return ys[rows].sum(1)
+
+
+def _float(stack, dtype) -> torch.Tensor:
+    """An expert stack as floats: a quantized one (a module) dequantized on the device for this call."""
+    return stack.dequantize(dtype) if isinstance(stack, torch.nn.Module) else stack

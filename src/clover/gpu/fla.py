@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import torch
 
@@ -36,7 +35,7 @@ def _runs_on(device: torch.device) -> bool:
     """Whether fla's Triton kernels can run on tensors of `device`: CUDA, or the CPU under Triton's
     interpreter (`TRITON_INTERPRET=1`). `CLOVER_FLA=0` turns fla off."""
     return runtime_options().fla and (device.type == "cuda" or (
-        device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+        device.type == "cpu" and runtime_options().triton_interpret == "1"))
 
 
 def fla_runs_on(device: torch.device, chunked: bool = False) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..cache import page_rows
 from ..options import current as runtime_options
@@ -36,18 +37,10 @@ MAX_COMPILED_SHAPES = 128     # distinct (rows, tokens, dtype) buckets compiled 
 _state = {"compiled": None, "shapes": set(), "broken": None}
 
 
-def _flex_attention():
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    except ImportError:                      # torch without FlexAttention
-        return None
-    return BlockMask, flex_attention
-
-
 def applies(device: torch.device, tokens: int) -> bool:
     """Whether a forward of `tokens` tokens a row on `device` attends through the pages in place."""
     mode = runtime_options().paged_attention          # "auto", "1" or "0"
-    if mode == "0" or tokens > MAX_TOKENS or _state["broken"] or _flex_attention() is None:
+    if mode == "0" or tokens > MAX_TOKENS or _state["broken"]:
         return False
     return device.type == "cuda" or mode == "1"
 
@@ -89,7 +82,6 @@ def _page_blocks(idx, pages: int, rows: int, block_len: int):
 
 
 def _block_mask(idx, pages: int, rows: int, q_len: int, block_len: int):
-    BlockMask, _ = _flex_attention()
     part_n, part, full_n, full, where, bounds = _page_blocks(idx, pages, rows, block_len)
     P = idx.page_size
 
@@ -104,7 +96,7 @@ def _block_mask(idx, pages: int, rows: int, q_len: int, block_len: int):
 
 def _compiled():
     if _state["compiled"] is None:
-        _state["compiled"] = torch.compile(_flex_attention()[1], dynamic=False)
+        _state["compiled"] = torch.compile(flex_attention, dynamic=False)
     return _state["compiled"]
 
 
@@ -158,7 +150,7 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, id
         q = padded
     if not compiled:
         keys, values = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (keys, values))
-        out = _flex_attention()[1](q, keys, values, block_mask=mask, enable_gqa=True)
+        out = flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)
         return out[:B, :, :T].to(dtype)
     shape = (rows, q_len, q.dtype, Hq, Hkv, D)
     if shape not in _state["shapes"] and len(_state["shapes"]) >= MAX_COMPILED_SHAPES:

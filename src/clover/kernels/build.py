@@ -167,7 +167,7 @@ def set_bf16_kernels(choice: str) -> str:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    return shutil.which(runtime_options().cc) or shutil.which("gcc")
 
 
 def build(out_dir: Path | None = None) -> Path:

@@ -4,8 +4,8 @@
 quantization/format.py) into 32-column panels; `panels.linear` and `panels.grouped_linear` are the
 products (one pair for every packed form). The kernels quantize their inputs too (int8 per group of
 the weight's group size, absmax, round to nearest even) and take integer dot products (quant_gemm.c
-says why); `reference_linear` is that arithmetic in PyTorch, the definition tests compare the kernels
-with. Against the weight-only product (`F.linear` with the dequantized weight) the input rounding
+says why); tests/test_quantization.py's `reference_linear` is that arithmetic in PyTorch, the
+definition the kernels are compared with. Against the weight-only product (`F.linear` with the dequantized weight) the input rounding
 adds a relative error of about 0.3% (int8 has 255 levels per group), small beside int4's own ~10%
 per weight.
 """
@@ -195,32 +195,3 @@ def swiglu_rows(intermediate: int) -> torch.Tensor:
     gate = torch.where(j < intermediate, j, -1)
     up = torch.where(j < intermediate, j + intermediate, -1)
     return torch.stack([gate, up], dim=1).reshape(-1)
-
-
-def quantize_inputs(x: torch.Tensor, group: int):
-    """The kernels' input rounding in PyTorch: x [M, K] → (codes int8-valued fp64 [M, K/G, G], scale α [M, K/G])."""
-    a = x.to(torch.float32).reshape(x.shape[0], -1, group)
-    amax = a.abs().amax(-1, keepdim=True)
-    # (a true division: `127.0 / tensor` would be reciprocal-then-multiply, rounding differently from C)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(a * inv)
-    return q.double(), (amax / 127.0).squeeze(-1).double()
-
-
-def reference_linear(x: torch.Tensor, qweight, scales, mins, bits: int, super_scales=None,
-                     super_mins=None) -> torch.Tensor:
-    """What `linear` computes, in float64: inputs rounded as the kernel rounds them, then
-    Σ_g α·(s·Σ w_code·a [+ m·Σa]) with the dequantized codes. x [M, K], weights stored [N, ...] → [M, N]."""
-    from ..quantization.format import ZERO_POINT, codes, group_scales
-
-    c = codes(qweight, bits).double()
-    if mins is None:
-        c = c - ZERO_POINT[bits]
-    N, K = c.shape
-    G = K // scales.shape[-1]
-    q, alpha = quantize_inputs(x.reshape(-1, K), G)                      # [M, g, G], [M, g]
-    dots = torch.einsum("mgk,ngk->mng", q, c.view(N, -1, G))              # exact integers
-    out = (dots * group_scales(scales, super_scales).double()[None]).mul(alpha[:, None, :])
-    if mins is not None:
-        out = out + group_scales(mins, super_mins).double()[None] * (alpha * q.sum(-1))[:, None, :]
-    return out.sum(-1)

@@ -48,21 +48,15 @@ class Attention(nn.Module):
         attend = backend.attention if backend is not None else attention_reference
         return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))
 
-    def _attend_cached(self, q, k, v, batch, T, block_len):
-        """Each row on its own: its new K/V written into its pages, then attention over its positions
-        0 … start+T−1 read from them (a view when its pages are consecutive, else gathered; never a
-        padded batch)."""
-        pool = batch.pool
-        kf = pool.k[self.layer_index].view(-1, self.num_kv_heads, self.head_dim)     # [pages·P, Hkv, D]
-        vf = pool.v[self.layer_index].view(-1, self.num_kv_heads, self.head_dim)
+    def _attend_cached(self, q, kf, vf, batch, block_len):
+        """Each row on its own over its positions 0 … start+T−1 read from its pages (`kf`, `vf`: the
+        layer's flat K/V rows, this forward's written; a view when the row's pages are consecutive, else
+        gathered; never a padded batch)."""
+        T = q.shape[2]
         outs = []
         for b in range(q.shape[0]):
             start = batch.starts[b]
-            end = start + T
-            new = pool.span(batch.pages[b], start, end)
-            kf[new] = k[b].transpose(0, 1)
-            vf[new] = v[b].transpose(0, 1)
-            rows = pool.span(batch.pages[b], 0, end)
+            rows = batch.pool.span(batch.pages[b], 0, start + T)
             keys, values = kf[rows].transpose(0, 1)[None], vf[rows].transpose(0, 1)[None]     # [1, Hkv, S, D]
             qb = q[b:b + 1]
             if block_len == T or (block_len == 0 and T == 1):
@@ -74,15 +68,24 @@ class Attention(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: int):
+def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: int, attend_cached=None):
     """Between the projections and `o_proj`: q/k norms, rotary, scaled-dot-product attention (causal
-    rows, block rows seeing the whole block), the sigmoid output gate."""
+    rows, block rows seeing the whole block), the sigmoid output gate. A cached forward first writes
+    every row's new K/V into its pages (one `index_copy_`), then attends through `attend_cached(attn, q,
+    kf, vf, batch, block_len)` → [B, Hq, T, D] (default: each row alone, `Attention._attend_cached`;
+    the "cuda" backend's: all rows at once, gpu/attention.py)."""
     B, T, _ = qg.shape
-    q, k, v, gate = attention_inputs(self, qg, k, v, cos, sin)
+    q, k, v, gate = attention_inputs(self, qg, k, v, cos, sin)          # q [B, Hq, T, D], k/v [B, Hkv, T, D]
     if batch is None:
         out = attend_uncached(q, k, v, block_len)
     else:
-        out = self._attend_cached(q, k, v, batch, T, block_len)
+        Hkv, D = self.num_kv_heads, self.head_dim
+        new_rows = batch.index(q.device, T).new_rows
+        kf = batch.pool.k[self.layer_index].view(-1, Hkv, D)                # [pages·P, Hkv, D]
+        vf = batch.pool.v[self.layer_index].view(-1, Hkv, D)
+        kf.index_copy_(0, new_rows, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kf.dtype))
+        vf.index_copy_(0, new_rows, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vf.dtype))
+        out = (attend_cached or Attention._attend_cached)(self, q, kf, vf, batch, block_len)
     out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
     return out * torch.sigmoid(gate)
 

@@ -66,12 +66,13 @@ class Experts(nn.Module):
         gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
-    def forward(self, x, indices, weights):
-        """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]."""
+    def forward(self, x, indices, weights, grouped=None):
+        """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. `grouped`: what runs the
+        slots once sorted by expert, as `self.grouped` takes them (the default; gpu/experts.py: grouped GEMMs)."""
         k = indices.shape[1]
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        return self.grouped(x, order // k, flat_expert[order], weights.reshape(-1)[order])
+        return (grouped or self.grouped)(x, order // k, flat_expert[order], weights.reshape(-1)[order])
 
     def grouped(self, x, token, expert, weight):
         """Token-slots sorted by expert: row x[token[s]] through expert[s] times weight[s], summed per
