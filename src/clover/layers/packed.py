@@ -26,6 +26,12 @@ from ..quantization.modules import QuantizedLinear
 from ..runtime import release_free_memory
 
 
+def _stack(tensors: list) -> torch.Tensor:
+    """Tensors of maps that read one input, stacked along their outputs; a lone map's as it is (not
+    copied: packing the vocabulary projection must not hold it twice)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def _pack_quantized(linears: list, consume: bool = False):
     """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels.
     `consume`: a lone map's stored codes may be handed back as they are packed (a model only the caller
@@ -34,7 +40,7 @@ def _pack_quantized(linears: list, consume: bool = False):
     def stacked(name):
         if getattr(linears[0], name) is None:
             return None
-        return getattr(linears[0], name) if len(linears) == 1 else torch.cat([getattr(m, name) for m in linears])
+        return _stack([getattr(m, name) for m in linears])
 
     return QuantPanelWeight(stacked("qweight"), stacked("scales"), stacked("mins"), linears[0].bits,
                             super_scales=stacked("super_scales"), super_mins=stacked("super_mins"),
@@ -106,9 +112,9 @@ class FusedProjection(PackedWeights):
     row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
     stacked rows reads the same bytes once and returns the pieces as views. Maps of different
     precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
-    each."""
+    each. `consume`: as `_pack_quantized`'s."""
 
-    def __init__(self, linears: list):
+    def __init__(self, linears: list, consume: bool = False):
         super().__init__()
         self.sizes = [m.out_features if isinstance(m, QuantizedLinear) else m.weight.shape[0] for m in linears]
         self.parts = []                                    # (packed, bias, sizes) per run of one kind
@@ -119,14 +125,14 @@ class FusedProjection(PackedWeights):
                 end += 1
             run = linears[start:end]
             if isinstance(run[0], QuantizedLinear):
-                packed = _pack_quantized(run)
+                packed = _pack_quantized(run, consume)
             else:
-                packed = PanelWeight(torch.cat([m.weight.detach() for m in run]))
+                packed = PanelWeight(_stack([m.weight.detach() for m in run]))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
-                bias = torch.cat([torch.zeros(n, dtype=torch.bfloat16) if b is None else b.detach()
-                                  for b, n in zip(biases, self.sizes[start:end])])
+                bias = _stack([torch.zeros(n, dtype=torch.bfloat16) if b is None else b.detach()
+                               for b, n in zip(biases, self.sizes[start:end])])
             index = len(self.parts)
             register_packed(self, "weight_packed" if index == 0 else f"weight_packed_{index}", packed)
             self.register_buffer("bias" if index == 0 else f"bias_{index}", bias)
@@ -137,17 +143,14 @@ class FusedProjection(PackedWeights):
         return [piece for packed, bias, sizes in self.parts for piece in packed_linear(x, packed, bias).split(sizes, -1)]
 
 
-class PackedLinear(PackedWeights):
+class PackedLinear(FusedProjection):
     """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
-    panels)."""
+    panels): the projection of one map, returning its output whole."""
 
     def __init__(self, linear: nn.Module, consume: bool = False):
-        super().__init__()
+        super().__init__([linear], consume)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = (_pack_quantized([linear], consume) if isinstance(linear, QuantizedLinear)
-                       else PanelWeight(linear.weight))
-        register_packed(self, "weight_packed", self.packed)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.packed = self.parts[0][0]
 
     def forward(self, x):
         return packed_linear(x, self.packed, self.bias)
