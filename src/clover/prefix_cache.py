@@ -93,9 +93,7 @@ class PrefixCache:
             # the shared pages need no reservation of their own
             pool._reserve(held, -min(held.reserved_pages, len(entry.pages)), 0)
             if entry.slot is not None:
-                pool.slot_ids.ref(entry.slot)
-                pool.slot_ids.drop(held.slot)
-                held.slot = entry.slot
+                pool._seq_set_slot(held, entry.slot)
             seq.length = len(entry.tokens)
         return len(entry.tokens)
 

@@ -26,12 +26,6 @@ from ..quantization.modules import QuantizedLinear
 from ..runtime import release_free_memory
 
 
-def _stack(tensors: list) -> torch.Tensor:
-    """Tensors of maps that read one input, stacked along their outputs; a lone map's as it is (not
-    copied: packing the vocabulary projection must not hold it twice)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
 def _pack_quantized(linears: list, consume: bool = False):
     """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels.
     `consume`: a lone map's stored codes may be handed back as they are packed (a model only the caller
@@ -40,7 +34,7 @@ def _pack_quantized(linears: list, consume: bool = False):
     def stacked(name):
         if getattr(linears[0], name) is None:
             return None
-        return _stack([getattr(m, name) for m in linears])
+        return getattr(linears[0], name) if len(linears) == 1 else torch.cat([getattr(m, name) for m in linears])
 
     return QuantPanelWeight(stacked("qweight"), stacked("scales"), stacked("mins"), linears[0].bits,
                             super_scales=stacked("super_scales"), super_mins=stacked("super_mins"),
@@ -126,13 +120,14 @@ class FusedProjection(PackedWeights):
             run = linears[start:end]
             if isinstance(run[0], QuantizedLinear):
                 packed = _pack_quantized(run, consume)
-            else:
-                packed = PanelWeight(_stack([m.weight.detach() for m in run]))
+            else:           # a lone map's weight is packed as it is (the vocabulary projection is not copied)
+                weights = [m.weight.detach() for m in run]
+                packed = PanelWeight(weights[0] if len(run) == 1 else torch.cat(weights))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
-                bias = _stack([torch.zeros(n, dtype=torch.bfloat16) if b is None else b.detach()
-                               for b, n in zip(biases, self.sizes[start:end])])
+                bias = torch.cat([torch.zeros(n, dtype=torch.bfloat16) if b is None else b.detach()
+                                  for b, n in zip(biases, self.sizes[start:end])])
             index = len(self.parts)
             register_packed(self, "weight_packed" if index == 0 else f"weight_packed_{index}", packed)
             self.register_buffer("bias" if index == 0 else f"bias_{index}", bias)
