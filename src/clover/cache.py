@@ -174,19 +174,17 @@ class RefCounts:
                 self.free.append(i)
 
 
+@dataclass(slots=True)
 class _Holdings:
     """What one sequence holds in the pool (kept apart from the handle so a finalizer can free it)."""
 
-    __slots__ = ("pages", "slot", "saved_slot", "reserved_pages", "reserved_slots", "snapshot_slots", "own_slots")
-
-    def __init__(self):
-        self.pages: list[int] = []
-        self.slot = 0
-        self.saved_slot: int | None = None
-        self.reserved_pages = 0
-        self.reserved_slots = 0
-        self.snapshot_slots: list[int] = []       # one reference per snapshot taken
-        self.own_slots: list[int] = []            # slots taken out of the reservation (refunded when dropped)
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = 0
+    saved_slot: int | None = None
+    reserved_pages: int = 0
+    reserved_slots: int = 0
+    snapshot_slots: list[int] = field(default_factory=list)     # one reference per snapshot taken
+    own_slots: list[int] = field(default_factory=list)          # taken out of the reservation (refunded when dropped)
 
 
 class StatePool:
