@@ -174,19 +174,17 @@ class RefCounts:
                 self.free.append(i)
 
 
+@dataclass(slots=True)
 class _Holdings:
     """What one sequence holds in the pool (kept apart from the handle so a finalizer can free it)."""
 
-    __slots__ = ("pages", "slot", "saved_slot", "reserved_pages", "reserved_slots", "snapshot_slots", "own_slots")
-
-    def __init__(self):
-        self.pages: list[int] = []
-        self.slot = 0
-        self.saved_slot: int | None = None
-        self.reserved_pages = 0
-        self.reserved_slots = 0
-        self.snapshot_slots: list[int] = []       # one reference per snapshot taken
-        self.own_slots: list[int] = []            # slots taken out of the reservation (refunded when dropped)
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = 0
+    saved_slot: int | None = None
+    reserved_pages: int = 0
+    reserved_slots: int = 0
+    snapshot_slots: list[int] = field(default_factory=list)     # one reference per snapshot taken
+    own_slots: list[int] = field(default_factory=list)          # taken out of the reservation (refunded when dropped)
 
 
 class StatePool:
@@ -324,10 +322,8 @@ class StatePool:
             if pages > self.available_pages() or slots > self.available_slots():
                 raise PoolFull(f"the state pool cannot reserve {pages} pages and {slots} slots "
                                f"({self.available_pages()} pages, {self.available_slots()} slots available)")
-            self.reserved_pages += pages
-            self.reserved_slots += slots
             held = _Holdings()
-            held.reserved_pages, held.reserved_slots = pages, slots
+            self._reserve(held, pages, slots)
             self.slot_ids.ref(0)
             return SequenceState(self, held)
 
@@ -341,20 +337,23 @@ class StatePool:
             for page in held.pages:
                 self.page_ids.drop(page)
             held.pages = []
-            self.slot_ids.drop(held.slot)
-            self.slot_ids.drop(held.saved_slot)
-            for slot in held.snapshot_slots:
+            for slot in (held.slot, held.saved_slot, *held.snapshot_slots):
                 self.slot_ids.drop(slot)
             held.slot, held.saved_slot, held.snapshot_slots, held.own_slots = None, None, [], []
-            self.reserved_pages -= held.reserved_pages
-            self.reserved_slots -= held.reserved_slots
-            held.reserved_pages = held.reserved_slots = 0
+            self._reserve(held, -held.reserved_pages, -held.reserved_slots)
+
+    def _reserve(self, held: _Holdings, pages: int, slots: int) -> None:
+        """Add pages and slots to a sequence's reservation (negative: take them out of it), and to the
+        pool's totals with it: the one place the two move."""
+        held.reserved_pages += pages
+        held.reserved_slots += slots
+        self.reserved_pages += pages
+        self.reserved_slots += slots
 
     def _seq_take_page(self, held: _Holdings) -> int:
         """A fresh page for a sequence: out of its reservation while it has one, else one nobody was promised."""
         if held.reserved_pages:
-            held.reserved_pages -= 1
-            self.reserved_pages -= 1
+            self._reserve(held, -1, 0)
         elif self.available_pages() < 1:
             raise PoolFull(f"the state pool is out of K/V pages ({self.num_pages} of {self.page_size} tokens, "
                            f"{self.reserved_pages} reserved by running requests)")
@@ -383,8 +382,7 @@ class StatePool:
         """A fresh slot for a sequence, out of its reservation while it has one left."""
         slot = self._take(self.slot_ids)
         if held.reserved_slots:
-            held.reserved_slots -= 1
-            self.reserved_slots -= 1
+            self._reserve(held, 0, -1)
             held.own_slots.append(slot)
         return slot
 
@@ -403,8 +401,7 @@ class StatePool:
             return
         if slot in held.own_slots:
             held.own_slots.remove(slot)
-            held.reserved_slots += 1
-            self.reserved_slots += 1
+            self._reserve(held, 0, 1)
         self.slot_ids.drop(slot)
 
     def flat_positions(self, pages: list[int], start: int, stop: int) -> torch.Tensor:

@@ -91,13 +91,9 @@ class PrefixCache:
                 pool.page_ids.ref(p)
             held.pages = list(entry.pages)
             # the shared pages need no reservation of their own
-            give_back = min(held.reserved_pages, len(entry.pages))
-            held.reserved_pages -= give_back
-            pool.reserved_pages -= give_back
+            pool._reserve(held, -min(held.reserved_pages, len(entry.pages)), 0)
             if entry.slot is not None:
-                pool.slot_ids.ref(entry.slot)
-                pool.slot_ids.drop(held.slot)
-                held.slot = entry.slot
+                pool._seq_set_slot(held, entry.slot)
             seq.length = len(entry.tokens)
         return len(entry.tokens)
 

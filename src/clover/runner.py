@@ -108,10 +108,6 @@ class ModelRunner:
         """Confirm the processes running this model decided the same in step `what` (one process: nothing
         to confirm; distributed/runner.py compares the ranks' `digest()`)."""
 
-    def forget_plans(self) -> None:
-        """Drop the prepared decode steps (after replacing modules); the next decode step prepares anew."""
-        self._plans = None
-
     # ---- state -----------------------------------------------------------------------------------
     def state_pool(self) -> StatePool:
         """The model's one state pool (K/V pages, GDN slots, prefix cache), made on first use."""
@@ -213,10 +209,8 @@ class ModelRunner:
             if T <= PLANNED_TOKENS:                  # the CPU's prepared kernel calls, where they fit
                 self._plans = self._plans or DecodePlans(self.model)
                 ran, logits = self._plans.step(self.model, ids, batch, block_len, block_top_p, logits_at, stats)
-            if not ran and self.graph_replay is not None and pool is self._pool:
-                graphs = self.step_graphs()
-                if graphs is not None:
-                    logits = graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)
+            if not ran and pool is self._pool and self.step_graphs() is not None:
+                logits = self._graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)
             if not ran and logits is None:
                 logits = self.model.run(ids, self.positions(ids, batch, T), batch, block_len, block_top_p,
                                         logits_at, stats)

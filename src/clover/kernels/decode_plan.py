@@ -30,8 +30,7 @@ same model meanwhile takes the layers' path), and buffers are per step shape, so
 batches never share them; a step's expert statistics are copies. Weights written in place (a
 `load_state_dict` reload) bump the versions of the parameters the kernels' fp32 constants come from;
 the plans are rebuilt when they change. A plan keeps what its pointers point into alive; modules
-swapped into a model after its first step are not seen (`model.runner.forget_plans()` drops its
-plans).
+swapped into a model after its first step are not seen (setting `model.backend` drops its plans).
 """
 
 from __future__ import annotations

@@ -10,21 +10,13 @@ stable sort of 32 rows of 256 costs ~320 µs on 2 threads, this ~40 µs).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 from torch import Tensor
 
 from .norms import compute_dtype
 
-__all__ = [
-    "validate_block_expert_top_p",
-    "select_block_experts_batched",
-    "route_top_k",
-]
 
-
-def validate_block_expert_top_p(top_p: Union[float, Tensor, None]) -> None:
+def validate_block_expert_top_p(top_p: float | Tensor | None) -> None:
     """Raise ``ValueError`` unless every p lies in (0, 1] (SPEC §6; ``None`` means off)."""
     if top_p is None:
         return
@@ -49,19 +41,10 @@ def top_k_lowest_index_first(values: Tensor, k: int) -> Tensor:
     return torch.topk(keys, k, dim=-1).indices
 
 
-def _check_k(top_k: int, E: int, min_experts: int) -> Tuple[int, int]:
-    if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k!r}")
-    if min_experts < 0:
-        raise ValueError(f"block_expert_min_experts must be >= 0, got {min_experts!r}")
-    # At least one expert is always kept so that every token can route somewhere.
-    return min(int(top_k), E), min(max(int(min_experts), 1), E)
-
-
 def select_block_experts_batched(
     router_probs: Tensor,
     top_k: int,
-    top_p: Union[Tensor, float],
+    top_p: Tensor | float,
     min_experts: int,
 ) -> Tensor:
     """Kept experts ``Bool[B, E]`` for each sequence's block (``router_probs[B, L, E]``).
@@ -70,13 +53,13 @@ def select_block_experts_batched(
     by ``m_e`` descending (ties → lower index); keep the shortest prefix with cumulative mass
     ``≥ p·Σ m``, and at least ``min_experts`` (capped at E; ≥1 always). Zero-mass experts enter
     only to reach the minimum. Rows with ``p == 1`` keep all experts. ``top_p`` is not checked here
-    (a host sync): callers validate it once per forward (``validate_block_expert_top_p``).
+    (a host sync): callers validate it once per forward (``validate_block_expert_top_p``), as the
+    config validates ``top_k`` and ``min_experts``.
     """
-    if router_probs.dim() != 3:
-        raise ValueError(f"router_probs must be [B, L, E], got shape {tuple(router_probs.shape)}")
     B, L, E = router_probs.shape
     device = router_probs.device
-    k, n_min = _check_k(top_k, E, min_experts)
+    k = min(top_k, E)
+    n_min = min(max(min_experts, 1), E)        # at least one expert is kept: every token routes somewhere
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device).reshape(-1).expand(B)
     probs = router_probs.to(compute_dtype(router_probs.dtype))
 
@@ -99,8 +82,8 @@ def select_block_experts_batched(
 
 
 def route_top_k(
-    router_probs: Tensor, top_k: int, allowed: Optional[Tensor] = None
-) -> Tuple[Tensor, Tensor]:
+    router_probs: Tensor, top_k: int, allowed: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Top-k routing of ``router_probs[N, E]``, optionally restricted to ``allowed[N, E]``.
 
     Returns ``(weights float32[N, k], indices long[N, k])``, slots in descending probability
@@ -110,11 +93,7 @@ def route_top_k(
     caller's gather/index stays in range; a row allowing no expert gets all-zero weights (indices
     still in ``[0, E)``). ``allowed`` may also be ``[E]`` (one kept set for all rows).
     """
-    if router_probs.dim() != 2:
-        raise ValueError(f"router_probs must be [N, E], got shape {tuple(router_probs.shape)}")
     N, E = router_probs.shape
-    if top_k < 1 or top_k > E:
-        raise ValueError(f"top_k must lie in [1, {E}], got {top_k!r}")
     probs = router_probs.to(compute_dtype(router_probs.dtype))
     if allowed is None:
         idx = top_k_lowest_index_first(probs, top_k)

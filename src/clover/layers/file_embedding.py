@@ -161,5 +161,3 @@ def _runs(ids: list[int]):
     if start is not None:
         yield start, prev - start + 1
 
-
-__all__ = ["FileEmbedding"]

@@ -114,12 +114,6 @@ class SparseMoE(nn.Module):
     # (the two routing maps first: they stay in bf16 when the shared expert is quantized)
     input_projections = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")
 
-    def _router_and_shared(self, flat):
-        """flat [N, H] → (router probabilities [N, E], gated shared-expert output [N, H])."""
-        logits, shared_gate, gate, up = project(self, flat)
-        shared = self.shared_expert.down_proj(F.silu(gate) * up)
-        return router_probs(logits), torch.sigmoid(shared_gate) * shared
-
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """The block's output as the next layer adds it, after whichever backend computed it: this
         module's whole sum as it is (a tensor-parallel shard's block sums its ranks' parts here:
@@ -133,7 +127,9 @@ class SparseMoE(nn.Module):
         runs the routed experts, `(x [N, H], indices, weights) → [N, H]` (default: `self.experts`)."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        probs, shared = self._router_and_shared(flat)                       # probs [B·T, E]
+        logits, shared_gate, gate, up = project(self, flat)
+        probs = router_probs(logits)                                        # [B·T, E]
+        shared = torch.sigmoid(shared_gate) * self.shared_expert.down_proj(F.silu(gate) * up)
         allowed = None
         if block_len and block_top_p is not None:
             block_probs = probs.view(B, T, -1)[:, T - block_len:]

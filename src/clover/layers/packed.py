@@ -106,9 +106,9 @@ class FusedProjection(PackedWeights):
     row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
     stacked rows reads the same bytes once and returns the pieces as views. Maps of different
     precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
-    each."""
+    each. `consume`: as `_pack_quantized`'s."""
 
-    def __init__(self, linears: list):
+    def __init__(self, linears: list, consume: bool = False):
         super().__init__()
         self.sizes = [m.out_features if isinstance(m, QuantizedLinear) else m.weight.shape[0] for m in linears]
         self.parts = []                                    # (packed, bias, sizes) per run of one kind
@@ -119,9 +119,10 @@ class FusedProjection(PackedWeights):
                 end += 1
             run = linears[start:end]
             if isinstance(run[0], QuantizedLinear):
-                packed = _pack_quantized(run)
-            else:
-                packed = PanelWeight(torch.cat([m.weight.detach() for m in run]))
+                packed = _pack_quantized(run, consume)
+            else:           # a lone map's weight is packed as it is (the vocabulary projection is not copied)
+                weights = [m.weight.detach() for m in run]
+                packed = PanelWeight(weights[0] if len(run) == 1 else torch.cat(weights))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
@@ -137,17 +138,14 @@ class FusedProjection(PackedWeights):
         return [piece for packed, bias, sizes in self.parts for piece in packed_linear(x, packed, bias).split(sizes, -1)]
 
 
-class PackedLinear(PackedWeights):
+class PackedLinear(FusedProjection):
     """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
-    panels)."""
+    panels): the projection of one map, returning its output whole."""
 
     def __init__(self, linear: nn.Module, consume: bool = False):
-        super().__init__()
+        super().__init__([linear], consume)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = (_pack_quantized([linear], consume) if isinstance(linear, QuantizedLinear)
-                       else PanelWeight(linear.weight))
-        register_packed(self, "weight_packed", self.packed)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.packed = self.parts[0][0]
 
     def forward(self, x):
         return packed_linear(x, self.packed, self.bias)
