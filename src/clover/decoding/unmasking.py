@@ -79,8 +79,8 @@ def candidates(
 
     Greedy (``do_sample=False`` or ``temperature == 0``): argmax, ties → lowest id; confidence = its
     softmax probability at temperature 1 (top-k/top-p play no role).
-    Sampling: ``softmax(logits / temperature)`` (:func:`sampling_logits`) restricted to the top-k ids (ties at the k-th value
-    → lower ids), then to the top-p nucleus (smallest prefix of the most likely ids whose cumulative
+    Sampling: ``softmax(logits / temperature)`` (:func:`sampling_logits`) restricted to the top-k ids
+    (ties at the k-th value → lower ids), then to the top-p nucleus (smallest prefix of the most likely ids whose cumulative
     probability ≥ p, never empty), renormalised; one draw per row (:func:`draw`) with the uniform
     ``uniforms[row]``, or when not given ``torch.rand(M, generator=generator)`` in float64 — so rows
     of several requests sample together, each from its own generator, and get what they would get
