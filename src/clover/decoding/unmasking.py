@@ -80,12 +80,12 @@ def candidates(
     Greedy (``do_sample=False`` or ``temperature == 0``): argmax, ties → lowest id; confidence = its
     softmax probability at temperature 1 (top-k/top-p play no role).
     Sampling: ``softmax(logits / temperature)`` (:func:`sampling_logits`) restricted to the top-k ids
-    (ties at the k-th value → lower ids), then to the top-p nucleus (smallest prefix of the most likely ids whose cumulative
-    probability ≥ p, never empty), renormalised; one draw per row (:func:`draw`) with the uniform
-    ``uniforms[row]``, or when not given ``torch.rand(M, generator=generator)`` in float64 — so rows
-    of several requests sample together, each from its own generator, and get what they would get
-    alone; confidence = the sampled id's probability under that filtered distribution, i.e. the
-    distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
+    (ties at the k-th value → lower ids), then to the top-p nucleus (smallest prefix of the most likely
+    ids whose cumulative probability ≥ p, never empty), renormalised; one draw per row (:func:`draw`)
+    with the uniform ``uniforms[row]``, or when not given ``torch.rand(M, generator=generator)`` in
+    float64 — so rows of several requests sample together, each from its own generator, and get what
+    they would get alone; confidence = the sampled id's probability under that filtered distribution,
+    i.e. the distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
     ``exclude``: an id never proposed — the mask token, since a position "filled" with it stays masked
     and a model that keeps proposing it would never finish its block. A row whose candidate would be
     that id takes the most likely other id instead (confidence: that id's probability under the same

@@ -444,9 +444,10 @@ def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | 
                        with_confidence: bool = True):
     """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
     rows each, at least one row in all): sampled rows draw their uniforms from their own sequence's
-    generator, as many as each would draw alone and in the same order, so every row gets exactly its own result. The logits are
-    made safe first (`safe_logits`, then `candidates`' `sampling_logits`): no NaN or overflow reaches a
-    draw inside the shared decoder step and fails every co-batched request."""
+    generator, as many as each would draw alone and in the same order, so every row gets exactly its
+    own result. The logits are made safe first (`safe_logits`, then `candidates`' `sampling_logits`):
+    no NaN or overflow reaches a draw inside the shared decoder step and fails every co-batched
+    request."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0
     if sampled:

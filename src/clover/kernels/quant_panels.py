@@ -6,8 +6,8 @@ products (one pair for every packed form). The kernels quantize their inputs too
 the weight's group size, absmax, round to nearest even) and take integer dot products (quant_gemm.c
 says why); tests/test_quantization.py's `reference_linear` is that arithmetic in PyTorch, the
 definition the kernels are compared with. Against the weight-only product (`F.linear` with the
-dequantized weight) the input rounding adds a relative error of about 0.3% (int8 has 255 levels per group), small beside int4's own ~10%
-per weight.
+dequantized weight) the input rounding adds a relative error of about 0.3% (int8 has 255 levels per
+group), small beside int4's own ~10% per weight.
 """
 
 from __future__ import annotations
