@@ -74,14 +74,9 @@ def _linear_weight(module):
 
 def _fused_parts(fused):
     """A `FusedProjection`'s runs as packed kernel weights (no biases), else None."""
-    if fused is None:
+    if fused is None or any(bias is not None for _, bias, _ in fused.parts):
         return None
-    parts = []
-    for packed, bias, sizes in fused.parts:
-        if bias is not None:
-            return None
-        parts.append((packed, sizes))
-    return parts
+    return [(packed, sizes) for packed, _, sizes in fused.parts]
 
 
 def refusal(model) -> str | None:
@@ -232,8 +227,7 @@ class _Plan:
         H = model.config.hidden_size
         buf = self.buf = _Buffers(B, T, H)
         self.calls: list = []          # [kernel name, args list]
-        self.gdn: list = []            # per GDN layer: (layer index, 4 slot-pointer arrays)
-        self.gdn_inputs: list = []     # per GDN layer: (the mixer, its projections u, z, b, a in scratch)
+        self.gdn: list = []            # per GDN layer: (the mixer, 4 slot-pointer arrays, its u, z, b, a in scratch)
         self.attn: list = []           # per attention layer: (layer index, per-row args lists)
         self.moe: list = []            # per MoE layer: its args list
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
@@ -308,8 +302,7 @@ class _Plan:
         self._constants(m, gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, T, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
-        self.gdn.append((m.layer_index, ptrs))
-        self.gdn_inputs.append((m, (u, z, b, a)))             # what an open speculation records
+        self.gdn.append((m, ptrs, (u, z, b, a)))              # the projections: what an open speculation records
         self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out,
                                                      T - self.block_len, 1))
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
@@ -356,8 +349,8 @@ class _Plan:
             buf.embed.view(B * T, -1).copy_(embed(ids.view(-1)))
         read = batch.read_slots
         write = batch.write_slots or read                # (a block step commits nothing: read only)
-        for index, (tails, new_tails, states, new_states) in self.gdn:
-            conv, rec = pool.conv[index], pool.recurrent[index]
+        for mixer, (tails, new_tails, states, new_states), _ in self.gdn:
+            conv, rec = pool.conv[mixer.layer_index], pool.recurrent[mixer.layer_index]
             cb, cs = conv.data_ptr(), conv.stride(0) * conv.element_size()
             rb, rs = rec.data_ptr(), rec.stride(0) * rec.element_size()
             for r in range(B):
@@ -406,15 +399,15 @@ class _Plan:
             stats += [d.clone() for d in self.distinct]
         if self.recording:                           # an open speculation: its rollback replays these
             P = T - self.block_len                   # (copies: the scratch is the next step's)
-            for mixer, pieces in self.gdn_inputs:
+            for mixer, _, pieces in self.gdn:
                 for r, records in enumerate(batch.records):
                     if records is not None:
                         records[mixer.layer_index].append((mixer, model.backend.gdn_core,
                                                            *(t[r, :P].clone() for t in pieces)))
-        if logits is not None:
-            return None if logits_at == "none" else logits.view(B, 1, -1)
         if logits_at == "none":
             return None
+        if logits is not None:
+            return logits.view(B, 1, -1)
         return model.lm_head(logits_rows(logits_at, self.block_len, batch, buf.final_x.device)(buf.final_x))
 
 

@@ -55,14 +55,22 @@ def gdn_short_args(mixer, u, z, b, a, slot_arrays, out, causal: int, threads: in
             norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), threads]
 
 
-def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, read_slots, write_slots,
-              block_len: int = 0) -> torch.Tensor:
-    """`conv` [slots, C, K−1] bf16 and `recurrent` [slots, Hv, dk, dv] fp32: the layer's state slots in
-    the pool; row r reads slot read_slots[r] and, when causal tokens come first, writes its new state to
-    write_slots[r] (which may equal the read slot: the kernel reads each piece whole before writing it)."""
+def gdn_short(mixer, u, z, b, a, batch, block_len: int = 0) -> torch.Tensor:
+    """The "cpu" backend's `gdn_core`: the projections u, z, b, a bf16 [B, T, ·], the last `block_len`
+    tokens a block (then T ≤ 64) → the gated-norm output [B, T, Hv·dv]. `batch` None: a forward from
+    scratch (zero states in, scratch states out). Causal tokens go 64 per call: the first reads the rows'
+    slots, the later ones update the write slots in place (the kernel reads a state slab, or a conv
+    channel block, whole before it writes it back)."""
     B, T = u.shape[:2]
-    if not 1 <= T <= MAX_TOKENS:
-        raise ValueError(f"gdn_short takes 1..{MAX_TOKENS} tokens, got {T}")
+    if batch is None:
+        conv = torch.zeros(2 * B, mixer.conv_dim, mixer.kernel - 1, dtype=torch.bfloat16)
+        recurrent = torch.zeros(2 * B, mixer.num_v_heads, mixer.dk, mixer.dv, dtype=torch.float32)
+        read_slots, write_slots = list(range(B)), list(range(B, 2 * B))
+    else:
+        conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
+        read_slots, write_slots = batch.read_slots, batch.write_slots
+    if T < 1 or (block_len and T > MAX_TOKENS):
+        raise ValueError(f"gdn_short takes 1..{MAX_TOKENS} tokens (any number without a block), got {T}")
     for t in (u, z, b, a):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
             raise ValueError("gdn_short takes bf16 projections with contiguous channels")
@@ -77,11 +85,15 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
         raise ValueError("gdn_short: causal tokens need a write slot for every row")
     written = write_slots if P else read_slots
     out = torch.empty(B, T, mixer.value_dim, dtype=torch.bfloat16)
-    # the pointer arrays must outlive the call: name them
-    tail_ptrs, new_tail_ptrs = _slot_pointers(conv, read_slots), _slot_pointers(conv, written)
-    state_ptrs, new_state_ptrs = _slot_pointers(recurrent, read_slots), _slot_pointers(recurrent, written)
-    status = library().clover_gdn_short(*gdn_short_args(
-        mixer, u, z, b, a, [ctypes.addressof(p) for p in (tail_ptrs, new_tail_ptrs, state_ptrs, new_state_ptrs)],
-        out, P, torch.get_num_threads()))
-    check_status(status, "gdn_short", f"unsupported shape (T={T}, conv kernel {mixer.kernel})")
+    # conv tails read / written, states read / written: the arrays must outlive the calls, so they are named
+    arrays = [_slot_pointers(conv, read_slots), _slot_pointers(conv, written), _slot_pointers(recurrent, read_slots),
+              _slot_pointers(recurrent, written)]
+    slots = [ctypes.addressof(p) for p in arrays]
+    for s in range(0, T, MAX_TOKENS):
+        e = min(T, s + MAX_TOKENS)
+        u_, z_, b_, a_, out_ = (u, z, b, a, out) if T <= MAX_TOKENS else (t[:, s:e] for t in (u, z, b, a, out))
+        status = library().clover_gdn_short(*gdn_short_args(mixer, u_, z_, b_, a_, slots, out_, min(e, P) - s,
+                                                            torch.get_num_threads()))
+        check_status(status, "gdn_short", f"unsupported shape (T={e - s}, conv kernel {mixer.kernel})")
+        slots = [slots[1], slots[1], slots[3], slots[3]]        # later chunks continue from the written state
     return out

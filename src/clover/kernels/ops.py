@@ -47,30 +47,6 @@ def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     return (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a)
 
 
-def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
-    T = u.shape[1]
-    if batch is None:            # from scratch (`model(ids)`): zero states in, scratch states out
-        B = u.shape[0]
-        conv = torch.zeros(2 * B, mixer.conv_dim, mixer.kernel - 1, dtype=torch.bfloat16)
-        recurrent = torch.zeros(2 * B, mixer.num_v_heads, mixer.dk, mixer.dv, dtype=torch.float32)
-        read, write = list(range(B)), list(range(B, 2 * B))
-    else:
-        conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
-        read, write = batch.read_slots, batch.write_slots
-    if T <= GDN_MAX_TOKENS:
-        return gdn_short(mixer, u, z, b, a, conv, recurrent, read, write, block_len)
-    # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form: the
-    # kernel keeps each state slab in L1 for all 64 tokens). The first call reads the rows' slots; the
-    # later ones update the write slots in place (the kernel reads a slab, or a conv channel block,
-    # whole before it writes it back)
-    parts = []
-    for s in range(0, T, GDN_MAX_TOKENS):
-        parts.append(gdn_short(mixer, *(t[:, s:s + GDN_MAX_TOKENS] for t in (u, z, b, a)), conv, recurrent, read,
-                               write))
-        read = write
-    return torch.cat(parts, dim=1)
-
-
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
     return ((qg.shape[1] <= ATTENTION_MAX_TOKENS or not block_len)
             and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
@@ -104,7 +80,7 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
 # op → (implementation, which calls it takes, whether it runs right-padded batches itself): backend.py
 IMPLEMENTATIONS = {
     "add_rmsnorm": (add_rmsnorm, _add_rmsnorm_qualifies, False),
-    "gdn_core": (gdn_core_cpu, _gdn_qualifies, False),
+    "gdn_core": (gdn_short, _gdn_qualifies, False),
     "attention": (attention_cpu, _attention_qualifies, False),
     "moe": (moe_block, _moe_qualifies, False),
 }
