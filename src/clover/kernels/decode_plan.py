@@ -125,7 +125,6 @@ class _Buffers:
     call writes a tensor it reads."""
 
     def __init__(self, B: int, T: int, H: int):
-        self.B, self.T = B, T
         new = lambda *shape: torch.empty(*shape, dtype=_BF16)  # noqa: E731
         self.embed, self.h1, self.h2, self.x, self.mixed, self.moe = (new(B, T, H) for _ in range(6))
         self.final_h, self.final_x = new(B, T, H), new(B, T, H)
