@@ -1,36 +1,19 @@
-"""Steps of up to 64 tokens — decode, block steps, commits — as a prepared list of kernel calls (the
-per-step Python glue, cut).
+"""Steps of up to 64 tokens (decode, block steps, commits) as a prepared list of kernel calls.
 
-On small models a decode step's time went mostly to the Python around its ~26 native calls: module
-calls, backend dispatch and `qualifies` tests, argument checks, `torch.empty` outputs, `data_ptr()` /
-`stride()` queries (the `tiny` bench model: 0.73 of ~1.0 ms). A plan makes those decisions once per
-model and step shape (rows × tokens × block length): every call's arguments (weights, constants,
-strides, sizes) are bound in a list, the intermediates live in buffers owned by the plan, and a step
-only writes what changes — the rows' GDN slot addresses, page tables, positions and rotary rows, the
-block's expert-selection top-p — then runs the list (tiny: glue 0.70 → 0.05 ms, a step 0.80 → 0.22 ms
-at 1 thread, `benchmarks.ab`; the demo model's block step 2.1 → 1.3 ms). A one-token causal step binds
-the lm head as its last call; other steps project the rows they are asked for afterwards.
+A plan binds, once per model and step shape (rows × tokens × block length), the calls and arguments the
+wrappers in kernels/*.py would make for that step, intermediates in buffers it owns; a step writes only
+what changes (GDN slot addresses, page tables, positions, rotary rows, the block's top-p) and runs the
+list as one native call (`ONE_REGION`: steps.c, one team of `torch.get_num_threads()` threads, a barrier
+between kernels). A one-token causal step binds the lm head as its last call. It takes a model packed for
+the kernels, no tensor-parallel shard, no autograd, no right-padded batch (`refusal`, `DecodePlans.step`);
+everything else runs the layers. Why, and what it saved: docs/performance.md.
 
-The list runs as one native call (`ONE_REGION`, steps.c): one team of threads walks the whole step,
-each kernel's work split across it with a barrier between kernels, instead of a ctypes call and an
-OpenMP parallel region (fork and join) per kernel. The team has `torch.get_num_threads()` threads
-(PyTorch's default: the physical cores; `--threads` sets it). Off, the list runs call by call through
-the kernels' own entry points, the same arithmetic (tests/test_decode_plan.py compares the two).
-
-The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for the
-same step, so results are bit-identical (tests/test_decode_plan.py). It covers what those wrappers
-would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or quantized), no tensor-parallel
-shard, no autograd, no right-padded batch, at most 64 tokens (longer prefill chunks stay with the
-layers); an open speculation's GDN inputs are recorded as the layers record them. Everything else
-goes through the layers as before.
-
-Buffer safety: only the intermediates between calls are reused; the logits a step returns are a new
-tensor every time. A plan runs one step at a time (a non-blocking lock: a second thread stepping the
-same model meanwhile takes the layers' path), and buffers are per step shape, so rows of other
-batches never share them; a step's expert statistics are copies. Weights written in place (a
-`load_state_dict` reload) bump the versions of the parameters the kernels' fp32 constants come from;
-the plans are rebuilt when they change. A plan keeps what its pointers point into alive; modules
-swapped into a model after its first step are not seen (setting `model.backend` drops its plans).
+Invariants (tests/test_decode_plan.py): results bit-identical to the layers' path and to the calls run
+one by one; the logits and expert statistics a step returns are new, buffers are per step shape; one step
+at a time per model (a second thread takes the layers' path); a plan keeps alive what its pointers point
+into, is rebuilt when a parameter its fp32 constants come from is rewritten and dropped when
+`model.backend` is set (modules swapped in otherwise are not seen); an open speculation's GDN inputs are
+recorded as the layers record them.
 """
 
 from __future__ import annotations
@@ -140,10 +123,9 @@ class _Buffers:
 class RotaryTable:
     """cos / sin rows of the model's `RotaryEmbedding` by position, computed by the module itself for
     blocks of `BLOCK` positions (plus the `MAX_TOKENS - 1` after them, so a step's tokens are always
-    consecutive rows of one table) and kept: a step looks its rows up instead of running six tensor
-    ops. Bit-identical to computing them per step: every op of the module is elementwise, and PyTorch's
-    vectorised cos / sin give each element the same result wherever it sits in a tensor (checked over
-    positions in tests/test_decode_plan.py)."""
+    consecutive rows of one table) and kept. Bit-identical to computing them per step: the module's ops
+    are elementwise, and PyTorch's vectorised cos / sin give an element the same result wherever it sits
+    (tests/test_decode_plan.py)."""
 
     BLOCK = 1024
     MAX_BLOCKS = 64          # 64 blocks of 1024 positions (for rotary_dim 64: 16 MB) at most

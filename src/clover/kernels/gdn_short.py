@@ -1,11 +1,9 @@
-"""Python face of `gdn_short.c`: up to 64 tokens through a Gated DeltaNet mixer in one call.
+"""Python face of `gdn_short.c`: a Gated DeltaNet mixer after its input projections, 64 tokens a call.
 
-`gdn_short(mixer, u, z, b, a, conv, recurrent, read_slots, write_slots, block_len)` takes the mixer's
-input-projection outputs (bf16, [B, T, ·], the last `block_len` tokens a block) and the layer's state
-slots in the pool (cache.py). When causal tokens come first each row's state after them goes to its
-write slot (the read slot is left as it was: snapshots and cached prefixes keep it). Returns the
-gated-norm output [B, T, Hv·dv] that goes into `out_proj`.
-The PyTorch path in `GatedDeltaNet.forward` is the reference (tests/test_kernels.py).
+`gdn_short` is the "cpu" backend's `gdn_core` (backend.py); `gdn_short_args` is the call's argument list,
+which the step plans bind too. Causal tokens write each row's new state to its write slot and leave the
+read slot as it was (snapshots and cached prefixes keep it). The PyTorch path in `GatedDeltaNet.forward`
+is the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def _constants(mixer):
 
 
 def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
-    """The addresses of `pool[slot]` for each slot, as a C int64 array (a ctypes array: ~0.7 µs, where a
-    torch.tensor of them took ~5.5; a decode step builds twelve of these). The caller keeps it alive
-    over the call."""
+    """The addresses of `pool[slot]` for each slot, as a C int64 array (a ctypes array is much cheaper to
+    make than a tensor: docs/performance.md). The caller keeps it alive over the call."""
     base, step = pool.data_ptr(), pool.stride(0) * pool.element_size()
     return (ctypes.c_int64 * len(slots))(*[base + s * step for s in slots])
 

@@ -1,14 +1,8 @@
-"""The native CPU kernels as implementations of the backend ops (clover/backend.py), each with the test
-of which calls it can take. A call that does not qualify runs the op's PyTorch reference.
-
-The limits below are the C code's (the kernels also refuse anything else with an error):
-  - all: bf16 inputs, no autograd (the kernels compute no gradients), CPU tensors;
-  - gdn_core: a forward from scratch, or a cached one (the rows' state slots in the pool); up to 64
-    tokens with a block, or any number of causal tokens (64 per call);
-  - attention: a cached forward or one from scratch (K/V in scratch pages), up to 64 tokens with a
-    block, or any number of causal tokens (64 per call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
-  - moe: a block packed into panels by `pack_for_cpu` (on a tensor-parallel shard, the
-    shard's experts of the global routing; the module's `combine` sums the ranks' parts after it).
+"""The native CPU kernels as the "cpu" backend's implementations of the ops (clover/backend.py), each with
+the test of which calls it takes: bf16 CPU tensors without autograd, at most 64 tokens with a block (any
+number of causal tokens, 64 a call), attention heads ≤ 512 wide with ≤ 16 query heads per K/V head, a MoE
+block packed by `pack_for_cpu`. A call that does not qualify runs the op's PyTorch reference; the kernels
+refuse anything else with an error.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ def _plain_bf16(*tensors) -> bool:
 
 def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
     return _plain_bf16(h, delta) and (delta is None or delta.shape == h.shape)
-
 
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:

@@ -1,13 +1,10 @@
 """Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c`.
 
-`QuantPanelWeight(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
-quantization/format.py) into 32-column panels; `panels.linear` and `panels.grouped_linear` are the
-products (one pair for every packed form). The kernels quantize their inputs too (int8 per group of
-the weight's group size, absmax, round to nearest even) and take integer dot products (quant_gemm.c
+`QuantPanelWeight` reorders one stored matrix or expert stack (quantization/format.py) into 32-column
+panels; `panels.linear` and `panels.grouped_linear` are its products. The kernels round their inputs
+too (int8 per weight group, absmax, round to nearest even) and take integer dot products (quant_gemm.c
 says why); tests/test_quantization.py's `reference_linear` is that arithmetic in PyTorch, the
-definition the kernels are compared with. Against the weight-only product (`F.linear` with the
-dequantized weight) the input rounding adds a relative error of about 0.3% (int8 has 255 levels per
-group), small beside int4's own ~10% per weight.
+definition the kernels are compared with.
 """
 
 from __future__ import annotations
@@ -60,8 +57,8 @@ def _panel_scales(s: torch.Tensor) -> torch.Tensor:
 
 
 STEP_CODES = 1 << 24        # codes reordered per step: bounds packing's temporaries (~16 MB each)
-# the native packers make no temporaries: larger steps, fewer parallel regions (each cost ~7 ms on a
-# busy 2-core machine, more than its work); still small beside a layer for `consume`
+# the native packers make no temporaries: larger steps, fewer parallel regions (on a busy machine each
+# costs more than its work); still small beside a layer for `consume`
 STEP_CODES_NATIVE = 1 << 26
 
 
@@ -71,12 +68,10 @@ class QuantPanelWeight:
     [..., ceil(N/32), K/S, 32]: two-level scales). `rows`: an optional order of the output rows (the
     SwiGLU interleave of the experts' gate/up; −1 for a padding row, which gets zero scale).
 
-    Packing goes a slab at a time — several experts, or a band of 32-row panels of one large matrix —
-    so its temporaries stay ~16 MB however large the matrix (a 248k-row vocabulary projection), and
-    each step is a few large tensor ops rather than many small ones. `consume=True` hands each slab's
-    stored pages back to the OS once packed (runtime.discard_pages: the stored tensors read as zeros
-    afterwards), so neither a stack of experts nor a 248k-row vocabulary projection ever sits whole
-    beside its packed copy."""
+    Packing goes a slab at a time (several experts, or a band of panels of one large matrix), so its
+    temporaries stay ~16 MB however large the matrix. `consume=True` hands each slab's stored pages back
+    to the OS once packed (the stored tensors read as zeros afterwards), so a stored matrix never sits
+    whole beside its packed copy."""
 
     # the per-row values packed beside the codes: group scales, group mins, two-level super-scales / mins
     SCALES = ("scales", "mins", "super_scales", "super_mins")
