@@ -1,10 +1,8 @@
-"""Python face of `attention_cached.c`: a few tokens through gated attention over their K/V cache.
+"""Python face of `attention_cached.c`: up to 64 tokens of one sequence through gated attention over its
+K/V pages (decode tokens, block steps, commits, speculation checks; kernels/ops.py calls it per row).
 
-`attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, start, block_len)` takes an
-`Attention` module's projections of one sequence's T tokens (bf16 [T, ·]), the first T − block_len
-causal and the rest a block, writes their K/V into the sequence's pages of the state pool at
-`start …` and returns the gated attention output [T, Hq·D] that goes into `o_proj`. Decode tokens, block steps, commits and speculation checks go through it.
-The PyTorch path in `Attention.forward` is the reference (tests/test_kernels.py).
+`attention_args` is the call's argument list, which the step plans bind too. The PyTorch path in
+`Attention.forward` is the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from .build import library
 from .panels import check_status
 from .rmsnorm import _scale
 
-MAX_TOKENS = 64   # longer inputs (prefill chunks) stay with PyTorch's flash attention, which blocks over queries
+MAX_TOKENS = 64   # a call's tokens (kernels/ops.py runs a longer causal pass as consecutive calls)
 
 
 # `clover_attention_cached`'s arguments that a step plan writes per step: the rotary width, then from
@@ -35,10 +33,10 @@ def attention_args(attn, T: int, block_len: int, qg, k, v, rotary: int, cos, sin
 
 def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, start: int, block_len: int = 0,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """One sequence's T tokens (see the module docstring) → the gated attention output [T, Hq·D],
-    written into `out` when given (bf16, contiguous rows: a batch's row of a preallocated output).
-    `k_pages` / `v_pages`: the layer's K/V pages [pages, page_size, Hkv, D] in the state pool;
-    `page_table`: the sequence's page ids (int32, covering positions 0 … start+T−1)."""
+    """`attn`'s projections qg, k, v of one sequence's T tokens (bf16 [T, ·], the last `block_len` a block)
+    → the gated attention output [T, Hq·D], written into `out` when given (bf16, contiguous rows). The
+    tokens' K/V go into `k_pages` / `v_pages` [pages, page_size, Hkv, D] (the layer's pages in the state
+    pool) at positions `start …`; `page_table`: the sequence's page ids (int32, covering 0 … start+T−1)."""
     Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     T, R = qg.shape[0], cos.shape[-1]
     if not 1 <= T <= MAX_TOKENS or not 0 <= block_len <= T:

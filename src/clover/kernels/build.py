@@ -1,22 +1,12 @@
-"""Finding a compiler, building the kernels (`*.c` here) once per source/compiler/flags, loading them.
+"""Building the native kernels (`*.c` here) with the system C compiler, caching and loading the library.
 
-Why compile at all: this machine class (AVX-512 with BF16 but no AMX) runs bf16 dot products
-(`vdpbf16ps`, what oneDNN's bf16 matmul uses) at half the rate of fp32 FMAs — measured 89 vs 178
-GFLOP/s on one core — so a bf16-weight product computed in fp32 after a one-instruction widening
-is ~1.7× faster than oneDNN's wherever the arithmetic, not memory, is the limit (prefill, block steps).
-Where `vdpbf16ps` is the faster one — AMD Zen 4 (this project's other machine class) runs it at ~1.9×
-the fp32-FMA kernels' rate on whole products (`python -m benchmarks.kernel_ceiling --kernel pairs`) —
-bf16 inputs go through `panel_gemm.c`'s pair kernels instead, on the same packed weights; which one is
-chosen per process (`bf16_kernels()`, `CLOVER_BF16_DOT`), never per call, so a row's result still does
-not depend on the batch it shares a call with. The source ships with the package; `library()` builds
-it with the system C compiler into a cache directory keyed by the source, compiler and flags, and returns
-None (callers fall back) when the CPU has neither instruction set below, no compiler is present, the
-build fails, or `CLOVER_KERNELS=0`.
-
-Two builds of the same sources (`isa()`): "avx512" (AVX-512 with BF16 and VNNI) and "avx2" (AVX2 with
-FMA and F16C: AMD Zen 2/3, Intel client cores), where `avx2_compat.h` carries each 512-bit vector as
-two 256-bit halves with the same arithmetic — the same results bit for bit, except that the AVX2
-build has no `vdpbf16ps` pair kernels. `CLOVER_ISA=avx2` takes the AVX2 build on an AVX-512 CPU.
+`library()` compiles the sources once per source/compiler/flags into a cache directory and returns the
+loaded library, or None (callers run the PyTorch reference) where the CPU lacks both instruction sets,
+no compiler is found, the build fails or `CLOVER_KERNELS=0`. Two builds of the same sources (`isa()`):
+"avx512" and "avx2", where `avx2_compat.h` carries each 512-bit vector as two halves with the same
+arithmetic — bit-identical results, but no `vdpbf16ps` pair kernels. bf16 products take the fp32-FMA
+or the pair kernels (`bf16_kernels()`), chosen once per process, never per call, so a row's result never
+depends on its batch. Why compile at all: docs/performance.md ("What changed").
 """
 
 from __future__ import annotations
@@ -37,11 +27,11 @@ log = logging.getLogger(__name__)
 
 # named, not globbed: where they are missing (the flattened remote code of an HF export) the build fails and
 # the reference runs, instead of linking an empty library
-SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c", "moe_block.c",
-                                                          "attention_cached.c", "gguf_decode.c", "decide.c",
-                                                          "steps.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("panel_gemm.c", "quant_gemm.c", "gdn_short.c", "rmsnorm.c",
+                                                       "moe_block.c", "attention_cached.c", "gguf_decode.c",
+                                                       "decide.c", "steps.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "epilogue.h", "weights.h", "avx2_compat.h",
-                                                          "team.h")]
+                                                       "team.h")]
 # -ffp-contract=off: C expressions round each product and sum like the PyTorch ops they replace
 # (the GEMM's fused multiply-adds are explicit intrinsics)
 COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -135,9 +125,9 @@ BF16_KERNELS = ("fma", "pairs")
 
 def bf16_kernels() -> str:
     """Which kernels multiply bf16 inputs by bf16 weights in this process: "fma" (widened to fp32, one
-    FMA per input) or "pairs" (`vdpbf16ps`, two inputs per instruction). `CLOVER_BF16_DOT` = auto
-    (default) | fma | pairs; auto takes pairs on AMD CPUs and FMA elsewhere (the module docstring says
-    why). Both sum fp32 products of the same bf16 values; they differ in rounding order only."""
+    FMA per input) or "pairs" (`vdpbf16ps`, two inputs per instruction), from `CLOVER_BF16_DOT` = auto
+    (pairs on AMD, where `vdpbf16ps` is the faster, FMA elsewhere) | fma | pairs. Both sum fp32 products
+    of the same bf16 values; they differ in rounding order only."""
     choice = runtime_options().bf16_dot
     if choice not in ("auto", *BF16_KERNELS):
         raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")

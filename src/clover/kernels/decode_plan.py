@@ -1,36 +1,19 @@
-"""Steps of up to 64 tokens — decode, block steps, commits — as a prepared list of kernel calls (the
-per-step Python glue, cut).
+"""Steps of up to 64 tokens (decode, block steps, commits) as a prepared list of kernel calls.
 
-On small models a decode step's time went mostly to the Python around its ~26 native calls: module
-calls, backend dispatch and `qualifies` tests, argument checks, `torch.empty` outputs, `data_ptr()` /
-`stride()` queries (the `tiny` bench model: 0.73 of ~1.0 ms). A plan makes those decisions once per
-model and step shape (rows × tokens × block length): every call's arguments (weights, constants,
-strides, sizes) are bound in a list, the intermediates live in buffers owned by the plan, and a step
-only writes what changes — the rows' GDN slot addresses, page tables, positions and rotary rows, the
-block's expert-selection top-p — then runs the list (tiny: glue 0.70 → 0.05 ms, a step 0.80 → 0.22 ms
-at 1 thread, `benchmarks.ab`; the demo model's block step 2.1 → 1.3 ms). A one-token causal step binds
-the lm head as its last call; other steps project the rows they are asked for afterwards.
+A plan binds, once per model and step shape (rows × tokens × block length), the calls and arguments the
+wrappers in kernels/*.py would make for that step, intermediates in buffers it owns; a step writes only
+what changes (GDN slot addresses, page tables, positions, rotary rows, the block's top-p) and runs the
+list as one native call (`ONE_REGION`: steps.c, one team of `torch.get_num_threads()` threads, a barrier
+between kernels). A one-token causal step binds the lm head as its last call. It takes a model packed for
+the kernels, no tensor-parallel shard, no autograd, no right-padded batch (`refusal`, `DecodePlans.step`);
+everything else runs the layers. Why, and what it saved: docs/performance.md.
 
-The list runs as one native call (`ONE_REGION`, steps.c): one team of threads walks the whole step,
-each kernel's work split across it with a barrier between kernels, instead of a ctypes call and an
-OpenMP parallel region (fork and join) per kernel. The team has `torch.get_num_threads()` threads
-(PyTorch's default: the physical cores; `--threads` sets it). Off, the list runs call by call through
-the kernels' own entry points, the same arithmetic (tests/test_decode_plan.py compares the two).
-
-The calls and their arguments are exactly the ones the layers' wrappers make (kernels/*.py) for the
-same step, so results are bit-identical (tests/test_decode_plan.py). It covers what those wrappers
-would all take: a model packed for the kernels (`pack_for_cpu`, bf16 or quantized), no tensor-parallel
-shard, no autograd, no right-padded batch, at most 64 tokens (longer prefill chunks stay with the
-layers); an open speculation's GDN inputs are recorded as the layers record them. Everything else
-goes through the layers as before.
-
-Buffer safety: only the intermediates between calls are reused; the logits a step returns are a new
-tensor every time. A plan runs one step at a time (a non-blocking lock: a second thread stepping the
-same model meanwhile takes the layers' path), and buffers are per step shape, so rows of other
-batches never share them; a step's expert statistics are copies. Weights written in place (a
-`load_state_dict` reload) bump the versions of the parameters the kernels' fp32 constants come from;
-the plans are rebuilt when they change. A plan keeps what its pointers point into alive; modules
-swapped into a model after its first step are not seen (setting `model.backend` drops its plans).
+Invariants (tests/test_decode_plan.py): results bit-identical to the layers' path and to the calls run
+one by one; the logits and expert statistics a step returns are new, buffers are per step shape; one step
+at a time per model (a second thread takes the layers' path); a plan keeps alive what its pointers point
+into, is rebuilt when a parameter its fp32 constants come from is rewritten and dropped when
+`model.backend` is set (modules swapped in otherwise are not seen); an open speculation's GDN inputs are
+recorded as the layers record them.
 """
 
 from __future__ import annotations
@@ -74,14 +57,9 @@ def _linear_weight(module):
 
 def _fused_parts(fused):
     """A `FusedProjection`'s runs as packed kernel weights (no biases), else None."""
-    if fused is None:
+    if fused is None or any(bias is not None for _, bias, _ in fused.parts):
         return None
-    parts = []
-    for packed, bias, sizes in fused.parts:
-        if bias is not None:
-            return None
-        parts.append((packed, sizes))
-    return parts
+    return [(packed, sizes) for packed, _, sizes in fused.parts]
 
 
 def refusal(model) -> str | None:
@@ -130,7 +108,6 @@ class _Buffers:
     call writes a tensor it reads."""
 
     def __init__(self, B: int, T: int, H: int):
-        self.B, self.T = B, T
         new = lambda *shape: torch.empty(*shape, dtype=_BF16)  # noqa: E731
         self.embed, self.h1, self.h2, self.x, self.mixed, self.moe = (new(B, T, H) for _ in range(6))
         self.final_h, self.final_x = new(B, T, H), new(B, T, H)
@@ -146,10 +123,9 @@ class _Buffers:
 class RotaryTable:
     """cos / sin rows of the model's `RotaryEmbedding` by position, computed by the module itself for
     blocks of `BLOCK` positions (plus the `MAX_TOKENS - 1` after them, so a step's tokens are always
-    consecutive rows of one table) and kept: a step looks its rows up instead of running six tensor
-    ops. Bit-identical to computing them per step: every op of the module is elementwise, and PyTorch's
-    vectorised cos / sin give each element the same result wherever it sits in a tensor (checked over
-    positions in tests/test_decode_plan.py)."""
+    consecutive rows of one table) and kept. Bit-identical to computing them per step: the module's ops
+    are elementwise, and PyTorch's vectorised cos / sin give an element the same result wherever it sits
+    (tests/test_decode_plan.py)."""
 
     BLOCK = 1024
     MAX_BLOCKS = 64          # 64 blocks of 1024 positions (for rotary_dim 64: 16 MB) at most
@@ -232,8 +208,7 @@ class _Plan:
         H = model.config.hidden_size
         buf = self.buf = _Buffers(B, T, H)
         self.calls: list = []          # [kernel name, args list]
-        self.gdn: list = []            # per GDN layer: (layer index, 4 slot-pointer arrays)
-        self.gdn_inputs: list = []     # per GDN layer: (the mixer, its projections u, z, b, a in scratch)
+        self.gdn: list = []            # per GDN layer: (the mixer, 4 slot-pointer arrays, its u, z, b, a in scratch)
         self.attn: list = []           # per attention layer: (layer index, per-row args lists)
         self.moe: list = []            # per MoE layer: its args list
         self.keep: list = []           # what the bound pointers point into, kept alive with the plan
@@ -308,8 +283,7 @@ class _Plan:
         self._constants(m, gdn_constants(m))
         out = self.buf.scratch("gdn_out", B, T, m.value_dim)
         ptrs = [(ctypes.c_int64 * B)() for _ in range(4)]     # read/written conv tails, read/written states
-        self.gdn.append((m.layer_index, ptrs))
-        self.gdn_inputs.append((m, (u, z, b, a)))             # what an open speculation records
+        self.gdn.append((m, ptrs, (u, z, b, a)))              # the projections: what an open speculation records
         self._add("clover_gdn_short", gdn_short_args(m, u, z, b, a, [ctypes.addressof(p) for p in ptrs], out,
                                                      T - self.block_len, 1))
         self._gemm(out, _linear_weight(m.out_proj), self.buf.mixed)
@@ -356,8 +330,8 @@ class _Plan:
             buf.embed.view(B * T, -1).copy_(embed(ids.view(-1)))
         read = batch.read_slots
         write = batch.write_slots or read                # (a block step commits nothing: read only)
-        for index, (tails, new_tails, states, new_states) in self.gdn:
-            conv, rec = pool.conv[index], pool.recurrent[index]
+        for mixer, (tails, new_tails, states, new_states), _ in self.gdn:
+            conv, rec = pool.conv[mixer.layer_index], pool.recurrent[mixer.layer_index]
             cb, cs = conv.data_ptr(), conv.stride(0) * conv.element_size()
             rb, rs = rec.data_ptr(), rec.stride(0) * rec.element_size()
             for r in range(B):
@@ -406,15 +380,15 @@ class _Plan:
             stats += [d.clone() for d in self.distinct]
         if self.recording:                           # an open speculation: its rollback replays these
             P = T - self.block_len                   # (copies: the scratch is the next step's)
-            for mixer, pieces in self.gdn_inputs:
+            for mixer, _, pieces in self.gdn:
                 for r, records in enumerate(batch.records):
                     if records is not None:
                         records[mixer.layer_index].append((mixer, model.backend.gdn_core,
                                                            *(t[r, :P].clone() for t in pieces)))
-        if logits is not None:
-            return None if logits_at == "none" else logits.view(B, 1, -1)
         if logits_at == "none":
             return None
+        if logits is not None:
+            return logits.view(B, 1, -1)
         return model.lm_head(logits_rows(logits_at, self.block_len, batch, buf.final_x.device)(buf.final_x))
 
 

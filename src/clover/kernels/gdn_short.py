@@ -1,11 +1,9 @@
-"""Python face of `gdn_short.c`: up to 64 tokens through a Gated DeltaNet mixer in one call.
+"""Python face of `gdn_short.c`: a Gated DeltaNet mixer after its input projections, 64 tokens a call.
 
-`gdn_short(mixer, u, z, b, a, conv, recurrent, read_slots, write_slots, block_len)` takes the mixer's
-input-projection outputs (bf16, [B, T, ·], the last `block_len` tokens a block) and the layer's state
-slots in the pool (cache.py). When causal tokens come first each row's state after them goes to its
-write slot (the read slot is left as it was: snapshots and cached prefixes keep it). Returns the
-gated-norm output [B, T, Hv·dv] that goes into `out_proj`.
-The PyTorch path in `GatedDeltaNet.forward` is the reference (tests/test_kernels.py).
+`gdn_short` is the "cpu" backend's `gdn_core` (backend.py); `gdn_short_args` is the call's argument list,
+which the step plans bind too. Causal tokens write each row's new state to its write slot and leave the
+read slot as it was (snapshots and cached prefixes keep it). The PyTorch path in `GatedDeltaNet.forward`
+is the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def _constants(mixer):
 
 
 def _slot_pointers(pool: torch.Tensor, slots) -> ctypes.Array:
-    """The addresses of `pool[slot]` for each slot, as a C int64 array (a ctypes array: ~0.7 µs, where a
-    torch.tensor of them took ~5.5; a decode step builds twelve of these). The caller keeps it alive
-    over the call."""
+    """The addresses of `pool[slot]` for each slot, as a C int64 array (a ctypes array is much cheaper to
+    make than a tensor: docs/performance.md). The caller keeps it alive over the call."""
     base, step = pool.data_ptr(), pool.stride(0) * pool.element_size()
     return (ctypes.c_int64 * len(slots))(*[base + s * step for s in slots])
 
@@ -55,14 +52,22 @@ def gdn_short_args(mixer, u, z, b, a, slot_arrays, out, causal: int, threads: in
             norm_w.data_ptr(), mixer.norm.eps, mixer.dk ** -0.5, out.data_ptr(), out.stride(0), out.stride(1), threads]
 
 
-def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, read_slots, write_slots,
-              block_len: int = 0) -> torch.Tensor:
-    """`conv` [slots, C, K−1] bf16 and `recurrent` [slots, Hv, dk, dv] fp32: the layer's state slots in
-    the pool; row r reads slot read_slots[r] and, when causal tokens come first, writes its new state to
-    write_slots[r] (which may equal the read slot: the kernel reads each piece whole before writing it)."""
+def gdn_short(mixer, u, z, b, a, batch, block_len: int = 0) -> torch.Tensor:
+    """The "cpu" backend's `gdn_core`: the projections u, z, b, a bf16 [B, T, ·], the last `block_len`
+    tokens a block (then T ≤ 64) → the gated-norm output [B, T, Hv·dv]. `batch` None: a forward from
+    scratch (zero states in, scratch states out). Causal tokens go 64 per call: the first reads the rows'
+    slots, the later ones update the write slots in place (the kernel reads a state slab, or a conv
+    channel block, whole before it writes it back)."""
     B, T = u.shape[:2]
-    if not 1 <= T <= MAX_TOKENS:
-        raise ValueError(f"gdn_short takes 1..{MAX_TOKENS} tokens, got {T}")
+    if batch is None:
+        conv = torch.zeros(2 * B, mixer.conv_dim, mixer.kernel - 1, dtype=torch.bfloat16)
+        recurrent = torch.zeros(2 * B, mixer.num_v_heads, mixer.dk, mixer.dv, dtype=torch.float32)
+        read_slots, write_slots = list(range(B)), list(range(B, 2 * B))
+    else:
+        conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
+        read_slots, write_slots = batch.read_slots, batch.write_slots
+    if T < 1 or (block_len and T > MAX_TOKENS):
+        raise ValueError(f"gdn_short takes 1..{MAX_TOKENS} tokens (any number without a block), got {T}")
     for t in (u, z, b, a):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
             raise ValueError("gdn_short takes bf16 projections with contiguous channels")
@@ -77,11 +82,15 @@ def gdn_short(mixer, u, z, b, a, conv: torch.Tensor, recurrent: torch.Tensor, re
         raise ValueError("gdn_short: causal tokens need a write slot for every row")
     written = write_slots if P else read_slots
     out = torch.empty(B, T, mixer.value_dim, dtype=torch.bfloat16)
-    # the pointer arrays must outlive the call: name them
-    tail_ptrs, new_tail_ptrs = _slot_pointers(conv, read_slots), _slot_pointers(conv, written)
-    state_ptrs, new_state_ptrs = _slot_pointers(recurrent, read_slots), _slot_pointers(recurrent, written)
-    status = library().clover_gdn_short(*gdn_short_args(
-        mixer, u, z, b, a, [ctypes.addressof(p) for p in (tail_ptrs, new_tail_ptrs, state_ptrs, new_state_ptrs)],
-        out, P, torch.get_num_threads()))
-    check_status(status, "gdn_short", f"unsupported shape (T={T}, conv kernel {mixer.kernel})")
+    # conv tails read / written, states read / written: the arrays must outlive the calls, so they are named
+    arrays = [_slot_pointers(conv, read_slots), _slot_pointers(conv, written), _slot_pointers(recurrent, read_slots),
+              _slot_pointers(recurrent, written)]
+    slots = [ctypes.addressof(p) for p in arrays]
+    for s in range(0, T, MAX_TOKENS):
+        e = min(T, s + MAX_TOKENS)
+        u_, z_, b_, a_, out_ = (u, z, b, a, out) if T <= MAX_TOKENS else (t[:, s:e] for t in (u, z, b, a, out))
+        status = library().clover_gdn_short(*gdn_short_args(mixer, u_, z_, b_, a_, slots, out_, min(e, P) - s,
+                                                            torch.get_num_threads()))
+        check_status(status, "gdn_short", f"unsupported shape (T={e - s}, conv kernel {mixer.kernel})")
+        slots = [slots[1], slots[1], slots[3], slots[3]]        # later chunks continue from the written state
     return out

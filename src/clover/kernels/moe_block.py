@@ -1,10 +1,9 @@
 """Python face of `moe_block.c`: rows through a packed sparse MoE block, routing and selection included.
 
-`moe_block(moe, x, block_len, block_top_p)` is `moe(x, block_len, block_top_p)` — the block's output
-and its distinct experts — for a `SparseMoE` packed with the kernels: decode tokens, block steps (with
-block expert selection), commits and prefill chunks alike. On a tensor-parallel shard (a `ShardedMoE`,
-whose experts are a run of the router's) it is the shard's partial sum, before the all-reduce. (`h=`: the residual added in the same pass,
-for benchmarks; the model adds it outside, in the next norm.) The PyTorch module is the reference (tests/test_kernels.py).
+`moe_block(moe, x, block_len, block_top_p)` returns what `moe(x, block_len, block_top_p)` does (the
+block's output and each row's distinct experts) for a `SparseMoE` packed by `pack_for_cpu`: the "cpu"
+backend's `moe`. On a tensor-parallel shard (`ShardedMoE`, a run of the router's experts) it is the
+shard's partial sum, before the all-reduce. The PyTorch module is the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations

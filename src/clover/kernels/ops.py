@@ -1,14 +1,8 @@
-"""The native CPU kernels as implementations of the backend ops (clover/backend.py), each with the test
-of which calls it can take. A call that does not qualify runs the op's PyTorch reference.
-
-The limits below are the C code's (the kernels also refuse anything else with an error):
-  - all: bf16 inputs, no autograd (the kernels compute no gradients), CPU tensors;
-  - gdn_core: a forward from scratch, or a cached one (the rows' state slots in the pool); up to 64
-    tokens with a block, or any number of causal tokens (64 per call);
-  - attention: a cached forward or one from scratch (K/V in scratch pages), up to 64 tokens with a
-    block, or any number of causal tokens (64 per call), head_dim ≤ 512, ≤ 16 query heads per K/V head;
-  - moe: a block packed into panels by `pack_for_cpu` (on a tensor-parallel shard, the
-    shard's experts of the global routing; the module's `combine` sums the ranks' parts after it).
+"""The native CPU kernels as the "cpu" backend's implementations of the ops (clover/backend.py), each with
+the test of which calls it takes: bf16 CPU tensors without autograd, at most 64 tokens with a block (any
+number of causal tokens, 64 a call), attention heads ≤ 512 wide with ≤ 16 query heads per K/V head, a MoE
+block packed by `pack_for_cpu`. A call that does not qualify runs the op's PyTorch reference; the kernels
+refuse anything else with an error.
 """
 
 from __future__ import annotations
@@ -41,34 +35,9 @@ def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
     return _plain_bf16(h, delta) and (delta is None or delta.shape == h.shape)
 
 
-
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     T = u.shape[1]
     return (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a)
-
-
-def gdn_core_cpu(mixer, u, z, b, a, batch, block_len):
-    T = u.shape[1]
-    if batch is None:            # from scratch (`model(ids)`): zero states in, scratch states out
-        B = u.shape[0]
-        conv = torch.zeros(2 * B, mixer.conv_dim, mixer.kernel - 1, dtype=torch.bfloat16)
-        recurrent = torch.zeros(2 * B, mixer.num_v_heads, mixer.dk, mixer.dv, dtype=torch.float32)
-        read, write = list(range(B)), list(range(B, 2 * B))
-    else:
-        conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
-        read, write = batch.read_slots, batch.write_slots
-    if T <= GDN_MAX_TOKENS:
-        return gdn_short(mixer, u, z, b, a, conv, recurrent, read, write, block_len)
-    # a causal prefill chunk, 64 tokens per call (measured faster than the chunked PyTorch form: the
-    # kernel keeps each state slab in L1 for all 64 tokens). The first call reads the rows' slots; the
-    # later ones update the write slots in place (the kernel reads a slab, or a conv channel block,
-    # whole before it writes it back)
-    parts = []
-    for s in range(0, T, GDN_MAX_TOKENS):
-        parts.append(gdn_short(mixer, *(t[:, s:s + GDN_MAX_TOKENS] for t in (u, z, b, a)), conv, recurrent, read,
-                               write))
-        read = write
-    return torch.cat(parts, dim=1)
 
 
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
@@ -104,7 +73,7 @@ def _moe_qualifies(moe, x, block_len, block_top_p) -> bool:
 # op → (implementation, which calls it takes, whether it runs right-padded batches itself): backend.py
 IMPLEMENTATIONS = {
     "add_rmsnorm": (add_rmsnorm, _add_rmsnorm_qualifies, False),
-    "gdn_core": (gdn_core_cpu, _gdn_qualifies, False),
+    "gdn_core": (gdn_short, _gdn_qualifies, False),
     "attention": (attention_cpu, _attention_qualifies, False),
     "moe": (moe_block, _moe_qualifies, False),
 }

@@ -1,12 +1,11 @@
-"""Weights in 32-column panels and the products of the native kernels over them, for every stored form.
+"""Weights in 32-column panels and the native kernels' products over them, for every stored form.
 
-`PanelWeight(w)` reorders a [N, K] bf16 matrix once (kernels/panel_gemm.c multiplies it: inputs
-widened to fp32, products and sums in fp32, one FMA per k in k order, the result rounded once to x's
-dtype; the reference is `F.linear` in fp64, tests/test_kernels.py); `QuantPanelWeight`
-(quant_panels.py) holds int8 / int4 / int6 codes the same way. Each describes itself to C as one
-`Weights` descriptor (weights.h), so `linear(x, w)` and `grouped_linear` — row spans of one input
-through different entries of a stacked weight (the routed experts) in a single parallel call — are
-one function for every form, the kernel choosing by the descriptor's bits.
+`PanelWeight` holds a bf16 [N, K] matrix (or an [E, N, K] stack) reordered once for `panel_gemm.c`;
+`QuantPanelWeight` (quant_panels.py) holds quantized codes the same way. Each describes itself to C as
+one `Weights` descriptor (weights.h), so `linear` and `grouped_linear` (row spans of one input through
+different entries of a stack: the routed experts) are one function for every form. Each output is an
+fp32 sum in a fixed order per row, rounded once to x's dtype: a row's result does not depend on its
+batch. The reference is `F.linear` in fp64 (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ HUGE_PAGE = 2 << 20
 
 
 def weight_buffer(shape, dtype=torch.bfloat16) -> torch.Tensor:
-    """An empty tensor for packed weights, asked (before its pages are first touched) to be backed by
-    2 MB pages where Linux allows it (transparent huge pages in "madvise" mode, the common default).
-    Weights are streamed once per token; with 4 KB pages the vocabulary GEMV of the full bench model
-    read 24–25 GB/s, with 2 MB pages 27–28 (in-process, alternating, 40 rounds). Elsewhere a no-op."""
+    """An empty tensor for packed weights, asked before its pages are first touched to be backed by 2 MB
+    pages where Linux allows it (transparent huge pages in "madvise" mode): weights stream once per
+    token, and read faster from 2 MB pages (docs/performance.md)."""
     t = torch.empty(shape, dtype=dtype)
     if t.numel() * t.element_size() >= 2 * HUGE_PAGE:
         advise_pages(t, MADV_HUGEPAGE, HUGE_PAGE)      # advice only: failure changes nothing
@@ -125,8 +123,7 @@ OUT_ARG = 7        # `clover_weights_gemm`'s output address (a step plan's lm he
 
 def linear_args(weight, a, lda: int, a_bf16: bool, M: int, out, out_fp32: bool, threads: int) -> list:
     """`clover_weights_gemm`'s arguments (`linear`'s and the step plans'): M rows of input at address
-    `a` (row stride lda) times `weight` into `out` (an address, rows of N). The weight's descriptor
-    lives on the weight (`struct()`)."""
+    `a` (row stride lda) times `weight` into `out` (an address, rows of N)."""
     K, N = weight.in_features, weight.out_features
     return [ctypes.addressof(weight.struct()), a, lda, int(a_bf16), M, K, N, out, N, int(out_fp32), threads]
 

@@ -1,13 +1,10 @@
 """Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c`.
 
-`QuantPanelWeight(qweight, scales, mins, bits)` reorders one stored matrix (or expert stack,
-quantization/format.py) into 32-column panels; `panels.linear` and `panels.grouped_linear` are the
-products (one pair for every packed form). The kernels quantize their inputs too (int8 per group of
-the weight's group size, absmax, round to nearest even) and take integer dot products (quant_gemm.c
+`QuantPanelWeight` reorders one stored matrix or expert stack (quantization/format.py) into 32-column
+panels; `panels.linear` and `panels.grouped_linear` are its products. The kernels round their inputs
+too (int8 per weight group, absmax, round to nearest even) and take integer dot products (quant_gemm.c
 says why); tests/test_quantization.py's `reference_linear` is that arithmetic in PyTorch, the
-definition the kernels are compared with. Against the weight-only product (`F.linear` with the
-dequantized weight) the input rounding adds a relative error of about 0.3% (int8 has 255 levels per
-group), small beside int4's own ~10% per weight.
+definition the kernels are compared with.
 """
 
 from __future__ import annotations
@@ -60,8 +57,8 @@ def _panel_scales(s: torch.Tensor) -> torch.Tensor:
 
 
 STEP_CODES = 1 << 24        # codes reordered per step: bounds packing's temporaries (~16 MB each)
-# the native packers make no temporaries: larger steps, fewer parallel regions (each cost ~7 ms on a
-# busy 2-core machine, more than its work); still small beside a layer for `consume`
+# the native packers make no temporaries: larger steps, fewer parallel regions (on a busy machine each
+# costs more than its work); still small beside a layer for `consume`
 STEP_CODES_NATIVE = 1 << 26
 
 
@@ -71,12 +68,10 @@ class QuantPanelWeight:
     [..., ceil(N/32), K/S, 32]: two-level scales). `rows`: an optional order of the output rows (the
     SwiGLU interleave of the experts' gate/up; −1 for a padding row, which gets zero scale).
 
-    Packing goes a slab at a time — several experts, or a band of 32-row panels of one large matrix —
-    so its temporaries stay ~16 MB however large the matrix (a 248k-row vocabulary projection), and
-    each step is a few large tensor ops rather than many small ones. `consume=True` hands each slab's
-    stored pages back to the OS once packed (runtime.discard_pages: the stored tensors read as zeros
-    afterwards), so neither a stack of experts nor a 248k-row vocabulary projection ever sits whole
-    beside its packed copy."""
+    Packing goes a slab at a time (several experts, or a band of panels of one large matrix), so its
+    temporaries stay ~16 MB however large the matrix. `consume=True` hands each slab's stored pages back
+    to the OS once packed (the stored tensors read as zeros afterwards), so a stored matrix never sits
+    whole beside its packed copy."""
 
     # the per-row values packed beside the codes: group scales, group mins, two-level super-scales / mins
     SCALES = ("scales", "mins", "super_scales", "super_mins")
@@ -89,12 +84,10 @@ class QuantPanelWeight:
         self.bits, self.group, self.in_features = bits, K // scales.shape[-1], K
         self.super_group = 0 if super_scales is None else K // super_scales.shape[-1]
         self.lead = lead
-        if rows is None and N % PANEL:
-            rows = torch.arange(N)
         self.out_features = N if rows is None else len(rows)
         P = -(-self.out_features // PANEL)
-        if rows is not None and len(rows) < P * PANEL:
-            rows = torch.cat([rows, rows.new_full((P * PANEL - len(rows),), -1)])
+        order = torch.full((P * PANEL,), -1, dtype=torch.int64)    # the stored row of each packed row (−1: padding)
+        order[:self.out_features] = torch.arange(N) if rows is None else rows
         stack = math.prod(lead)
         self.data = weight_buffer((stack, P, K * PANEL * bits // 8), dtype=torch.uint8)
         q3 = qweight.reshape(stack, N, -1)
@@ -107,14 +100,15 @@ class QuantPanelWeight:
             entries, band = max(1, step // (P * PANEL * K)), P
         else:
             entries = 1
-        by_band = consume and band < P and rows is None      # a large matrix: each band's stored rows go at once
+        # a large matrix in stored order: each band's stored rows go at once
+        by_band = consume and band < P and rows is None and not N % PANEL
         for e0 in range(0, stack, entries):
             e1 = min(stack, e0 + entries)
             for p0 in range(0, P, band):
                 p1 = min(P, p0 + band)
-                self._pack_codes(q3[e0:e1], rows, e0, e1, p0, p1)
+                self._pack_codes(q3[e0:e1], order, e0, e1, p0, p1)
                 for name, src in stored.items():
-                    self._pack_scales(src[e0:e1], packed[name], rows, e0, p0, p1)
+                    self._pack_scales(src[e0:e1], packed[name], order, e0, p0, p1)
                 if by_band:
                     for src in (q3, *stored.values()):
                         discard_pages(src[e0, p0 * PANEL:p1 * PANEL])
@@ -129,40 +123,35 @@ class QuantPanelWeight:
         self._struct = None
 
     @staticmethod
-    def _order(rows, p0, p1) -> torch.Tensor:
-        """The stored rows of panels p0:p1 in packing order (−1: a padding row)."""
-        return torch.arange(p0 * PANEL, p1 * PANEL) if rows is None else rows[p0 * PANEL:p1 * PANEL]
-
-    @staticmethod
-    def _pack_scales(s, dst, rows, e0, p0, p1, native: bool = True):
+    def _pack_scales(s, dst, order, e0, p0, p1, native: bool = True):
         """Per-row values s [c, N, width] of entries e0:e0+c (scales, mins or super-scales) into panels
-        p0:p1 of `dst` [stack, P, width, 32]: by `clover_quant_pack_scales`, or (no kernels, or
-        `native=False`) by the PyTorch gather that defines it."""
+        p0:p1 of `dst` [stack, P, width, 32], `order` int64 [P·32] the stored row of each packed row (−1:
+        padding): by `clover_quant_pack_scales`, or (no kernels, or `native=False`) by the PyTorch gather
+        that defines it."""
         lib = library() if native else None
-        order = QuantPanelWeight._order(rows, p0, p1)
+        order = order[p0 * PANEL:p1 * PANEL]
         if lib is None:
             picked = s[:, order.clamp(min=0)]
             picked[:, order < 0] = 0                      # padding rows: zero scale
             dst[e0:e0 + len(s), p0:p1].copy_(_panel_scales(picked))
             return
-        order = order.to(torch.int64)
         s, out, size = s.contiguous(), dst[e0:e0 + len(s), p0:p1], s.element_size()
         check_status(lib.clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s), size,
-                                            s.shape[-1], order.contiguous().data_ptr(), p1 - p0, out.data_ptr(),
-                                            out.stride(0) * out.element_size()),
-               "packing quantized scales")
+                                                  s.shape[-1], order.data_ptr(), p1 - p0, out.data_ptr(),
+                                                  out.stride(0) * out.element_size()), "packing quantized scales")
 
-    def _pack_codes(self, q, rows, e0, e1, p0, p1, native: bool = True):
-        """The codes of entries e0:e1, panels p0:p1, into `data`: by `clover_quant_pack_panels` in one
-        pass, or (no kernels, or `native=False`: the definition tests compare it with) in PyTorch."""
-        order = self._order(rows, p0, p1)
+    def _pack_codes(self, q, order, e0, e1, p0, p1, native: bool = True):
+        """The codes of entries e0:e1, panels p0:p1 (`order` as `_pack_scales`'), into `data`: by
+        `clover_quant_pack_panels` in one pass, or (no kernels, or `native=False`: the definition tests
+        compare it with) in PyTorch."""
+        order = order[p0 * PANEL:p1 * PANEL]
         lib = library() if native else None
         if lib is not None:
-            order = order.to(torch.int64).contiguous()
             q, dst, size = q.contiguous(), self.data[e0:e1, p0:p1], q.element_size()
-            check_status(lib.clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0, self.bits,
-                                                self.in_features, order.data_ptr(), p1 - p0, dst.data_ptr(),
-                                                dst.stride(0), torch.get_num_threads()), "packing quantized panels")
+            check_status(lib.clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0,
+                                                      self.bits, self.in_features, order.data_ptr(), p1 - p0,
+                                                      dst.data_ptr(), dst.stride(0), torch.get_num_threads()),
+                         "packing quantized panels")
             return
         u = _codes_u8(q[:, order.clamp(min=0)], self.bits)
         u[:, order < 0] = 128 if self.bits == 8 else 0

@@ -1,8 +1,8 @@
-"""Python face of `rmsnorm.c`: the residual add with the zero-centred RMSNorm after it.
+"""Python face of `rmsnorm.c`: the residual add with the zero-centred RMSNorm after it, in one call; and
+`kernel_constants`, the fp32 copies and C descriptors every face keeps on its module.
 
-`add_rmsnorm(h, delta, norm)` is `(h + delta, norm(h + delta))` for a `ZeroCenteredRMSNorm` (delta may
-be None: `norm(h)` alone), in one call instead of three tensor ops (per-op dispatch dominates a
-decode step on small models). The PyTorch module is the reference (tests/test_kernels.py).
+`add_rmsnorm(h, delta, norm)` is `(h + delta, norm(h + delta))` for a `ZeroCenteredRMSNorm` (delta None:
+`norm(h)` alone), bit-equal to the PyTorch module, the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations
