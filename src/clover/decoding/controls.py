@@ -106,30 +106,22 @@ def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
     device = out.device
     if histories is None:
         return out
-    if isinstance(histories, Tensor):
-        if histories.dim() != 1:
-            raise ValueError("a shared history must be a 1-D tensor; pass a list for per-row histories")
-        h = histories[-window:].long()
-        h = to_device(h[(h >= 0) & (h < V)], device)          # filtered where it is (the host): no sync
-        if h.numel():
-            out[:, h] = _penalise(out[:, h], r)
-        return out
-    hs = list(histories)
-    if len(hs) != N:
+    shared = isinstance(histories, Tensor)
+    hs = [histories] if shared else list(histories)
+    if not shared and len(hs) != N:
         raise ValueError(f"got {len(hs)} histories for {N} rows")
-    if N == 1:                    # one row (a decode token's prediction): its history is a shared one
-        h = torch.as_tensor(hs[0])
-        if h.dim() != 1:
-            raise ValueError("each per-row history must be 1-D")
-        return _apply_repetition(out, h, window, r)
     parts, lengths = [], []
     for h in hs:
         h = torch.as_tensor(h)
         if h.dim() != 1:
-            raise ValueError("each per-row history must be 1-D")
-        h = h[-window:]
-        parts.append(h.long())
-        lengths.append(h.shape[0])
+            raise ValueError("each history must be 1-D (a list holds one per row)")
+        parts.append(h[-window:].long())
+        lengths.append(parts[-1].shape[0])
+    if len(parts) == 1:           # one history for every row (a decode token's prediction has one row)
+        h = to_device(parts[0][(parts[0] >= 0) & (parts[0] < V)], device)   # filtered where it is: no sync
+        if h.numel():
+            out[:, h] = _penalise(out[:, h], r)
+        return out
     if sum(lengths) == 0:
         return out
     # joined and filtered where the histories are (the host, usually: a filter on the device would read

@@ -247,12 +247,8 @@ def positions_to_fill(confidence: Tensor, threshold: float) -> Tensor:
     """
     if confidence.dim() != 1:
         raise ValueError(f"confidence must be 1-D, got shape {tuple(confidence.shape)}")
-    M = confidence.shape[0]
-    if M == 0:
-        return torch.zeros(0, dtype=torch.bool, device=confidence.device)
-    above = confidence > threshold
-    best = torch.arange(M, device=confidence.device) == first_argmax(confidence, dim=0)
-    return torch.where(above.any(), above, best)
+    every = torch.ones_like(confidence, dtype=torch.bool)
+    return positions_to_fill_batched(confidence[None], every[None], threshold)[0]
 
 
 def positions_to_fill_batched(
