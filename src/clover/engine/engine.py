@@ -1,28 +1,12 @@
-"""The serving engine: continuous batching of generation requests over one `Decoder`.
+"""The serving engine: one thread drives one `Decoder`, and so the model; other threads only `submit`,
+`score` and `cancel`. It works in token ids: text belongs to the server.
 
-One background thread owns the `Decoder` and the model; it alternates "take in what changed"
-(admissions, cancellations) with one `Decoder.step()` (prefill newcomers → one batched block forward
-→ one batched causal forward), then hands each request its new tokens. Requests join and leave
-between steps. Other threads only `submit()` (validate, queue) and `cancel()`.
-
-Admission: a request goes to the `Decoder` while fewer than `max_sequences` are there; otherwise it
-waits, FIFO, in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). The `Decoder`
-starts it once the model's state pool (sized for `max_sequences` from `max_cache_bytes` when the
-engine starts) can reserve its whole length — the pool's real capacity, not an estimate. `validate`
-(by `submit`, or by the server before it builds a grammar) checks a request once: settings, token ids,
-and a length the whole pool can hold (`RequestTooLarge`). Each step computes at most
-`max_batch` of the running requests, in turn (decoder.py, Rotation).
-
-Backpressure: a handle made with `buffer_tokens` (a server stream) that holds that many tokens its
-consumer has not taken is not stepped (its state stays in the pool) until the consumer reads.
-
-The decoder isolates failures per request (error event for that request alone); an exception
-escaping a whole step fails the requests that were running, and the loop goes on with a fresh decoder.
-Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
-between steps, so the model is only ever driven by one thread.
-The engine works in token ids: tokenization and text belong to the server. A request submitted with
-`step_events=True` also gets each denoising step of its blocks (`EngineEvent.steps`); the others cost
-nothing for it.
+Admission: at most `max_sequences` requests are in the decoder and `max_queue` more wait, FIFO (one more
+raises `QueueFull`); the decoder starts each once the state pool can reserve its whole length. `validate`
+checks a request once: settings, ids, and a length the whole pool can hold (`RequestTooLarge`).
+Backpressure: a handle made with `buffer_tokens` is not stepped while that many of its tokens are unread.
+A step that raises fails the requests it was running, and the loop goes on with a fresh decoder.
+Scoring jobs run on the same thread between steps: the model is only ever driven by one thread.
 """
 
 from __future__ import annotations
@@ -220,10 +204,9 @@ class Engine:
         return ids
 
     def score(self, token_ids, top_k: int = 0) -> Future:
-        """Queue a scoring job: the causal log-probabilities of `token_ids` and the `top_k` best tokens
-        at each position (`generation.scoring.causal_logprobs`), computed on the engine thread between
-        decoding steps. Returns a Future of `TokenScores`. Raises GenerationSettingsError (ids outside
-        the vocabulary, an empty or too long sequence), QueueFull, EngineClosed."""
+        """A Future of the `TokenScores` of `token_ids` (`generation.scoring.causal_logprobs`: causal
+        log-probabilities and the `top_k` best tokens per position), computed on the engine thread between
+        steps. Raises GenerationSettingsError (`check_scored`), QueueFull, EngineClosed."""
         ids = self.check_scored(token_ids)
         future: Future = Future()
         with self._lock:
@@ -306,7 +289,7 @@ class Engine:
                 while not (self._admitted or self._cancels or self._scores or self._runnable()
                            or self._state == "closed"
                            or (self._state == "draining" and not self._waiting and not self._running)):
-                    self._wake.wait()       # (held requests wait for their consumers, or for shutdown to close)
+                    self._wake.wait()       # held requests wait for their consumers, or for shutdown
                 if self._state == "closed" or (self._state == "draining" and not (
                         self._waiting or self._admitted or self._running or self._scores)):
                     break
@@ -323,7 +306,7 @@ class Engine:
         self._fail_everything("the server is shutting down", "shutdown")
 
     def _runnable(self) -> bool:
-        """Whether a step has work: a request waiting for the pool, or one running whose consumer is keeping up."""
+        """Whether a step has work: a request waiting for the pool, or a running one that is not held."""
         return bool(self._decoder.waiting) or any(not h.held for h in self._running.values())
 
     def wake(self) -> None:
