@@ -43,20 +43,16 @@ class ControlSettings:
         return {f.name for f in fields(cls)}
 
     def validate(self) -> "ControlSettings":
-        """Raise ``ValueError`` naming the offending field; return ``self`` so calls can chain.
-
-        SPEC §7: a penalty ≤ 0 or a window ≤ 0 is an error. Negative starts are rejected too
-        (a response offset / think distance is never negative, so they would only hide a typo).
-        Non-finite values, and values past MAX_CONTROL_MAGNITUDE, are rejected because they would
-        poison the logits.
-        """
+        """``self``, or ``ValueError`` naming the field. SPEC §7 rejects a penalty or window ≤ 0; a negative
+        start (never a real offset or distance: a typo), a non-finite value and one past MAX_CONTROL_MAGNITUDE
+        (it would poison the logits) are rejected too."""
         for f in fields(ControlSettings):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{f.name} must be a number, got {v!r}")
             if not math.isfinite(v):
                 raise ValueError(f"{f.name} must be finite, got {v!r}")
-        if not isinstance(self.dllm_repetition_window, int):    # it slices the history: 1.0 used to crash the step
+        if not isinstance(self.dllm_repetition_window, int):    # it slices the history
             raise ValueError(f"dllm_repetition_window must be an integer, got {self.dllm_repetition_window!r}")
         r = self.dllm_repetition_penalty
         if not 1 / MAX_CONTROL_MAGNITUDE <= r <= MAX_CONTROL_MAGNITUDE:
@@ -96,40 +92,29 @@ def _penalise(x: Tensor, r: float) -> Tensor:
 
 
 def _apply_repetition(out: Tensor, histories, window: int, r: float) -> Tensor:
-    """Penalise, in place, the history ids of each row of ``out[N, V]``.
-
-    Works on the gathered (row, id) pairs only — O(N·window) memory, never an [N, V] mask.
-    A repeated id writes the same penalised value several times, so it is penalised once.
-    """
+    """Penalise, in place, the history ids of each row of ``out`` [N, V], through the gathered (row, id)
+    pairs only (never an [N, V] mask); a repeated id writes the same value again, so it counts once."""
     N, V = out.shape
     window = int(window)
     device = out.device
     if histories is None:
         return out
-    if isinstance(histories, Tensor):
-        if histories.dim() != 1:
-            raise ValueError("a shared history must be a 1-D tensor; pass a list for per-row histories")
-        h = histories[-window:].long()
-        h = to_device(h[(h >= 0) & (h < V)], device)          # filtered where it is (the host): no sync
-        if h.numel():
-            out[:, h] = _penalise(out[:, h], r)
-        return out
-    hs = list(histories)
-    if len(hs) != N:
+    shared = isinstance(histories, Tensor)
+    hs = [histories] if shared else list(histories)
+    if not shared and len(hs) != N:
         raise ValueError(f"got {len(hs)} histories for {N} rows")
-    if N == 1:                    # one row (a decode token's prediction): its history is a shared one
-        h = torch.as_tensor(hs[0])
-        if h.dim() != 1:
-            raise ValueError("each per-row history must be 1-D")
-        return _apply_repetition(out, h, window, r)
     parts, lengths = [], []
     for h in hs:
         h = torch.as_tensor(h)
         if h.dim() != 1:
-            raise ValueError("each per-row history must be 1-D")
-        h = h[-window:]
-        parts.append(h.long())
-        lengths.append(h.shape[0])
+            raise ValueError("each history must be 1-D (a list holds one per row)")
+        parts.append(h[-window:].long())
+        lengths.append(parts[-1].shape[0])
+    if len(parts) == 1:           # one history for every row (a decode token's prediction has one row)
+        h = to_device(parts[0][(parts[0] >= 0) & (parts[0] < V)], device)   # filtered where it is: no sync
+        if h.numel():
+            out[:, h] = _penalise(out[:, h], r)
+        return out
     if sum(lengths) == 0:
         return out
     # joined and filtered where the histories are (the host, usually: a filter on the device would read

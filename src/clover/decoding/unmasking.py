@@ -1,7 +1,8 @@
 """LowConfidence unmasking (SPEC §5): candidates with confidences, and which positions to fill.
 
 Pure tensor functions shared by generation, self-speculative drafting and the batched engine, so
-they all make the same choices (ties: lowest token id, lowest position).
+they all make the same choices (ties: lowest token id, lowest position). Each row's result depends on
+that row alone (sampled rows bring their own uniforms): batch invariance rests on it.
 """
 
 from __future__ import annotations
@@ -15,24 +16,17 @@ __all__ = ["candidates", "sampling_logits", "draw", "positions_to_fill", "positi
 
 
 ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax on the CPU: its index temporary stays ~8 MB
-# On a GPU each step is a few kernel launches, and a batch of rows' blocks ([512, 248k]) would take
-# hundreds in 8 MB steps: there the steps are 16× larger (a 128 MB temporary), a handful per batch.
+# On a GPU each step costs kernel launches: a batch's blocks ([512, 248k]) go in a handful of 128 MB steps.
 DEVICE_ARGMAX_CHUNK = 1 << 24
-# Top-k / top-p sampling on the host sorts a row's top HEAD_RANKS + 1 entries first (the whole row only
-# when what the filters keep does not end inside them): a 32k-entry row's full sort took ~1.3 ms.
-HEAD_RANKS = 512
+HEAD_RANKS = 512           # top-k / top-p on the host sort a row's top HEAD_RANKS + 1 first (_filtered_draw)
 # |logit| / temperature above this may overflow float32 on the way through softmax.
 _SAFE_SCALED_LOGIT = 1e30
 
 
 def first_argmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Index of the first maximum along ``dim``.
-
-    ``torch.argmax`` documents "first occurrence" but we make the tie rule explicit (it decides
-    tokens, so it must not depend on a backend's kernel): smallest index among entries equal to
-    the max. A row that is all NaN returns index 0 instead of an out-of-range value. Rows go a few
-    at a time, so a block's [32, 248k] logits never get a full-size int64 index beside them.
-    """
+    """Index of the first maximum along ``dim``; 0 for a row that is all NaN. The tie rule (smallest index)
+    is written out, not left to a backend's argmax, since it decides tokens. Rows go a few at a time, so a
+    block's [32, 248k] logits never get a full-size int64 index beside them."""
     chunk = ARGMAX_CHUNK if x.device.type == "cpu" else DEVICE_ARGMAX_CHUNK
     if x.numel() <= chunk or x.shape[dim] == 0:
         return _first_argmax(x, dim)
@@ -75,23 +69,18 @@ def candidates(
     with_confidence: bool = True,
     uniforms: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """One candidate token per row of ``logits[M, V]`` and its confidence (SPEC §5).
+    """One candidate per row of ``logits`` [M, V] and its confidence (SPEC §5) → ``(tokens LongTensor[M],
+    confidence float32[M])``; ``(tokens, None)`` when greedy with ``with_confidence=False`` and no ``exclude``.
 
-    Greedy (``do_sample=False`` or ``temperature == 0``): argmax, ties → lowest id; confidence = its
-    softmax probability at temperature 1 (top-k/top-p play no role).
-    Sampling: ``softmax(logits / temperature)`` (:func:`sampling_logits`) restricted to the top-k ids
-    (ties at the k-th value → lower ids), then to the top-p nucleus (smallest prefix of the most likely
-    ids whose cumulative probability ≥ p, never empty), renormalised; one draw per row (:func:`draw`)
-    with the uniform ``uniforms[row]``, or when not given ``torch.rand(M, generator=generator)`` in
-    float64 — so rows of several requests sample together, each from its own generator, and get what
-    they would get alone; confidence = the sampled id's probability under that filtered distribution,
-    i.e. the distribution it was taken from. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
-    ``exclude``: an id never proposed — the mask token, since a position "filled" with it stays masked
-    and a model that keeps proposing it would never finish its block. A row whose candidate would be
-    that id takes the most likely other id instead (confidence: that id's probability under the same
-    distribution, 0 if a filter dropped it); every other row is exactly what it would be without it.
-    Returns ``(tokens LongTensor[M], confidence float32[M])``; greedy with ``with_confidence=False``
-    and no ``exclude``, ``(tokens, None)`` (a causal prediction reads no confidence: no softmax over V).
+    Greedy (``do_sample=False`` or ``temperature == 0``): argmax (ties → lowest id), confidence = its
+    softmax probability at temperature 1. Sampling: ``softmax(logits / temperature)`` restricted to the
+    top-k ids (ties at the k-th value → lower ids), then to the top-p nucleus (the most likely ids until
+    their mass reaches p, never empty), renormalised; one draw per row (:func:`draw`) with ``uniforms[row]``,
+    else ``torch.rand(M, generator=generator)`` in float64; confidence = the id's probability under that
+    filtered distribution. ``top_k`` None/0/≥V and ``top_p`` None/1 are off.
+    ``exclude``: an id never proposed (the mask token: a position "filled" with it stays masked). A row
+    whose candidate would be it takes the most likely other id (its probability under the same
+    distribution, 0 if a filter dropped it); the other rows are what they would be without it.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
@@ -129,11 +118,10 @@ def candidates(
 
 
 def sampling_logits(x: Tensor, temperature: float) -> Tensor:
-    """``x / temperature`` for float32 ``x`` [M, V] (M ≥ 1), row by row: a row whose largest finite
-    |score| / temperature would pass _SAFE_SCALED_LOGIT (overflowing float32 on the way through
-    softmax) is divided in float64 and shifted by its maximum instead — the same distribution, finite.
-    Each row's result depends on that row alone. On the host the float64 form is computed only when a
-    row needs it; on a device always (a check would be a host sync)."""
+    """``x / temperature`` for float32 ``x`` [M, V] (M ≥ 1). A row whose largest finite |score| / temperature
+    passes _SAFE_SCALED_LOGIT (it would overflow in softmax) is divided in float64 and shifted by its max
+    instead: the same distribution, finite. On a device the float64 form is always computed (checking which
+    rows need it would be a host sync)."""
     scaled = x / temperature
     largest = torch.where(torch.isfinite(x), x.abs(), 0).amax(-1)
     extreme = largest / temperature > _SAFE_SCALED_LOGIT
@@ -166,12 +154,11 @@ def _filtered_draw(probs: Tensor, uniforms: Tensor, top_k: Optional[int], top_p:
     """Top-k / top-p filtering in sorted order and one draw per row → (tokens [M], confidences [M],
     [(rows, order, kept probabilities)] from which each row's filtered distribution is rebuilt).
 
-    Sorting a whole 248k-entry row is most of a sampled decision's time on the CPU, and a nucleus is
-    usually a few dozen tokens: on the host each row first tries only its top HEAD_RANKS + 1 entries
-    (`torch.topk`, put in the full sort's order: value descending, lower id first), and keeps that
-    when what the filters keep ends inside them at a value above the first entry left out — then no
-    entry outside could belong, nor tie with one that does. Other rows (and on a device, where the
-    check would be a host sync, every row) sort whole. Each row's path depends on that row alone."""
+    A full sort of a large vocabulary dominates a sampled decision on the CPU, and a nucleus is usually
+    small: on the host a row first sorts only its top HEAD_RANKS + 1 entries (in the full sort's order:
+    value descending, lower id first) and keeps that when what the filters keep ends inside them above the
+    first entry left out, so nothing outside could belong or tie. Other rows, and every row on a device
+    (the check would be a host sync), sort whole."""
     M, V = probs.shape
     head = HEAD_RANKS if top_k is None else max(HEAD_RANKS, top_k)
     tokens = torch.empty(M, dtype=torch.long, device=probs.device)
@@ -209,11 +196,10 @@ def _filtered_draw(probs: Tensor, uniforms: Tensor, top_k: Optional[int], top_p:
 
 
 def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
-    """One index per row of ``probs`` [M, V] (non-negative, each row's sum > 0, not necessarily 1):
-    the first index whose float64 cumulative sum passes ``uniforms[row]`` [M] in [0, 1) times the
-    row's sum — index i with probability probs[i] / sum. Never an index of probability 0: such an
-    index adds nothing to the sum, and a product rounded up to the whole sum takes the last positive
-    index."""
+    """One index per row of ``probs`` [M, V] (non-negative, row sums > 0, not necessarily 1), i with
+    probability probs[i] / sum: the first index whose float64 cumulative sum passes ``uniforms`` [M] in
+    [0, 1) times the row's sum. Never an index of probability 0 (a product rounded up to the whole sum
+    takes the last positive index)."""
     cumulative = torch.cumsum(probs, -1, dtype=torch.float64)
     total = cumulative[:, -1:].contiguous()
     index = torch.searchsorted(cumulative, uniforms.to(torch.float64)[:, None] * total, right=True)
@@ -240,30 +226,20 @@ def _avoid(tokens: Tensor, scores: Tensor, dist: Tensor, exclude: Optional[int])
 
 
 def positions_to_fill(confidence: Tensor, threshold: float) -> Tensor:
-    """Bool[M]: every entry with confidence ``> threshold``; if none, only the most confident one.
-
-    ``confidence`` holds the masked positions of one block in position order, so "ties → lowest
-    index" is SPEC §5's "ties: lowest position". Always fills ≥1 when M ≥ 1 (progress guarantee).
-    """
+    """Bool[M]: the entries of ``confidence`` [M] above ``threshold``, or if none the most confident one
+    (ties → lowest index): :func:`positions_to_fill_batched` on one row, every entry masked."""
     if confidence.dim() != 1:
         raise ValueError(f"confidence must be 1-D, got shape {tuple(confidence.shape)}")
-    M = confidence.shape[0]
-    if M == 0:
-        return torch.zeros(0, dtype=torch.bool, device=confidence.device)
-    above = confidence > threshold
-    best = torch.arange(M, device=confidence.device) == first_argmax(confidence, dim=0)
-    return torch.where(above.any(), above, best)
+    every = torch.ones_like(confidence, dtype=torch.bool)
+    return positions_to_fill_batched(confidence[None], every[None], threshold)[0]
 
 
 def positions_to_fill_batched(
     confidence: Tensor, is_masked: Tensor, threshold: Union[Tensor, float]
 ) -> Tensor:
-    """Bool[B, L]: :func:`positions_to_fill` per row, restricted to masked entries.
-
-    Non-masked entries are never selected; a row with at least one masked entry fills ≥1 (the
-    most confident masked entry, ties → lowest position, when none beats its threshold); a row
-    with no masked entry fills nothing. ``threshold`` is per row ``[B]`` (or one number).
-    """
+    """Bool[B, L]: per row, the masked entries whose confidence is above the row's ``threshold`` ([B] or
+    one number); if none, the most confident masked entry (ties → lowest position), so every row with a
+    masked entry fills at least one (SPEC §5's progress). A row with none fills nothing."""
     if confidence.dim() != 2 or confidence.shape != is_masked.shape:
         raise ValueError("confidence and is_masked must both be [B, L]")
     B, L = confidence.shape

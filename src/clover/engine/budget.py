@@ -25,12 +25,11 @@ CUDA_CACHE_FRACTION = 0.9
 CUDA_RESERVE_BYTES = 6 << 30
 
 
-def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size: int,
-                page_size: int = PAGE_SIZE) -> int:
+def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     """Bytes of K/V pages and GDN slots one request holds while it runs."""
     settings = GenerationSettings(max_new_tokens=max_new_tokens, block_size=block_size)
     tokens = reserved_tokens(config, prompt_len, settings)
-    return (-(-tokens // page_size) * StatePool.bytes_per_page(config, dtype, page_size)
+    return (-(-tokens // PAGE_SIZE) * StatePool.bytes_per_page(config, dtype)
             + 2 * StatePool.bytes_per_slot(config, dtype))               # 0 for a model without GDN layers
 
 

@@ -1,28 +1,12 @@
-"""The serving engine: continuous batching of generation requests over one `Decoder`.
+"""The serving engine: one thread drives one `Decoder`, and so the model; other threads only `submit`,
+`score` and `cancel`. It works in token ids: text belongs to the server.
 
-One background thread owns the `Decoder` and the model; it alternates "take in what changed"
-(admissions, cancellations) with one `Decoder.step()` (prefill newcomers → one batched block forward
-→ one batched causal forward), then hands each request its new tokens. Requests join and leave
-between steps. Other threads only `submit()` (validate, queue) and `cancel()`.
-
-Admission: a request goes to the `Decoder` while fewer than `max_sequences` are there; otherwise it
-waits, FIFO, in a queue of at most `max_queue` (beyond it `submit` raises `QueueFull`). The `Decoder`
-starts it once the model's state pool (sized for `max_sequences` from `max_cache_bytes` when the
-engine starts) can reserve its whole length — the pool's real capacity, not an estimate. `validate`
-(by `submit`, or by the server before it builds a grammar) checks a request once: settings, token ids,
-and a length the whole pool can hold (`RequestTooLarge`). Each step computes at most
-`max_batch` of the running requests, in turn (decoder.py, Rotation).
-
-Backpressure: a handle made with `buffer_tokens` (a server stream) that holds that many tokens its
-consumer has not taken is not stepped (its state stays in the pool) until the consumer reads.
-
-The decoder isolates failures per request (error event for that request alone); an exception
-escaping a whole step fails the requests that were running, and the loop goes on with a fresh decoder.
-Scoring requests (`score()`: causal log-probabilities for `logprobs` / `echo`) run on the same thread
-between steps, so the model is only ever driven by one thread.
-The engine works in token ids: tokenization and text belong to the server. A request submitted with
-`step_events=True` also gets each denoising step of its blocks (`EngineEvent.steps`); the others cost
-nothing for it.
+Admission: at most `max_sequences` requests are in the decoder and `max_queue` more wait, FIFO (one more
+raises `QueueFull`); the decoder starts each once the state pool can reserve its whole length. `validate`
+checks a request once: settings, ids, and a length the whole pool can hold (`RequestTooLarge`).
+Backpressure: a handle made with `buffer_tokens` is not stepped while that many of its tokens are unread.
+A step that raises fails the requests it was running, and the loop goes on with a fresh decoder.
+Scoring jobs run on the same thread between steps: the model is only ever driven by one thread.
 """
 
 from __future__ import annotations
@@ -81,14 +65,12 @@ class EngineOptions:
     prefix_cache: bool = True              # reuse cached prompt prefixes across requests
 
     def __post_init__(self):
-        for name, least in (("max_batch", 1), ("max_queue", 0), ("max_sequences", 1)):
+        for name, least in (("max_batch", 1), ("max_queue", 0), ("max_sequences", 1), ("max_cache_bytes", 1)):
             v = getattr(self, name)
-            if v is None and name == "max_sequences":            # None: chosen from max_batch
+            if v is None and name in ("max_sequences", "max_cache_bytes"):      # None: chosen when the engine starts
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
-        if self.max_cache_bytes is not None and (not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 1):
-            raise ValueError(f"max_cache_bytes must be a positive integer or None, got {self.max_cache_bytes!r}")
 
 
 class Engine:
@@ -124,7 +106,7 @@ class Engine:
         self._state = "new"                               # new → running → draining → closed
         # Engine thread only:
         self._running: dict[int, RequestHandle] = {}
-        self._traced: set[int] = set()                    # ids of running requests that asked for step events
+        self._traced: set[RequestHandle] = set()          # running requests that asked for step events
         self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
         if start:
             self.start()
@@ -222,10 +204,9 @@ class Engine:
         return ids
 
     def score(self, token_ids, top_k: int = 0) -> Future:
-        """Queue a scoring job: the causal log-probabilities of `token_ids` and the `top_k` best tokens
-        at each position (`generation.scoring.causal_logprobs`), computed on the engine thread between
-        decoding steps. Returns a Future of `TokenScores`. Raises GenerationSettingsError (ids outside
-        the vocabulary, an empty or too long sequence), QueueFull, EngineClosed."""
+        """A Future of the `TokenScores` of `token_ids` (`generation.scoring.causal_logprobs`: causal
+        log-probabilities and the `top_k` best tokens per position), computed on the engine thread between
+        steps. Raises GenerationSettingsError (`check_scored`), QueueFull, EngineClosed."""
         ids = self.check_scored(token_ids)
         future: Future = Future()
         with self._lock:
@@ -246,14 +227,12 @@ class Engine:
         with self._lock:
             if handle.finished:
                 return
-            if handle in self._waiting:
+            queued = handle in self._waiting
+            if queued:
                 self._waiting.remove(handle)
                 self.metrics.queue_depth.set(len(self._waiting))
-                queued = True
-            else:
-                queued = False
-                if handle not in self._cancels:
-                    self._cancels.append(handle)
+            elif handle not in self._cancels:
+                self._cancels.append(handle)
                 self._wake.notify_all()
         if queued:
             self._finish(handle, "cancelled")
@@ -310,7 +289,7 @@ class Engine:
                 while not (self._admitted or self._cancels or self._scores or self._runnable()
                            or self._state == "closed"
                            or (self._state == "draining" and not self._waiting and not self._running)):
-                    self._wake.wait()       # (held requests wait for their consumers, or for shutdown to close)
+                    self._wake.wait()       # held requests wait for their consumers, or for shutdown
                 if self._state == "closed" or (self._state == "draining" and not (
                         self._waiting or self._admitted or self._running or self._scores)):
                     break
@@ -327,7 +306,7 @@ class Engine:
         self._fail_everything("the server is shutting down", "shutdown")
 
     def _runnable(self) -> bool:
-        """Whether a step has work: a request waiting for the pool, or one running whose consumer is keeping up."""
+        """Whether a step has work: a request waiting for the pool, or a running one that is not held."""
         return bool(self._decoder.waiting) or any(not h.held for h in self._running.values())
 
     def wake(self) -> None:
@@ -341,18 +320,16 @@ class Engine:
             self.metrics.queue_seconds.observe(now - handle.submitted_at)
             self.metrics.prompt_tokens.inc(handle.prompt_len)
             if handle in cancels:
-                self._release(handle)
-                self._finish(handle, "cancelled")
+                self._release(handle, "cancelled")
                 continue
             self._running[handle.id] = handle
             if handle.sequence.step_events is not None:
-                self._traced.add(handle.id)
+                self._traced.add(handle)
             self._decoder.add(handle.sequence, handle.client)      # validated at submit: it fits the pool
         for handle in cancels:
-            if self._running.pop(handle.id, None) is not None:
+            if handle.id in self._running:
                 self._decoder.cancel(handle.sequence)
-                self._release(handle)
-                self._finish(handle, "cancelled")
+                self._release(handle, "cancelled")
 
     def _run_scores(self, jobs) -> None:
         for ids, top_k, future in jobs:
@@ -379,58 +356,50 @@ class Engine:
         except Exception as exc:
             log.exception("decoder step failed; failing the %d running request(s)", len(self._running))
             self.metrics.step_errors.inc()
-            failed = list(self._running.values())
-            self._running.clear()
             self._decoder = self._new_decoder()
-            for handle in failed:
-                self._release(handle)
-                self._finish(handle, "error", f"internal error during decoding: {type(exc).__name__}: {exc}",
-                             "internal")
+            for handle in list(self._running.values()):
+                self._release(handle, "error", f"internal error during decoding: {type(exc).__name__}: {exc}",
+                              "internal")
             return
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.pool_updated(self._decoder.pool.stats())
-        steps = self._take_steps() if self._traced else {}
+        steps = {}                                     # the step events this step recorded, per traced request
+        for handle in self._traced:
+            if handle.sequence.step_events:
+                steps[handle] = tuple(handle.sequence.step_events)
+                handle.sequence.step_events.clear()
         for event in events:
             handle = self._running.get(event.sequence.id)
             if handle is None:
                 continue
-            traced = steps.pop(handle.id, ())
+            traced = steps.pop(handle, ())
             if event.tokens:
                 if handle.first_token_at is None:
                     self.metrics.ttft_seconds.observe(time.perf_counter() - handle.submitted_at)
                 self.metrics.generation_tokens.inc(len(event.tokens))
             if event.finished:
-                del self._running[handle.id]
-                self._release(handle)
                 seq = event.sequence
                 if seq.finish_reason == "error":
                     self.metrics.step_errors.inc()
-                    self._finish(handle, "error", f"internal error during decoding: {seq.error}", "internal",
-                                 tokens=event.tokens, steps=traced)
+                    self._release(handle, "error", f"internal error during decoding: {seq.error}", "internal",
+                                  tokens=event.tokens, steps=traced)
                 else:
-                    self._finish(handle, seq.finish_reason or "eos", tokens=event.tokens, steps=traced)
+                    self._release(handle, seq.finish_reason or "eos", tokens=event.tokens, steps=traced)
             elif event.tokens or traced:
                 handle._push(EngineEvent(tuple(event.tokens), steps=traced))
-        for handle_id, traced in steps.items():       # steps of requests that committed nothing this step
-            self._running[handle_id]._push(EngineEvent((), steps=traced))
+        for handle, traced in steps.items():           # steps of requests that committed nothing this step
+            handle._push(EngineEvent((), steps=traced))
 
-    def _take_steps(self) -> dict[int, tuple[dict, ...]]:
-        """The step events the last step recorded, per traced request that has some (taken out)."""
-        out = {}
-        for handle_id in list(self._traced):
-            handle = self._running.get(handle_id)
-            if handle is None:                         # finished or cancelled since
-                self._traced.discard(handle_id)
-            elif handle.sequence.step_events:
-                out[handle_id] = tuple(handle.sequence.step_events)
-                handle.sequence.step_events.clear()
-        return out
-
-    def _release(self, handle: RequestHandle) -> None:
+    def _release(self, handle: RequestHandle, reason: str, error: str | None = None, code: str | None = None,
+                 tokens=(), steps=()) -> None:
+        """End a request that held a slot: the slot goes to the queue first, then the request finishes."""
+        self._running.pop(handle.id, None)
+        self._traced.discard(handle)
         with self._lock:
             self._slots -= 1
             self._admit_locked()
+        self._finish(handle, reason, error, code, tokens, steps)
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, code: str | None = None,
                 tokens=(), steps=()) -> None:
@@ -457,8 +426,7 @@ class Engine:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineClosed(message))
         for handle in left:
-            if not handle.finished:
-                self._finish(handle, "error", message, code)
+            self._finish(handle, "error", message, code)
         with self._lock:
             self._slots = 0
             self.metrics.queue_depth.set(0)
