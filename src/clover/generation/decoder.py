@@ -288,7 +288,7 @@ class Decoder:
             ran = self._rows([seq for seq, _, _ in group], forward)
             ended = [(seq, logits) for seq, logits in ran if spans[seq.id][1] == len(seq.prompt)
                      and (seq.settings.block_size == 1 or seq.settings.speculative)]
-            predictions = self._predictions(ended, lambda seq, logits: (logits[0][None], [], 0))
+            predictions = self._predictions(ended)
             for seq, logits in ran:
                 e = spans[seq.id][1]
                 seq.prefilled = e
@@ -352,11 +352,11 @@ class Decoder:
                 out.update((seq.id, r) for seq, r in zip(seqs, results))
         return out
 
-    def _predictions(self, ran, args_of) -> dict:
-        """Per sequence id, the `predict_next_steps` decision of each of a forward's `(seq, logits)` rows;
-        `args_of(seq, logits)`: the arguments `predict_next_steps` takes (logits, extra, seen_first). Rows that
+    def _predictions(self, ran, verify: bool = False) -> dict:
+        """Per sequence id, the `predict_next_steps` decision of each of a causal forward's `(seq, logits)`
+        rows: the next token from its one row [1, V], or (`verify`) the draft's from all of them. Rows that
         decide alike predict in one computation (`sequence.batched_predictions`)."""
-        args = [(seq, args_of(seq, logits)) for seq, logits in ran]
+        args = [(seq, (logits, seq.block, 1) if verify else (logits, [], 0)) for seq, logits in ran]
         tokens = self._batched(args, lambda seqs, rows: batched_predictions(seqs, *map(list, zip(*rows))))
         return {seq.id: seq.predict_next_steps(*a, tokens.get(seq.id)) for seq, a in args}
 
@@ -365,19 +365,16 @@ class Decoder:
         `block` or `block_len`, and `logits_at`, in `kw`) with each row's expert selection → per row
         (its logits: `split[b]` rows of the flat [N, V] ones when given, the distinct experts of each
         MoE layer as a device tensor, or None without statistics, read back with the rows' decisions)."""
+        top_p = [s.settings.block_expert_top_p for s in rows]     # a request's None: the model config's value
+        if all(p is None for p in top_p):
+            top_p = None                                            # (the runner reads the config then)
+        else:
+            top_p = [self.model.config.block_expert_top_p or 1.0 if p is None else p for p in top_p]
         ids = device_tensor(tokens, self.model.device, torch.long)
         stats: list = []                                   # per MoE layer a [rows] tensor
-        logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=self._top_p(rows), stats=stats, **kw)
+        logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=top_p, stats=stats, **kw)
         distinct = list(torch.stack(stats, 1)) if stats else [None] * len(rows)
         return list(zip(logits if split is None else torch.split(logits, split), distinct))
-
-    def _top_p(self, chunk):
-        """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
-        top_p = [s.settings.block_expert_top_p for s in chunk]
-        if all(p is None for p in top_p):
-            return None
-        default = self.model.config.block_expert_top_p or 1.0
-        return [default if p is None else p for p in top_p]
 
     @staticmethod
     def _record_block_forward(seq: Sequence, distinct):
@@ -427,9 +424,7 @@ class Decoder:
                     if phase == "ar":                  # the token this forward fed is the response's now
                         produced[seq.id] += seq.extend([seq.pending])
                 ran = [(seq, logits) for seq, logits in ran if not seq.done]
-                # rows that decide alike predict in one computation: AR from its one row, verify from all
-                predictions = self._predictions(ran, lambda seq, logits, phase=phase:
-                                                (logits[-1:], [], 0) if phase == "ar" else (logits, seq.block, 1))
+                predictions = self._predictions(ran, verify=phase == "verify")
                 decide_rows([(seq, self._after_verify(seq, predictions[seq.id], produced) if phase == "verify"
                               else self._after_prediction(seq, predictions[seq.id])) for seq, _ in ran], self._fail)
 
@@ -438,10 +433,8 @@ class Decoder:
         denoising step in one forward ([resolved block | next block], the next block in block mode)."""
         L = chunk[0].settings.block_size
         upcoming = {s.id: s.upcoming_block() for s in chunk}      # masks, or a grammar's forced start
-
-        def forward(rows):
-            return self._block_step(rows, [s.block + upcoming[s.id] for s in rows], block_len=L, logits_at="block")
-        ran = self._rows(chunk, forward)
+        ran = self._rows(chunk, lambda rows: self._block_step(rows, [s.block + upcoming[s.id] for s in rows],
+                                                              block_len=L, logits_at="block"))
         for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()                    # the block the forward fed: `upcoming_block`'s
