@@ -281,11 +281,9 @@ class Decoder:
         groups.append(group)
         spans = {seq.id: (s, e) for seq, s, e in chunks}
         for group in groups:
-            def forward(rows):
-                return self.model.runner.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
-                                                [seq.cache for seq in rows])
             decisions = []
-            ran = self._rows([seq for seq, _, _ in group], forward)
+            ran = self._rows([seq for seq, _, _ in group], lambda rows: self.model.runner.prefill_batch(
+                [seq.prompt[slice(*spans[seq.id])] for seq in rows], [seq.cache for seq in rows]))
             ended = [(seq, logits) for seq, logits in ran if spans[seq.id][1] == len(seq.prompt)
                      and (seq.settings.block_size == 1 or seq.settings.speculative)]
             predictions = self._predictions(ended)
