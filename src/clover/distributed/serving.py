@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import signal
 from datetime import timedelta
-from functools import partial
 
 import torch.distributed as dist
 
@@ -185,8 +184,10 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     model.runner.configure_pool(options.max_cache_bytes, options.max_sequences or 4 * options.max_batch)  # as Engine
 
-    new_decoder = partial(Decoder, model, max_batch=options.max_batch, step_tokens=options.step_tokens,
-                          prefix_cache=options.prefix_cache, decode_prefill_tokens=options.decode_prefill_tokens)
+    def new_decoder():
+        return Decoder(model, max_batch=options.max_batch, step_tokens=options.step_tokens,
+                       prefix_cache=options.prefix_cache, decode_prefill_tokens=options.decode_prefill_tokens)
+
     decoder, seqs = new_decoder(), {}
     while True:
         try:
