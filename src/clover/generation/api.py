@@ -146,10 +146,9 @@ def generate(model, input_ids, attention_mask=None, on_event=None, **overrides):
 
 
 def fit_pool(model, seqs: list[Sequence]) -> None:
-    """Grow the model's state pool when it cannot hold the largest of these requests even alone: the
-    library's default pool holds 64K tokens of the real model's K/V (beside its GDN slots), and a
-    128K-token request through `generate()` should not need `runner.configure_pool` first. The new pool
-    keeps the old one's slots; sequences still on the old pool keep it alive, others let it go."""
+    """Grow the model's state pool when it cannot hold the largest of these requests even alone (a long
+    request through `generate()` should not need `runner.configure_pool` first). The new pool keeps the
+    old one's slots; sequences still on the old pool keep it alive."""
     runner = model.runner
     pool = runner.state_pool()
     need = max(pool.pages_for(reserved_tokens(model.config, len(seq.prompt), seq.settings)) for seq in seqs)

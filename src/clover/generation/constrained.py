@@ -1,36 +1,26 @@
-"""A grammar over block diffusion: only grammar-valid tokens are ever committed.
+"""A grammar over block diffusion (`BlockConstraint`): only grammar-valid tokens are ever committed.
 
-Blocks resolve out of order, but a grammar reads left to right, so the grammar applies at the
-*frontier*: the first undecided position after the block's contiguous run of validated tokens.
-- Each denoising step, the frontier's logits are masked to the tokens the grammar accepts there
-  (its confidence is taken under that mask); positions past the frontier are proposed freely.
-- Inside a structure (`ordered`: the grammar refuses some text token at the frontier — a tool call's
-  tags and values, JSON) the block resolves left to right: only the frontier is filled, and a token
-  proposed past the frontier earlier is masked again when the walk reaches it there (it was placed
-  before the length of the value left of it was known). What the grammar forces is still written at
-  once, so a call's tags, names and braces cost no forwards.
-- After the step, `settle` walks the block from the frontier: filled tokens the grammar accepts are
-  consumed (the run grows), the first one it refuses is masked again and becomes the frontier, and
-  tokens the grammar forces (an object's fixed keys, `</think>` at the thinking bound) are written
-  directly, without a forward. When no position beats the threshold, the frontier is the one filled,
-  so every step adds at least one valid token; a position can be re-masked only once it is the
-  frontier's neighbour, so a block always finishes.
-- Budget: each token is taken only if a closing path (the grammar's end reached greedily: forced
-  tokens, then closers such as `"`, `}`, `]`) still fits in what is left of `max_new_tokens` after
-  it; otherwise the closing path is written, whole. Thinking ends the same way (`</think>` is the first closer
-  inside thinking), so a constrained request ends with a complete answer within its budget.
-- A block starts with what the grammar forces already written (`upcoming`: the forward that commits
-  the previous block feeds it), so a forced run across a block boundary costs no forward either.
-- Once the grammar has consumed its end token, the block's remaining masks are filled with it (they
-  are never returned), which saves the forwards that would resolve them.
-Causal decoding (autoregressive, and self-speculative verification) takes one token per position
-(`choose_run`): its logits masked, the choice walked as above (forced tokens, the closing path), the
-run stopping at the first choice that differs from the draft. Accepted tokens are thus exactly what
-autoregressive decoding chooses in the same grammar state, so self-speculation stays lossless. The
-draft is the block pass's, shaped on a copy of the matcher (`shape_draft`): forced tokens written in
-before the pass (its context; a draft forced whole needs no pass) and after it, refused tokens
-replaced by the block's best allowed one, so no draft is lost to a token verification cannot choose.
-The matcher (`clover.grammar.GrammarMatcher`) is the only state; consumed tokens are never changed.
+A grammar reads left to right, a block resolves out of order: the grammar applies at the *frontier*, the first
+undecided position after the run of tokens it has consumed. The rules a change must keep:
+- Each denoising step the frontier's logits are masked to what the grammar accepts (confidence under that mask);
+  later positions are proposed freely. When none beats the threshold the frontier is filled, so every step adds
+  a valid token; a position is re-masked only once it is the frontier's neighbour, so a block always finishes.
+- `settle` walks from the frontier: accepted tokens are consumed, the first refused one is masked again (the new
+  frontier), forced tokens (fixed keys, `</think>` at the thinking bound) are written without a forward.
+- Inside a structure (`ordered`: the grammar refuses some text token, as in a tool call or JSON) only the frontier
+  is filled, left to right; a token proposed past it earlier (before what is left of it was known) is masked
+  again when the walk reaches it.
+- Budget: a token is taken only if a greedy closing path (forced tokens, then closers) still fits in what is
+  left of `max_new_tokens` after it; otherwise the closing path is written whole (`</think>` first inside
+  thinking), so a constrained answer ends complete within its budget.
+- A block starts with what the grammar forces written in (`upcoming`, fed by the commit forward); once the end
+  token is consumed the block's remaining masks become it (never returned), saving their forwards.
+- Causal decoding (autoregressive, self-speculative verification) takes one masked choice per position
+  (`choose_run`), stopping at the first that differs from the draft, so accepted tokens are what autoregressive
+  decoding chooses: self-speculation stays lossless. `shape_draft` (on a copy of the matcher) writes forced
+  tokens into a draft before and after its pass and replaces refused ones by the block's best allowed token, so
+  no draft is lost to a token verification cannot choose.
+The matcher (`clover.grammar.GrammarMatcher`) is the only state; consumed tokens never change.
 """
 
 from __future__ import annotations
@@ -51,9 +41,8 @@ class BlockConstraint:
         self.valid = 0
 
     def upcoming(self, length: int, budget: int) -> list[int]:
-        """The block of `length` masks that `new_block` then `settle` would start (what the grammar
-        forces first written in), without moving this constraint: what the forward that commits the
-        current block feeds as the next block."""
+        """The next block as `new_block` then `settle` would start it (what the grammar forces first
+        written in), without moving this constraint: what the commit forward feeds as the next block."""
         ahead = BlockConstraint(self.m.copy(), self.mask_id)
         ahead._closing = list(self._closing)
         block = [self.mask_id] * length
@@ -162,9 +151,8 @@ class BlockConstraint:
     def _within_budget(self, token: int, left: int) -> int | None:
         """`token`, or the first token of a closing path when taking `token` would leave no room to
         close the grammar in the `left` tokens from here on (None: the grammar refuses `token`)."""
-        # Every token is checked (a closing walk each, ~0.1 ms): one token can lengthen the closing path
-        # by a whole structure (an object's required keys, a tool call's closing tags), so a check
-        # skipped while the path was short could find no room left by the time it runs.
+        # Every token is checked: one token can lengthen the closing path by a whole structure (an object's
+        # required keys, a call's closing tags), so a check skipped while it was short could come too late.
         after = self.m.after(token)
         if after is None:
             return None

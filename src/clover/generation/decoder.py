@@ -1,36 +1,19 @@
-"""The batched decoding loop: every running sequence advances by one phase per `step()`.
+"""The batched decoding loop, `Decoder`: each `step()` advances every scheduled sequence by one phase.
 
-`step()` reads: admit waiting sequences the state pool can hold → prefill chunks within the step's
-token budget → one block forward for all sequences that are denoising (grouped by block length, each
-row over its own cached prefix, with its own expert selection) → one causal forward for all sequences
-that commit, verify or decode autoregressively (grouped by token count) → events.
-
-Scheduling: each step has a budget of `step_tokens` tokens. The running sequences' block, commit,
-verify and decode tokens come first; prompts are prefilled in chunks from what is left (at least one
-page; at most `decode_prefill_tokens` while anyone is decoding, since each denoising step of a block
-waits for its step's prefill chunk), shortest remaining prompt first while the oldest prefill keeps a
-quarter of it. So a long
-prompt is spread over many steps, and a short request that arrives meanwhile is prefilled at once and
-gets its first block after a few steps, not after the whole long prefill.
-
-Admission: a sequence enters when the pool can reserve pages for its whole length (prompt, every block
-and the next block's scratch) and two GDN slots, so a running sequence never runs out; otherwise it
-waits (FIFO); the pool, not `max_batch`, bounds how many run. Its prompt is first looked up in the
-prefix cache: a cached prefix is shared instead of prefilled, and the prefill inserts the state at each
-chunk end on a page boundary, one of which is the last page boundary before the prompt's end.
-
-Rotation: a step computes at most `max_batch` of the running sequences. When more run, each step takes
-those that have not produced anything yet (a newcomer's first block comes after a few steps however
-many run), then the others by turn: each client's (`add(seq, client)`) least recently served
-sequence first, then each client's second, and so on — a client with many requests gets no more
-turns than one with a single request — and within a round the ones served longest ago; the others
-keep their state in the pool until their turn. Sequences in `held` (a stream whose client is not reading) are not stepped at all. A
-sequence's tokens do not depend on when it runs: each row's computation is its own.
-
-Failures stay with their request: a forward that raises changes no sequence (cache.py), so its rows
-are retried one by one and only the rows that fail alone end with finish_reason "error"; an exception
-while deciding one sequence's tokens ends that sequence alone.
-Both `generate()` and the serving engine drive this class.
+A step: admit → prefill chunks → one block forward for the denoising rows (grouped by block length) → one
+causal forward for the rows that commit, verify or decode autoregressively (grouped by token count) → events.
+- Budget: `step_tokens` a step; the decoding rows' tokens first, prefill chunks from the rest (at least a page,
+  at most `decode_prefill_tokens` while anyone decodes: every denoising step waits for the step's chunk),
+  shortest remaining prompt first while the oldest keeps a quarter, so a short request is not stuck behind a
+  long prompt.
+- Admission (FIFO): only when the pool can reserve the whole length (`reserved_tokens`) and two GDN slots, so a
+  running sequence never runs out. A cached prompt prefix is shared; each prefill chunk ending on a page
+  boundary (the last boundary before the prompt's end among them) is inserted into the prefix cache.
+- Rotation: at most `max_batch` rows a step: those with no output yet first, then in rounds over the clients
+  (`add(seq, client)`: each one's least recently served, then each one's second, …), so many requests earn a
+  client no more turns; `held` ones are not stepped. A row's tokens never depend on when or beside whom it runs.
+- Failures stay with their request: a failed forward changes no sequence (cache.py), so its rows are retried
+  one by one; an exception deciding one row ends that row alone (finish_reason "error").
 """
 
 from __future__ import annotations
@@ -49,8 +32,7 @@ from .sequence import Sequence, batched_fills, batched_predictions
 log = logging.getLogger("clover.decoder")
 
 DEFAULT_STEP_TOKENS = 1024
-# While any sequence is decoding, prefill chunks get at most this many tokens per step: every step of a
-# block's denoising waits for the step's prefill chunk, so it sets the decoding requests' step time.
+# a prefill chunk's most tokens while any sequence decodes: it sets the decoding requests' step time
 DEFAULT_DECODE_PREFILL_TOKENS = 256
 
 
@@ -64,19 +46,16 @@ class StepEvent:
 
 
 def step_digest(events: list[StepEvent], running: list[Sequence]) -> int:
-    """A signed 64-bit checksum of what a step decided: each event's tokens and finish, each running
-    sequence's phase, response length and block. Ranks of one tensor-parallel model compare it after
-    every step (they must decide the same); sequence ids are left out (each process numbers its own)."""
+    """A signed 64-bit checksum of what a step decided, which the ranks of one model compare after every
+    step; sequence ids are left out (each process numbers its own)."""
     seen = [(e.tokens, e.finished, e.sequence.finish_reason) for e in events]
     seen += [(s.phase, len(s.response), s.block) for s in running]
     return int.from_bytes(hashlib.blake2b(repr(seen).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def reserved_tokens(config, prompt_len: int, settings) -> int:
-    """Positions a request (a prompt of `prompt_len` tokens, `settings`' max_new_tokens and block_size)
-    may ever occupy in the pool: its prompt, every block of its answer (the final block is resolved
-    whole), and the next block's scratch rows of the commit forward (a commit carries [block | next
-    block's masks])."""
+    """Positions a request may ever occupy in the pool: its prompt, every block of its answer (the last
+    one resolved whole) and the commit forward's scratch block ([block | next block])."""
     L = settings.block_size
     blocks = -(-settings.max_new_tokens // L)
     return min(prompt_len + (blocks + 1) * L, config.max_position_embeddings + L)
@@ -245,8 +224,8 @@ class Decoder:
 
     # ---- phases --------------------------------------------------------------------------------
     def _prefill(self, seqs: list[Sequence], budget: int) -> None:
-        """The next prompt chunk of each prefilling sequence, oldest first, within `budget` tokens;
-        several per forward (right-padded, similar lengths together)."""
+        """The next prompt chunk of each prefilling sequence within `budget` tokens (see Budget); several
+        per forward (right-padded, similar lengths together)."""
         P = self.pool.page_size
         chunks = []                                   # (seq, start, end)
         # Shortest remaining prompt first, so that short prompts are not held up behind a long one;
@@ -281,14 +260,12 @@ class Decoder:
         groups.append(group)
         spans = {seq.id: (s, e) for seq, s, e in chunks}
         for group in groups:
-            def forward(rows):
-                return self.model.runner.prefill_batch([seq.prompt[slice(*spans[seq.id])] for seq in rows],
-                                                [seq.cache for seq in rows])
             decisions = []
-            ran = self._rows([seq for seq, _, _ in group], forward)
+            ran = self._rows([seq for seq, _, _ in group], lambda rows: self.model.runner.prefill_batch(
+                [seq.prompt[slice(*spans[seq.id])] for seq in rows], [seq.cache for seq in rows]))
             ended = [(seq, logits) for seq, logits in ran if spans[seq.id][1] == len(seq.prompt)
                      and (seq.settings.block_size == 1 or seq.settings.speculative)]
-            predictions = self._predictions(ended, lambda seq, logits: (logits[0][None], [], 0))
+            predictions = self._predictions(ended)
             for seq, logits in ran:
                 e = spans[seq.id][1]
                 seq.prefilled = e
@@ -352,37 +329,33 @@ class Decoder:
                 out.update((seq.id, r) for seq, r in zip(seqs, results))
         return out
 
-    def _predictions(self, ran, args_of) -> dict:
-        """Per sequence id, the `predict_next_steps` decision of each of a forward's `(seq, logits)` rows;
-        `args_of(seq, logits)`: the arguments `predict_next_steps` takes (logits, extra, seen_first). Rows that
+    def _predictions(self, ran, verify: bool = False) -> dict:
+        """Per sequence id, the `predict_next_steps` decision of each of a causal forward's `(seq, logits)`
+        rows: the next token from its one row [1, V], or (`verify`) the draft's from all of them. Rows that
         decide alike predict in one computation (`sequence.batched_predictions`)."""
-        args = [(seq, args_of(seq, logits)) for seq, logits in ran]
+        args = [(seq, (logits, seq.block, 1) if verify else (logits, [], 0)) for seq, logits in ran]
         tokens = self._batched(args, lambda seqs, rows: batched_predictions(seqs, *map(list, zip(*rows))))
         return {seq.id: seq.predict_next_steps(*a, tokens.get(seq.id)) for seq, a in args}
 
     def _block_step(self, rows: list[Sequence], tokens: list[list[int]], split: list[int] | None = None, **kw):
-        """A forward of `tokens` (one row each) in block mode over the rows' caches (`runner.step`'s
-        `block` or `block_len`, and `logits_at`, in `kw`) with each row's expert selection → per row
-        (its logits: `split[b]` rows of the flat [N, V] ones when given, the distinct experts of each
-        MoE layer as a device tensor, or None without statistics, read back with the rows' decisions)."""
+        """A block-mode forward of `tokens` (one row each; `kw`: `runner.step`'s `block` or `block_len`, and
+        `logits_at`) with each row's expert selection → per row (its logits, `split[b]` rows of the flat
+        [N, V] when given; its distinct experts per MoE layer as a device tensor, or None)."""
+        top_p = [s.settings.block_expert_top_p for s in rows]     # a request's None: the model config's value
+        if all(p is None for p in top_p):
+            top_p = None                                            # (the runner reads the config then)
+        else:
+            top_p = [self.model.config.block_expert_top_p or 1.0 if p is None else p for p in top_p]
         ids = device_tensor(tokens, self.model.device, torch.long)
         stats: list = []                                   # per MoE layer a [rows] tensor
-        logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=self._top_p(rows), stats=stats, **kw)
+        logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=top_p, stats=stats, **kw)
         distinct = list(torch.stack(stats, 1)) if stats else [None] * len(rows)
         return list(zip(logits if split is None else torch.split(logits, split), distinct))
 
-    def _top_p(self, chunk):
-        """Per-row block expert selection: a request's own value, else the model config's (None = all off)."""
-        top_p = [s.settings.block_expert_top_p for s in chunk]
-        if all(p is None for p in top_p):
-            return None
-        default = self.model.config.block_expert_top_p or 1.0
-        return [default if p is None else p for p in top_p]
-
     @staticmethod
     def _record_block_forward(seq: Sequence, distinct):
-        """A decision: `distinct` (a device tensor, or None without MoE statistics) holds per MoE layer
-        the distinct experts this row's block used, read back with the batch's other decisions."""
+        """A decision: the row's statistics of a block forward; `distinct` (device tensor or None): its
+        distinct experts per MoE layer."""
         seq.stats.forwards += 1
         seq.stats.block_forwards += 1
         if distinct is not None:
@@ -427,9 +400,7 @@ class Decoder:
                     if phase == "ar":                  # the token this forward fed is the response's now
                         produced[seq.id] += seq.extend([seq.pending])
                 ran = [(seq, logits) for seq, logits in ran if not seq.done]
-                # rows that decide alike predict in one computation: AR from its one row, verify from all
-                predictions = self._predictions(ran, lambda seq, logits, phase=phase:
-                                                (logits[-1:], [], 0) if phase == "ar" else (logits, seq.block, 1))
+                predictions = self._predictions(ran, verify=phase == "verify")
                 decide_rows([(seq, self._after_verify(seq, predictions[seq.id], produced) if phase == "verify"
                               else self._after_prediction(seq, predictions[seq.id])) for seq, _ in ran], self._fail)
 
@@ -438,10 +409,8 @@ class Decoder:
         denoising step in one forward ([resolved block | next block], the next block in block mode)."""
         L = chunk[0].settings.block_size
         upcoming = {s.id: s.upcoming_block() for s in chunk}      # masks, or a grammar's forced start
-
-        def forward(rows):
-            return self._block_step(rows, [s.block + upcoming[s.id] for s in rows], block_len=L, logits_at="block")
-        ran = self._rows(chunk, forward)
+        ran = self._rows(chunk, lambda rows: self._block_step(rows, [s.block + upcoming[s.id] for s in rows],
+                                                              block_len=L, logits_at="block"))
         for seq, _ in ran:
             produced[seq.id] += seq.extend(list(seq.block))
             seq.new_block()                    # the block the forward fed: `upcoming_block`'s

@@ -1,12 +1,10 @@
 """Decisions that read the device back once per batched forward, not once per row.
 
-A row's decision after a forward (sampling, unmasking, acceptance, its expert statistics) is written
-as a generator: it queues its device work, yields the device tensors whose values it needs on the
-host (a tuple), receives those values (one flat list per tensor) and does its host work.
-`decide_rows` advances every row of a forward to its yield, copies all their tensors to the host in
-one transfer and resumes them — on a GPU one synchronisation for the whole batch where a `tolist()`
-per row would wait on the device once per row. `resolve` drives one generator alone (direct callers).
-Every row's device work and values are the same either way; only when they are read changes.
+A row's decision (sampling, unmasking, acceptance, expert statistics) is a generator: it queues its device
+work, yields the device tensors it needs on the host (a tuple), receives their values (one flat list each)
+and does its host work. `decide_rows` advances every row to its yield and reads all their tensors back in
+one transfer (on a GPU one sync per batch, not per row); `resolve` drives one alone. The values are the
+same either way; only when they are read changes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Teacher-forced causal log-probabilities of a token sequence: what `logprobs` and `echo` report.
 
-Every decoding mode's output is scored the same way, after it is written: a causal pass over
-[prompt | completion] through a fresh sequence of the model's state pool, `chunk` tokens per forward
-(exact: a chunked causal prefill equals one pass), so the numbers are the model's next-token
-distribution log p(ids[i] | ids[:i]); only one chunk's logits exist at a time (a from-scratch
-`model(ids)` would hold T × V of them: 63 GB of bf16 for a 128K-token prompt of the real model's
-248K vocabulary) — for autoregressive and self-speculative output the
-distribution each token was chosen from (before temperature, top-k/p and the dllm_* controls), for
-LowConfidence output how likely the causal mode finds the token the block decoder wrote. Nothing of
-the decoding state is read or changed.
+Every decoding mode's output is scored the same way after it is written: causal forwards over [prompt |
+completion] through a fresh pool sequence, `chunk` tokens each (exact: a chunked prefill equals one pass),
+so only one chunk's logits exist at a time, not T × V. The numbers are log p(ids[i] | ids[:i]) before
+temperature, top-k/p and the dllm_* controls: for autoregressive and self-speculative output the
+distribution each token was chosen from, for LowConfidence output how likely the causal mode finds it.
+No decoding state is read or changed.
 """
 
 from __future__ import annotations

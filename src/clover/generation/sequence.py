@@ -3,6 +3,7 @@
 A `Sequence` owns its cache, its response so far, its current block and its statistics. The methods
 here turn a row of model logits into decisions (fill these positions, accept this draft prefix) using
 the pure functions of `clover.decoding`; they never run the model — `Decoder` does that, batched.
+The batched helpers below give every row exactly what it gets alone (tests/test_readback.py).
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ class Sequence:
         self._seed_is_mask = False
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt))
-        # the sampling generator lives on the logits' device (`torch.multinomial` refuses a CPU
-        # generator for CUDA logits): made at the first draw, from the seed fixed here
+        # made at the first draw on the logits' device (a CPU generator cannot draw there), from this seed
         self.generator = None
         self.sampling_seed = None
         if settings.do_sample and settings.temperature > 0:
@@ -205,9 +205,8 @@ class Sequence:
 
     @property
     def batch_key(self):
-        """Rows with equal keys decide in one batched computation (`batched_fills`,
-        `batched_predictions`): no grammar, the same sampling settings (greedy, or temperature, top-k
-        and top-p — each row still draws from its own generator) and the same controls. None: it
+        """Rows with equal keys decide in one batched computation (`batched_fills`, `batched_predictions`):
+        the same sampling settings (each row still draws from its own generator) and controls. None: it
         decides alone (a grammar walks its choices on the host)."""
         s = self.settings
         if self.constraint is not None:
@@ -240,12 +239,10 @@ class Sequence:
         return self.settings.speculative and self.draft_steps_done + 1 >= self.settings.draft_steps
 
     def denoise_steps(self, masked_logits: torch.Tensor, fills: torch.Tensor | None = None):
-        """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of this block's
-        mask-id positions, in position order (the decoder scores every mask id it sees, so a seed
-        that is the mask id has a row too: it is dropped here). A decision (generation/readback.py):
-        it yields its fills to be read back with the other rows' and applies them when resumed
-        (`readback.resolve` runs it alone). `fills`: this row's share of `batched_fills` (its logits
-        then go unused)."""
+        """One LowConfidence step (SPEC §5 step 2, §8 drafting) on the logits [M, V] of the block's mask-id
+        positions in order (a draft's mask-id seed has a row too: dropped here). A decision (readback.py):
+        yields its fills, applies them when resumed. `fills`: this row's share of `batched_fills` (the
+        logits then go unused)."""
         s = self.settings
         masked = self.masked_positions()
         constraint = controlled = None
@@ -280,12 +277,11 @@ class Sequence:
                 self.constraint.shape_draft(self.block, controlled, masked)
 
     def _record_step(self, before: list[int], forced: bool = False) -> None:
-        """One denoising step as a step event: the block (its number from 0 and its first position
-        in the response), this request's forward count, each position whose token changed (block
-        offset, token; None where a grammar masked it again) and the mean over MoE layers of the
-        distinct experts the forward used (None without statistics). `forced`: what a grammar wrote
-        into a new block before any forward (no experts). Replaying the changes of a block's events
-        over a block of masks gives the block as it is committed (LowConfidence)."""
+        """Append one denoising step to `step_events`: the block (number, first response position, size),
+        the forward count, each changed position as [offset, token or None where a grammar masked it
+        again], the MoE layers' mean distinct experts (None without statistics). `forced`: what a grammar
+        wrote into a new block before any forward. Replaying a block's events over masks gives the block
+        as committed."""
         distinct = [layer[-1] for layer in self.stats.distinct_experts if layer]
         event = {"block": self.blocks_started - 1, "start": len(self.response), "size": len(self.block),
                  "forward": self.stats.forwards,
@@ -297,8 +293,7 @@ class Sequence:
         self.step_events.append(event)
 
     def record_verification(self, accepted: int) -> None:
-        """A self-speculative round that committed `accepted` draft tokens: its statistics, and its step
-        event when traced."""
+        """Record a self-speculative round that committed `accepted` draft tokens (and its step event)."""
         self.stats.rounds += 1
         self.stats.accepted_lengths.append(accepted)
         if self.step_events is not None:
@@ -308,12 +303,10 @@ class Sequence:
     def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int,
                            tokens: torch.Tensor | None = None):
         """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`,
-        having seen `extra[: seen_first + k]` after the committed tokens. Greedy or sampled. Under a
-        grammar, each prediction is the grammar's choice (consumed) and they stop at the first that
-        differs from `extra` (what verification accepts no further than). A decision
-        (generation/readback.py; `readback.resolve` runs it alone) that returns the predictions;
-        under a grammar it reads the device itself (the grammar walks the choices one by one).
-        `tokens`: this row's share of `batched_predictions` (its logits then go unused)."""
+        having seen `extra[: seen_first + k]`. A decision (readback.py) returning the tokens. Under a
+        grammar each is the grammar's choice (consumed), stopping at the first that differs from `extra`,
+        and it reads the device itself (the grammar walks the choices one by one). `tokens`: this row's
+        share of `batched_predictions` (the logits then go unused)."""
         if tokens is None and self.constraint is not None:
             x, _ = _controlled_predictions([self], [logits], [extra], [seen_first])
             return self.constraint.choose_run(x, lambda row: int(batched_candidates([self], row, [1])[0][0]),
@@ -325,10 +318,9 @@ class Sequence:
 
 
 def safe_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Float32 logits no NaN can come out of: NaN scores become -inf, +inf the largest float32, a row
-    with no finite score uniform (zeros); each row's result depends on that row alone. On a device the
-    checks would each be a host sync, so the safe forms run unconditionally; on the host all-finite
-    logits (the usual case) skip the copies: a block's [32, 248k] float32 logits are 32 MB each."""
+    """Float32 logits no NaN can come out of: NaN → -inf, +inf → float32's max, a row with no finite
+    score → zeros (uniform); row by row. On the host all-finite logits skip the copies; on a device the
+    checks would be host syncs, so the safe forms always run."""
     x = logits.float()
     on_host = x.device.type == "cpu"
     if on_host and bool(torch.isfinite(x).all()):
@@ -341,10 +333,9 @@ def safe_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_candidates(logits: torch.Tensor, exclude: int | None = None, with_confidence: bool = True):
-    """`candidates(safe_logits(logits), do_sample=False, ...)`: on the host one native pass per row
-    (kernels/decide.py: the same tokens, probabilities to fp32 rounding, each row as alone), ~37× faster
-    than the tensor ops on a block's 32 × 248k logits; the reference elsewhere, without the kernels,
-    and for the rows the kernel leaves (NaN, +inf, or only −inf)."""
+    """`candidates(safe_logits(logits), do_sample=False, ...)`, on the host by one native pass per row
+    (kernels/decide.py: the same tokens, probabilities to fp32 rounding); the reference elsewhere,
+    without the kernels, and for the rows the kernel leaves (NaN, +inf, or only −inf)."""
     from ..kernels.decide import greedy
 
     def reference(rows):
@@ -396,11 +387,9 @@ def _controlled_masks(seqs: list["Sequence"], masked_logits: list[torch.Tensor])
 
 
 def batched_fills(seqs: list["Sequence"], masked_logits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`denoise_steps`' device half for rows with one `batch_key`, all at once: one controls / candidates /
-    confidence / fill computation over every row's masked positions instead of ~20 small kernels per
-    row (what a GPU step would otherwise spend launching them). Each row's result, [its masked
-    positions] of token or −1, is what it gets alone (every op is row-wise; a row alone decides
-    through here too); pass it as `denoise_steps(..., fills=)`."""
+    """`denoise_steps`' device half for rows of one `batch_key` at once (one computation, not ~20 small
+    kernels per row). Each row's result, [its masked positions] of token or −1, is what it gets alone;
+    pass it as `denoise_steps(..., fills=)`."""
     return _fills(seqs, *_controlled_masks(seqs, masked_logits))
 
 
@@ -432,9 +421,8 @@ def _controlled_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], 
 
 def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extras: list[list[int]],
                         seen_first: list[int]) -> list[torch.Tensor]:
-    """`predict_next_steps`' device half for rows with one `batch_key`, all at once (arguments per row
-    as it takes them): each row's tokens, as it gets them alone (a row alone predicts through
-    here too); pass them as `predict_next_steps(..., tokens=)`."""
+    """`predict_next_steps`' device half for rows of one `batch_key` at once (its arguments, per row):
+    each row's tokens, as it gets them alone; pass them as `predict_next_steps(..., tokens=)`."""
     x, counts = _controlled_predictions(seqs, logits, extras, seen_first)
     tokens, _ = batched_candidates(seqs, x, counts, with_confidence=False)
     return list(torch.split(tokens, counts))
@@ -442,19 +430,16 @@ def batched_predictions(seqs: list["Sequence"], logits: list[torch.Tensor], extr
 
 def batched_candidates(seqs, x: torch.Tensor, counts: list[int], exclude: int | None = None,
                        with_confidence: bool = True):
-    """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]`
-    rows each, at least one row in all): sampled rows draw their uniforms from their own sequence's
-    generator, as many as each would draw alone and in the same order, so every row gets exactly its
-    own result. The logits are made safe first (`safe_logits`, then `candidates`' `sampling_logits`):
-    no NaN or overflow reaches a draw inside the shared decoder step and fails every co-batched
-    request."""
+    """Candidates (and confidences) over the concatenated rows of `seqs` (one `batch_key`, `counts[b]` rows
+    each, ≥ 1 in all): a sampled row draws as many uniforms from its own generator, in the order it would
+    alone. Logits are made safe first, so no NaN or overflow fails every request of the shared step."""
     s = seqs[0].settings
     sampled = s.do_sample and s.temperature > 0
     if sampled:
         uniforms = torch.cat([torch.rand(n, generator=seq._generator_for(x.device), dtype=torch.float64,
                                          device=x.device) for seq, n in zip(seqs, counts)])
-    # a few hundred rows at a time: a softmax, a sort or a cumulative sum over the whole vocabulary
-    # makes temporaries of several times the logits' size (64 rows' blocks: 2048 rows, 2 GB each)
+    # a few hundred rows at a time: a softmax, sort or cumsum over the vocabulary makes temporaries of
+    # several times the logits' size
     step = max(1, DECISION_CHUNK // x.shape[-1])
     parts = []
     for i in range(0, x.shape[0], step):

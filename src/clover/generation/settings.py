@@ -158,8 +158,7 @@ def check_token_ids(ids, vocab_size: int) -> list[int]:
     """`ids` (ints, numpy or tensor integers) as a list of ints below `vocab_size`, at least one, else
     GenerationSettingsError naming the first that is not (or saying the prompt is empty)."""
     if type(ids) is list and ids and set(map(type, ids)) <= {int} and 0 <= min(ids) and max(ids) < vocab_size:
-        # Plain ints in range, checked without a Python-level loop: the server calls this on its event
-        # loop, and a 100k-token prompt took ~30 ms a call the slow way (~5 ms this way).
+        # plain ints in range, checked without a Python loop (the server calls this on its event loop)
         return list(ids)
     out = [int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t for t in ids]
     for t in out:
