@@ -345,7 +345,7 @@ class Decoder:
         if all(p is None for p in top_p):
             top_p = None                                            # (the runner reads the config then)
         else:
-            top_p = [self.model.config.block_expert_top_p or 1.0 if p is None else p for p in top_p]
+            top_p = [(self.model.config.block_expert_top_p or 1.0) if p is None else p for p in top_p]
         ids = device_tensor(tokens, self.model.device, torch.long)
         stats: list = []                                   # per MoE layer a [rows] tensor
         logits = self.model.runner.step(ids, [s.cache for s in rows], block_top_p=top_p, stats=stats, **kw)
