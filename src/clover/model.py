@@ -107,16 +107,17 @@ class CloverForCausalLM(nn.Module):
         return self.runner.step(ids, caches, **options)
 
     def prefill(self, ids, cache=None, logits_at: str = "last"):
-        """`ModelRunner.prefill`: one sequence's tokens into a (new) cache; returns (logits, cache)."""
-        return self.runner.prefill(ids, cache, logits_at)
+        """One sequence's tokens [T] (or [1, T]) into `cache` (None: a new one); returns (logits, cache)."""
+        cache = cache or self.make_cache()
+        return self.runner.step(ids.view(1, -1), [cache], logits_at=logits_at), cache
 
     def prefill_batch(self, prompts, caches, logits_at: str = "last"):
         """`ModelRunner.prefill_batch`: prompts of different lengths in one right-padded forward."""
         return self.runner.prefill_batch(prompts, caches, logits_at)
 
     def make_cache(self, capacity: int = 0):
-        """`ModelRunner.make_cache`: a new empty sequence in the state pool."""
-        return self.runner.make_cache(capacity)
+        """A new empty sequence in the state pool (`capacity`: tokens to reserve, 0 = none)."""
+        return self.runner.state_pool().new_sequence(reserve_tokens=capacity)
 
     # ---- forwards ------------------------------------------------------------------------------
     def run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from .backend import Backend, reference_backend
-from .cache import SequenceState, StatePool
+from .cache import StatePool
 from .kernels.decode_plan import MAX_TOKENS as PLANNED_TOKENS
 from .kernels.decode_plan import DecodePlans
 from .layers.expert_selection import validate_block_expert_top_p
@@ -95,7 +95,7 @@ class ModelRunner:
             try:
                 self._graphs = StepGraphs(self.model, self.state_pool(), self.graph_replay)
             except RuntimeError as exc:
-                log.warning("CUDA graphs off for this state pool: %s", exc)
+                log.warning("CUDA graphs off for this state pool (no room for their scratch state): %s", exc)
                 self._graphs = False
         return self._graphs or None
 
@@ -141,10 +141,6 @@ class ModelRunner:
         slots = StatePool.slots_for(max_sequences, prefix_slots)
         return slots * StatePool.bytes_per_slot(config, dtype) + pages * StatePool.bytes_per_page(config, dtype)
 
-    def make_cache(self, capacity: int = 0) -> SequenceState:
-        """A new empty sequence in the state pool (`capacity`: tokens to reserve, 0 = none)."""
-        return self.state_pool().new_sequence(reserve_tokens=capacity)
-
     # ---- cached forwards -------------------------------------------------------------------------
     def step(self, ids, caches, *, block: bool = False, block_len: int | None = None, block_top_p=None,
              logits_at: str = "all", stats=None):
@@ -165,11 +161,6 @@ class ModelRunner:
         self._check_positions(caches, T)
         top_p = self.block_top_p(block_top_p, B) if block_len else None
         return self._forward_cached(ids, caches, block_len, top_p, logits_at, stats)
-
-    def prefill(self, ids: torch.Tensor, cache: SequenceState | None = None, logits_at: str = "last"):
-        """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""
-        cache = cache or self.make_cache()
-        return self.step(ids.view(1, -1), [cache], logits_at=logits_at), cache
 
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
         """Encode prompts of different lengths in one right-padded causal forward.
@@ -212,21 +203,16 @@ class ModelRunner:
             if not ran and pool is self._pool and self.step_graphs() is not None:
                 logits = self._graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)
             if not ran and logits is None:
-                logits = self.model.run(ids, self.positions(ids, batch, T), batch, block_len, block_top_p,
-                                        logits_at, stats)
+                if ids.device.type == "cpu":         # (without the device index, which the CPU kernels do not need)
+                    positions = torch.tensor(batch.starts)[:, None] + torch.arange(T)
+                else:
+                    positions = batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
+                logits = self.model.run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
         except BaseException:
             pool.abort(batch, caches)
             raise
         pool.finish(batch, caches)
         return logits
-
-    @staticmethod
-    def positions(ids, batch, T):
-        """The rows' positions [B, T] of a cached forward (on the CPU, without the device index the
-        kernels do not need: ~0.15 ms saved per forward)."""
-        if ids.device.type == "cpu":
-            return torch.tensor(batch.starts)[:, None] + torch.arange(T)
-        return batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
 
     def _chunked_prefill(self, ids, caches, logits_at):
         """A long causal pass as consecutive causal steps over the caches (chunked prefill)."""
