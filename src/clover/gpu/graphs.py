@@ -202,7 +202,6 @@ class StepGraphs:
     def close(self) -> None:
         """Give the scratch pages and slot back to the pool and drop the graphs."""
         self.scratch.release()
-        self.scratch_pages = []
         self.graphs.clear()
 
     def key_for(self, ids, batch: ForwardBatch, block_len: int, block_top_p, logits_at, stats) -> GraphKey | None:
