@@ -402,7 +402,7 @@ def test_attention_cached_kernel_matches_the_pytorch_path(variant):
         from clover.kernels.attention_cached import attention_cached
 
         pool = kern[0].pool
-        table = pool.page_table([kern[0].pages])[0]
+        table = torch.tensor(kern[0].pages, dtype=torch.int32)
         with pytest.raises(ValueError, match="tokens"):
             qg = torch.zeros(65, 2 * attn.num_heads * attn.head_dim, dtype=torch.bfloat16)
             attention_cached(attn, qg, qg, qg, cos[0], sin[0], pool.k[index], pool.v[index], table, 0)
@@ -440,7 +440,7 @@ def test_attention_cached_takes_k_and_v_with_their_own_token_strides():
             c = model.make_cache(capacity=T + 3)
             model.step(torch.tensor([[5, 6, 7]]), [c])
             pool = c.pool
-            table = pool.page_table([c.pages])[0]
+            table = torch.tensor(c.pages, dtype=torch.int32)
             out = attention_cached(attn, qg, kk, vv, cos[0], sin[0], pool.k[index], pool.v[index], table, 3, block_len=4)
             outs.append((out, [t.clone() for t in c.kv(index, 3 + T)]))
     (a, kv_a), (b, kv_b) = outs

@@ -1,23 +1,15 @@
 """Backend ops: each fused operation of a forward, with its implementations in one table per backend.
 
-An op has a reference implementation in PyTorch (the definition, next to its module in `layers/`) and
-optionally faster ones per backend, each with a `qualifies(*args)` test that lives next to its kernel
-(shape limits, dtypes, what the kernel cannot do), listed in the table its package exports. A model
-gets one `Backend` when it loads (held by its runner, `model.runner.backend`); a call whose arguments do not qualify runs the
-reference. Layers call `backend.<op>(...)` — no dispatch flags on modules — and never import this
-module: imports run backend → layers, and a backend's own package is imported when one is built.
+An op's reference is PyTorch, next to its module in layers/ (the definition). A backend's package ("cpu":
+kernels/ops.py, "cuda": gpu/ops.py) exports faster implementations, each with a `qualifies(*args)` test beside its
+kernel; a call that does not qualify runs the reference. A model holds one `Backend` (`model.runner.backend`);
+layers call `backend.<op>(...)` and never import this module. A fused op never adds the residual (the next
+`add_rmsnorm` does), so an all-reduce or a dequantisation can go between an op and the add.
 
-A fused op returns its own output and never adds the residual: the residual add happens outside it
-(in the next `add_rmsnorm`), so a tensor-parallel all-reduce or a dequantisation can go between an op
-and the add.
-
-The ops (arguments as the reference takes them):
   add_rmsnorm(h, delta, norm) → (h + delta, norm(h + delta))        delta may be None
   gdn_core(mixer, u, z, b, a, batch, block_len) → gated-norm output [B, T, Hv·dv] (before out_proj)
   attention(attn, qg, k, v, cos, sin, batch, block_len) → gated output [B, T, Hq·D] (before o_proj)
   moe(moe, x, block_len, block_top_p) → (routed + shared experts [B, T, H], distinct experts [B] | None)
-Backends: "reference" (PyTorch only), "cpu" (Clover's native CPU kernels, clover/kernels/) and "cuda"
-(batched PyTorch plus fla-core / grouped GEMMs, clover/gpu/; device-agnostic, so it also runs on CPU).
 """
 
 from __future__ import annotations
@@ -38,18 +30,15 @@ REFERENCES: dict[str, Callable] = {
     "moe": SparseMoE.__call__,            # the module itself
 }
 
-# The sequence-mixing ops, and where their `batch` (a `ForwardBatch`, or None) is among the arguments.
-# A right-padded batch (prompts of several lengths prefilled in one forward) reaches them one row at a
-# time over its own tokens, so a row computes exactly what it computes alone: the dense products and
-# the experts are row by row already, and these two are the only ops where padding could change a row.
+# The sequence-mixing ops and the place of their `batch` argument. A right-padded batch reaches them one row
+# at a time, so a row computes exactly what it does alone (every other op is row by row already).
 MIXING_BATCH_ARG = {"gdn_core": 5, "attention": 6}
 
 
 def implementations(name: str) -> dict:
-    """Backend `name`'s own implementations, op → (function, qualifies, takes_padded), from the table
-    its package exports (clover/kernels/ops.py, clover/gpu/ops.py): imported when such a backend is
-    built, so the core never loads the kernels or the GPU code it does not use. `takes_padded`: a
-    mixing op that runs right-padded batches itself, each row exactly as alone."""
+    """Backend `name`'s own implementations, op → (function, qualifies, takes_padded), imported only when
+    such a backend is built. `takes_padded`: a mixing op that runs right-padded batches itself, each row
+    exactly as alone."""
     if name == "cpu":
         from .kernels import available
 
@@ -65,9 +54,8 @@ def implementations(name: str) -> dict:
 
 
 class Backend:
-    """One implementation per op, chosen once. `Backend("cpu")` uses the native kernels where a call
-    qualifies and the reference elsewhere; `Backend("cuda")` the GPU implementations (clover/gpu/);
-    `Backend("reference")` is PyTorch throughout."""
+    """One implementation per op, chosen once: "cpu" (native kernels), "cuda" (clover/gpu/, device-agnostic)
+    where a call qualifies, the reference elsewhere; "reference" is PyTorch throughout."""
 
     NAMES = ("reference", "cpu", "cuda")
 
@@ -109,8 +97,8 @@ def _bind(op: str, ref: Callable, own: tuple | None, backend: str) -> Callable:
 
 
 def _row_by_row(call: Callable, args: tuple, at: int):
-    """A mixing op over a right-padded batch: each row alone over its own tokens (`batch.commits[b]`),
-    the output's padding positions zero. Tensor arguments [B, T, …] are cut to the row."""
+    """A mixing op over a right-padded batch: each row alone over its own `batch.commits[b]` tokens (tensor
+    arguments [B, T, …] cut to the row); the output's padding positions are zero."""
     batch = args[at]
     B = len(batch.starts)
     T = next(a.shape[1] for a in args if hasattr(a, "dim") and a.dim() >= 2 and a.shape[0] == B)

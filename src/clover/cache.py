@@ -1,21 +1,12 @@
-"""The model's state pool: every sequence's K/V and GDN state lives in tensors allocated once.
+"""The state pool: every sequence's K/V and GDN state, in tensors allocated once per layer on its device.
 
-Layout (one set of tensors per layer, on that layer's device):
-  - attention layers: K and V in pages of `page_size` (32) token rows, `[pages, page_size, kv_heads,
-    head_dim]`. A sequence owns a list of page ids (its page table); position p lives in page
-    `table[p // page_size]`, row `p % page_size`. Pages are shared read-only between a sequence and
-    the prefix cache (refcounts; a shared page is copied before anyone writes into it).
-  - GDN layers: state slots, conv tail `[slots, C, K−1]` and recurrent state `[slots, Hv, dk, dv]`
-    (float32, float64 for float64 models). A slot is never written after its forward fills it: a
-    causal forward reads the sequence's slot and writes the new state into a fresh one, then drops the
-    old one. So a snapshot, a speculation's rollback point or a prefix-cache entry is just one more
-    reference to a slot — no copy. Slot 0 is the zero state every new sequence starts from.
-
-Layers never see `SequenceState`s: a forward gets a `ForwardBatch` (per row: where its pages are, how
-many tokens it has cached, which slot it reads and which it writes). `SequenceState` is the per-request
-handle the generation loop holds; its methods (snapshot / restore / truncate / speculation with replay
-rollback) are operations on the pool. Block-mode forwards never change a sequence: the block's K/V are
-scratch rows past its length, and a block reads its slot without writing one.
+Attention K/V live in pages of `page_size` (32) token rows, `[pages, page_size, Hkv, D]`; position p of a page
+table is row `p % page_size` of page `table[p // page_size]`. Pages are refcounted, shared read-only (prefix cache,
+forks) and copied before a write. GDN conv tails `[slots, C, K−1]` and recurrent states `[slots, Hv, dk, dv]` live
+in slots. Invariant: a slot is never written after the forward that fills it (a commit writes a fresh slot and drops
+the old), so snapshots, forks, rollback points and prefix entries are references, not copies; slot 0 is the zero
+state. Block forwards change no sequence: their K/V are scratch rows past its length, and they write no slot.
+Layers see only a `ForwardBatch`; `SequenceState` is the handle the generation loop holds.
 """
 
 from __future__ import annotations
@@ -46,14 +37,13 @@ class PoolFull(RuntimeError):
 
 @dataclass
 class ForwardBatch:
-    """What one cached forward does, per row — all the layers need to read and write the pool.
+    """One cached forward, per row: all the layers need to read and write the pool.
 
-    `starts[b]`: tokens row b has cached; its T new tokens go to positions starts[b] … (K/V written for
-    all of them, the block's as scratch). `commits[b]`: how many of them become state (T − block_len,
-    or the row's own length in a right-padded prefill). `pages[b]`: its page table, covering
-    starts[b] + T. `read_slots` / `write_slots`: the GDN slot each row starts from / its state after the
-    commit goes to (None when nothing is committed). `records`: per row, per GDN layer, a list that
-    receives the committed tokens' inputs (an open speculation: `SequenceState.rollback`), or None."""
+    `starts[b]`: tokens row b has cached (its T new tokens' K/V go to positions starts[b] …, the block's as
+    scratch). `commits[b]`: how many become state (T − block_len, or the row's own length when `padded`).
+    `pages[b]`: its page table, covering starts[b] + T. `read_slots` / `write_slots`: the GDN slot a row
+    reads / its committed state goes to (None: nothing committed). `records`: per row, per GDN layer, a list
+    receiving the committed inputs (an open speculation, see `SequenceState.rollback`), or None."""
 
     pool: "StatePool"
     starts: list[int]
@@ -68,23 +58,22 @@ class ForwardBatch:
     _index: dict = field(default_factory=dict, repr=False)
 
     def row(self, b: int) -> "ForwardBatch":
-        """Row b alone over its own tokens (`commits[b]` of a right-padded batch): what a mixing op runs
-        for each row of such a batch (backend.py)."""
+        """Row b alone over its own `commits[b]` tokens: how a mixing op runs a right-padded batch (backend.py)."""
         write = None if self.write_slots is None else [self.write_slots[b]]
         records = None if self.records is None else [self.records[b]]
         return ForwardBatch(self.pool, [self.starts[b]], [self.commits[b]], self.block_len, [self.pages[b]],
                             [self.read_slots[b]], write, records)
 
     def page_table(self) -> torch.Tensor:
-        """The rows' page tables as one int32 [B, max pages] tensor (made once per forward)."""
+        """The rows' page tables, int32 [B, max pages], zero-padded (made once per forward)."""
         if self._table is None:
-            self._table = self.pool.page_table(self.pages)
+            width = max(1, max(len(p) for p in self.pages))
+            self._table = torch.tensor([p + [0] * (width - len(p)) for p in self.pages], dtype=torch.int32)
         return self._table
 
     def index(self, device, T: int) -> "BatchIndex":
-        """This forward's slots and K/V rows as tensors on `device`, for T new tokens per row: built
-        once per forward on the host and moved in one copy (layers would otherwise each make their
-        own small host tensors, one transfer per layer on a GPU)."""
+        """This forward's `BatchIndex` on `device` for T new tokens a row: one host-to-device copy per
+        forward, not one per layer."""
         key = (torch.device(device), T)
         if key not in self._index:
             self._index[key] = BatchIndex.build(self, T, key[0])
@@ -93,11 +82,10 @@ class ForwardBatch:
 
 @dataclass
 class BatchIndex:
-    """A `ForwardBatch` as device tensors (all int64), for T new tokens per row: `read_slots [B]`;
-    `write_rows [W]` (the rows that commit) and their `write_slots [W]`; `starts [B]`; `table [B, N]`:
-    each row's page table (entries past its pages are padding). Everything else is derived on the
-    device when first asked for, so the host sends only these: `new_rows`, `key_rows`, `key_ends`,
-    and `derived`, where a backend keeps what it computes once per forward for all its layers."""
+    """A `ForwardBatch` as int64 device tensors, for T new tokens per row: `read_slots` [B], `write_rows` [W]
+    (the rows that commit) and their `write_slots` [W], `starts` [B], `table` [B, N] (page tables, padded).
+    The rest is derived on the device on first use; `derived` keeps what a backend computes once per
+    forward for all its layers."""
 
     read_slots: torch.Tensor
     write_rows: torch.Tensor
@@ -152,8 +140,8 @@ class BatchIndex:
 
 
 class RefCounts:
-    """Reference-counted ids (the pool's K/V pages, or its GDN slots) and the free ones, `pinned` first
-    ids held for good."""
+    """Reference-counted ids (the pool's pages, or its GDN slots) and the free ones; the first `pinned` are
+    held for good."""
 
     def __init__(self, count: int, pinned: int = 0):
         self.refs = [1] * pinned + [0] * (count - pinned)
@@ -294,24 +282,6 @@ class StatePool:
                 raise PoolFull(f"the state pool's {what} are all in use")
         return ids.take()
 
-    # ---- scratch ---------------------------------------------------------------------------------
-    def take_scratch(self, tokens: int) -> tuple[list[int], int]:
-        """Pages for `tokens` positions and one GDN slot (0 without GDN layers) that no sequence owns:
-        where padded rows of a fixed-shape forward (the step graphs') write. PoolFull if not there."""
-        with self._lock:
-            need = self.pages_for(tokens)
-            if self.available_pages() < need or (self.has_gdn and self.available_slots() < 1):
-                raise PoolFull(f"the state pool has no room for {need} scratch pages and a slot")
-            pages = [self._take(self.page_ids) for _ in range(need)]
-            return pages, (self._take(self.slot_ids) if self.has_gdn else 0)
-
-    def give_back_scratch(self, pages: list[int], slot: int) -> None:
-        with self._lock:
-            for page in pages:
-                self.page_ids.drop(page)
-            if self.has_gdn:
-                self.slot_ids.drop(slot)
-
     # ---- sequences -------------------------------------------------------------------------------
     def new_sequence(self, reserve_tokens: int = 0) -> "SequenceState":
         """A new, empty sequence. `reserve_tokens`: pages (and two GDN slots) set aside so that it can
@@ -419,11 +389,6 @@ class StatePool:
             return slice(first, first + stop - start)
         return self.flat_positions(pages, start, stop)
 
-    def page_table(self, pages_per_row: list[list[int]]) -> torch.Tensor:
-        """Per-row page tables as one int32 [B, max pages] tensor (the native attention kernel's input)."""
-        width = max(1, max(len(p) for p in pages_per_row))
-        return torch.tensor([p + [0] * (width - len(p)) for p in pages_per_row], dtype=torch.int32)
-
     # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None) -> ForwardBatch:
         """Pages for T new tokens per row, fresh GDN slots where tokens are committed: the batch a forward
@@ -481,14 +446,12 @@ class CacheSnapshot:
 
 
 class SequenceState:
-    """One sequence's place in the pool: its length, page table and GDN slot (see the module docstring).
+    """One sequence's place in the pool: its length, page table and GDN slot.
 
-    snapshot() / restore(): a GDN slot reference and a length (K/V roll back by length);
-    truncate(n): drop positions ≥ n (GDN layers need an open speculation covering them);
-    speculation: `begin_speculation()` keeps the current slot and makes the next causal forwards record
-    each GDN layer's inputs after its projections (`u, z, b, a`). `rollback(n)` then brings the sequence
-    to length `n` by replaying the GDN op over the accepted tokens from the kept slot — no projection
-    or other layer is re-run and no per-position recurrent state is stored."""
+    snapshot() / restore(): a slot reference and a length (K/V roll back by length). truncate(n): drop
+    positions ≥ n (with GDN layers, only inside an open speculation). begin_speculation() keeps the slot and
+    records each GDN layer's projected inputs (`u, z, b, a`) from then on; rollback(n) replays the accepted
+    ones through the GDN op from the kept slot — nothing else re-runs, no per-position state is stored."""
 
     def __init__(self, pool: StatePool, held: _Holdings):
         self.pool = pool
@@ -606,10 +569,9 @@ class SequenceState:
         self._held.saved_slot = None
 
     def rollback(self, n: int) -> None:
-        """Keep positions `< n` (n ≥ the speculation start). GDN layers replay the accepted tokens through
-        the op that took them, from the kept state: the state left is bit for bit the one an
-        autoregressive step per token makes (the kernels' causal passes do not depend on how tokens are
-        grouped into calls)."""
+        """Keep positions `< n` (n ≥ the speculation start). GDN layers replay the accepted tokens from the
+        kept slot through the op that took them: bit for bit the state one autoregressive step per token
+        makes (the kernels' causal passes do not depend on how tokens are grouped into calls)."""
         start = self.spec_start
         if start is None or not start <= n <= self.length:
             raise ValueError(f"rollback to {n} needs an open speculation starting at or before it (start {start})")

@@ -1,11 +1,9 @@
 """The Clover model: Qwen3.5-MoE causal mode (SPEC §2) plus the bidirectional block mode (SPEC §4).
 
-Parameter names equal checkpoint keys (`model.layers.{i}.linear_attn.in_proj_qkv.weight`, …), so the
-loader needs almost no remapping. Two entry points:
-  - without a cache, `forward(ids, block_len)` runs `[prefix | block]` from scratch (tests, training);
-  - with caches, `step(ids, caches, block=…)` runs new tokens over each row's cached prefix: a causal
-    step extends the caches, a block step leaves them unchanged.
-The model never samples and never tokenizes.
+Parameter names equal checkpoint keys (`model.layers.{i}.linear_attn.in_proj_qkv.weight`, …), so the loader
+needs almost no remapping. `run` is the one forward every executor runs; `forward(ids, block_len)` runs
+`[prefix | block]` from scratch; `step` / `prefill` run new tokens over cached state through `model.runner`
+(runner.py), which owns the backend and the state pool. The model never samples and never tokenizes.
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, delta, cos, sin, batch, block_len, block_top_p, backend):
-        """One layer on the residual stream `h` plus the previous layer's MoE output `delta` (added here,
-        in this layer's first norm: the residual add stays outside every fused op). Returns (h, this
-        layer's MoE output, its block's distinct experts or None)."""
+        """One layer on the residual stream `h` plus the previous layer's MoE output `delta` (added in this
+        layer's first norm: no fused op adds the residual). Returns (h, its MoE output, the block's distinct
+        experts or None)."""
         h, x = backend.add_rmsnorm(h, delta, self.input_layernorm)
         if self.kind == "linear_attention":
             mixed = self.linear_attn(x, batch, block_len, backend)
@@ -92,7 +90,7 @@ class CloverForCausalLM(nn.Module):
             return embed.qweight.device
         return embed.weight.device if hasattr(embed, "weight") else embed.device   # (or one left in its file)
 
-    # ---- running (runner.py): the pool, the backend and the executors live in `self.runner` ---------
+    # ---- running (runner.py) ----------------------------------------------------------------------
     @property
     def backend(self):
         """The fused ops' implementations (backend.py), held by the runner."""
@@ -107,23 +105,23 @@ class CloverForCausalLM(nn.Module):
         return self.runner.step(ids, caches, **options)
 
     def prefill(self, ids, cache=None, logits_at: str = "last"):
-        """`ModelRunner.prefill`: one sequence's tokens into a (new) cache; returns (logits, cache)."""
-        return self.runner.prefill(ids, cache, logits_at)
+        """One sequence's tokens [T] (or [1, T]) into `cache` (None: a new one); returns (logits, cache)."""
+        cache = cache or self.make_cache()
+        return self.runner.step(ids.view(1, -1), [cache], logits_at=logits_at), cache
 
     def prefill_batch(self, prompts, caches, logits_at: str = "last"):
         """`ModelRunner.prefill_batch`: prompts of different lengths in one right-padded forward."""
         return self.runner.prefill_batch(prompts, caches, logits_at)
 
     def make_cache(self, capacity: int = 0):
-        """`ModelRunner.make_cache`: a new empty sequence in the state pool."""
-        return self.runner.make_cache(capacity)
+        """A new empty sequence in the state pool (`capacity`: tokens to reserve, 0 = none)."""
+        return self.runner.state_pool().new_sequence(reserve_tokens=capacity)
 
     # ---- forwards ------------------------------------------------------------------------------
     def run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):
-        """The one forward every executor runs (eager, the step graphs' captured work): `ids` [B, T] at
-        `positions` over the rows' pool state described by `batch` (a `ForwardBatch`, or None: no
-        cache), the last `block_len` tokens a block; `block_top_p` normalised ([B] or None, see
-        `step`); `logits_at` and `stats` as in `step`."""
+        """The one forward every executor runs: `ids` [B, T] at `positions` [B, T] over the pool state of
+        `batch` (a `ForwardBatch`; None: from scratch), the last `block_len` tokens a block; `block_top_p`
+        [B] or None (`ModelRunner.block_top_p`); `logits_at` and `stats` as in `ModelRunner.step`."""
         backend = self.runner.backend
         h = self.model.embed_tokens(ids)
         cos, sin = self.model.rotary(positions, h.dtype)
@@ -139,9 +137,8 @@ class CloverForCausalLM(nn.Module):
         return self.lm_head(x)
 
     def forward(self, input_ids: torch.Tensor, block_len: int = 0, block_top_p=None, stats=None):
-        """Logits from scratch, no cache kept. input_ids [B, T]; the last `block_len` tokens form a
-        noisy block over the causal prefix before them. Returns [B, T, V] (causal rows predict the
-        next token; block rows the token at their own position). `block_top_p`: float or [B]."""
+        """Logits [B, T, V] of `input_ids` [B, T] from scratch, no cache kept; the last `block_len` tokens are a
+        block after the causal prefix (its rows predict their own position's token). `block_top_p`: float or [B]."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         return self.run(input_ids, positions, None, block_len, self.runner.block_top_p(block_top_p, B), "all", stats)

@@ -1,21 +1,12 @@
-"""Prefix reuse across requests: K/V pages and GDN state kept at page boundaries (every 32 tokens).
+"""Prompt-prefix reuse: K/V pages and GDN state kept at page boundaries (every `page_size`, 32, tokens).
 
-An entry is a token prefix whose length is a multiple of the pool's page size, with references to the
-pages holding its K/V and to the GDN slot holding the state after it. Slots are immutable once written
-(see cache.py), so keeping an entry costs no copy. A new request whose prompt starts with an entry's
-tokens takes those references instead of recomputing them and prefills only the rest; it shares the
-pages read-only (a partly shared page would be copied before a write, see `StatePool._make_writable`).
-
-Where entries come from: the scheduler inserts the sequence's state at every prefill chunk end that
-lies on a page boundary, and splits each prompt's prefill so that one chunk ends at the last page
-boundary before the prompt's final token. A later request with the same prompt reuses all but the last
-few tokens; the next turn of a chat (which starts with the whole earlier prompt) reuses all of it; a
-request that shares only a system prompt and tools with an earlier one reuses up to the last chunk end
-inside the shared part (chunks are `step_tokens`, 1024, when nothing else runs, and 256 while others
-decode). GDN state exists only where a forward ended — it cannot be rebuilt for an arbitrary boundary
-without recomputing the prefix — so these are the points kept. Eviction: least recently used (a hit
-refreshes its entry), when a page or a slot is needed and none is free, and when the entries would hold
-more than a third of the pool's slots.
+An entry is a token prefix of whole pages with references to its pages and to the slot holding the GDN state after
+it (slots are never rewritten, cache.py, so an entry copies nothing). A request whose prompt starts with an entry
+shares those (a partly shared page is copied before a write, `StatePool._make_writable`) and prefills the rest.
+GDN state exists only where a forward ended, so the scheduler inserts entries at prefill chunk ends on a page
+boundary, and ends a chunk at the last boundary before a prompt's final token: the next turn of a chat reuses the
+whole earlier prompt. Eviction: least recently used first, when a page or slot is needed and none is free, and
+when entries would hold more than a third of the pool's slots.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""The model runner: what runs a model's forwards over cached state, in one place.
+"""The model runner (`model.runner`): how a model's forwards over cached state run, decided in one place.
 
-A `CloverForCausalLM` is its weights and one public forward (`model.run`). Everything about *how* a
-forward runs lives here, in the `ModelRunner` every model carries as `model.runner`:
-  - the backend (backend.py: which implementation of each fused op);
-  - the state pool (cache.py: K/V pages, GDN slots, the prefix cache), sized once;
-  - the executor of a cached forward, chosen in `_forward_cached` and nowhere else: a step of up to 64
-    tokens (decode, block step, commit) runs the CPU's prepared kernel calls (kernels/decode_plan.py)
-    where the model is packed for them, short forwards replay as step graphs (gpu/graphs.py) where
-    those are on, and every other forward runs `model.run` eagerly. All three compute the same numbers
-    (tests/test_decode_plan.py, tests/test_step_graphs.py);
-  - chunked and right-padded prefill over the pool.
-
-The decoder, the engine, the HF wrapper and the distributed ranks call the runner; `model.step`,
-`model.prefill`, `model.prefill_batch` and `model.make_cache` are its shorthands for library use.
-A copy of a model (`copy.deepcopy`) gets its own runner with the same backend and executor settings and
-a pool of its own, made on first use.
+It owns the backend (backend.py), the state pool (cache.py), sized once, and the executor of each cached forward,
+chosen in `_forward_cached` and nowhere else: the CPU's prepared kernel calls for a step of up to 64 tokens where
+the model is packed for them (kernels/decode_plan.py), step graphs where on (gpu/graphs.py), else `model.run`
+eagerly. All three compute the same numbers (tests/test_decode_plan.py, tests/test_step_graphs.py). It also runs
+chunked and right-padded prefill. A copy of a model gets its own runner with the same settings and its own pool.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ import logging
 import torch
 
 from .backend import Backend, reference_backend
-from .cache import SequenceState, StatePool
+from .cache import StatePool
 from .kernels.decode_plan import MAX_TOKENS as PLANNED_TOKENS
 from .kernels.decode_plan import DecodePlans
 from .layers.expert_selection import validate_block_expert_top_p
@@ -34,10 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    # The state pool's default size for library use (generate(), make_cache()), raised where one model's
-    # GDN slots need more; the engine sizes it from its own options (`configure_pool`). Its tensors are
-    # allocated at once but untouched memory stays virtual, so this is a ceiling on what caches may
-    # take, not memory spent at load.
+    # The library's default pool size (the engine sizes its own): a ceiling on what caches may take, not
+    # memory spent at load, since untouched pool memory stays virtual.
     default_pool_bytes = 2 << 30
     default_pool_sequences = 16
     prefill_chunk = 1024   # long causal passes run in chunks: exact, and activations stay bounded
@@ -46,12 +34,9 @@ class ModelRunner:
     def __init__(self, model, backend: Backend | None = None):
         self.model = model
         self._backend = backend or reference_backend()
-        # Under tensor parallelism (clover.distributed) the config with this rank's head counts, from which
-        # the state pool is sized; None: the pool holds the whole model's state.
+        # under tensor parallelism, the config with this rank's head counts that sizes the pool (None: the model's)
         self.state_config = None
-        # Short cached forwards replayed as CUDA graphs ("cuda"; "eager": the same static buffers without
-        # capture, for CPU tests) or run as they come (None); see gpu/graphs.py.
-        self.graph_replay: str | None = None
+        self.graph_replay: str | None = None       # step graphs: "cuda", "eager" or off (see `use_graphs`)
         self._pool: StatePool | None = None
         self._graphs = None          # the StepGraphs over `_pool` (False: no room in it), made on first use
         self._plans: DecodePlans | None = None
@@ -77,15 +62,14 @@ class ModelRunner:
 
     def use_graphs(self, replay: str | None = "cuda") -> None:
         """Turn step graphs on (`replay="cuda"`: captured CUDA graphs; "eager": the same static-buffer
-        forwards run without capture, for CPU tests) or off (None: the current pool's graphs closed and
-        their scratch state given back)."""
+        forwards uncaptured, for CPU tests) or off (None: the current pool's graphs closed)."""
         if replay not in (None, "cuda", "eager"):
             raise ValueError(f"replay must be None, 'cuda' or 'eager', got {replay!r}")
         self._close_graphs()
         self.graph_replay = replay
 
     def step_graphs(self):
-        """The graph runner over the current pool (made on first use), or None when graphs are off or the
+        """The `StepGraphs` over the current pool (made on first use), or None when graphs are off or the
         pool has no room for their scratch state (logged once)."""
         if self.graph_replay is None:
             return None
@@ -95,7 +79,7 @@ class ModelRunner:
             try:
                 self._graphs = StepGraphs(self.model, self.state_pool(), self.graph_replay)
             except RuntimeError as exc:
-                log.warning("CUDA graphs off for this state pool: %s", exc)
+                log.warning("CUDA graphs off for this state pool (no room for their scratch state): %s", exc)
                 self._graphs = False
         return self._graphs or None
 
@@ -115,13 +99,12 @@ class ModelRunner:
 
     def configure_pool(self, memory_bytes: int | None = None, max_sequences: int | None = None,
                        prefix_slots: int | None = None) -> StatePool:
-        """(Re)build the state pool for `memory_bytes` of caches and `max_sequences` running at once.
-        Sequences of the old pool keep working on it (eagerly); new ones use the new pool."""
+        """(Re)build the state pool for `memory_bytes` of caches (None: the default, raised to the floor) and
+        `max_sequences` running at once. Sequences of an old pool keep working on it (eagerly)."""
         model = self.model
         devices = [layer.input_layernorm.weight.device for layer in model.model.layers]
         max_sequences = max_sequences or self.default_pool_sequences
         if memory_bytes is None:
-            # untouched pool memory stays virtual (on the CPU)
             memory_bytes = max(self.default_pool_bytes, self.pool_floor_bytes(max_sequences, prefix_slots))
         pool = StatePool.for_budget(self.state_config or model.config, model.dtype, memory_bytes,
                                     max_sequences=max_sequences, prefix_slots=prefix_slots, devices=devices)
@@ -135,29 +118,22 @@ class ModelRunner:
 
     def pool_floor_bytes(self, max_sequences: int, prefix_slots: int | None = None, pages: int = 2048) -> int:
         """Bytes of a pool with the GDN slots of `max_sequences` (and their cached prefixes) and `pages`
-        pages of K/V — by default the smallest default pool: 64K tokens (the real model's slots alone
-        take ~3 GB for 16 sequences)."""
+        pages of K/V (by default 64K tokens: the smallest default pool)."""
         config, dtype = self.state_config or self.model.config, self.model.dtype
         slots = StatePool.slots_for(max_sequences, prefix_slots)
         return slots * StatePool.bytes_per_slot(config, dtype) + pages * StatePool.bytes_per_page(config, dtype)
 
-    def make_cache(self, capacity: int = 0) -> SequenceState:
-        """A new empty sequence in the state pool (`capacity`: tokens to reserve, 0 = none)."""
-        return self.state_pool().new_sequence(reserve_tokens=capacity)
-
     # ---- cached forwards -------------------------------------------------------------------------
     def step(self, ids, caches, *, block: bool = False, block_len: int | None = None, block_top_p=None,
              logits_at: str = "all", stats=None):
-        """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row).
+        """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row); returns logits.
 
         Causal (default): appends the tokens to the caches; logits predict the next tokens.
-        Block (`block=True`): the tokens are a noisy block at the end of each prefix; caches unchanged.
-        Fused (`block_len=L < T`): the first T−L tokens are committed causally and the last L form a
-        noisy block right after them — a commit and the next block's first denoising step in one pass.
-        `logits_at`: "all", "last" (the final position: the next-token prediction), "block" (the block's
-        positions), "none" (a commit nobody reads: skips the vocabulary projection), or a bool mask
-        [B, L] over the block's positions, returning only those rows' logits as [N, V] (row-major).
-        `stats`: a list that receives, per MoE layer, the distinct experts [B] of the block."""
+        Block (`block=True`): the tokens are a noisy block after each prefix; caches unchanged.
+        Fused (`block_len=L < T`): the first T−L tokens are committed and the last L are a block after them.
+        `logits_at`: "all" [B, T, V], "last" [B, 1, V], "block" [B, L, V], "none" (None: no vocabulary
+        projection), or a bool mask [B, L] over the block's positions (those rows, [N, V], row-major).
+        `stats`: a list that receives, per MoE layer, the block's distinct experts [B]."""
         B, T = ids.shape
         block_len = T if block else (block_len or 0)
         if block_len == 0 and T > self.prefill_chunk:
@@ -166,17 +142,10 @@ class ModelRunner:
         top_p = self.block_top_p(block_top_p, B) if block_len else None
         return self._forward_cached(ids, caches, block_len, top_p, logits_at, stats)
 
-    def prefill(self, ids: torch.Tensor, cache: SequenceState | None = None, logits_at: str = "last"):
-        """Encode one sequence's tokens [T] (or [1, T]) into a (new) cache; returns (logits, cache)."""
-        cache = cache or self.make_cache()
-        return self.step(ids.view(1, -1), [cache], logits_at=logits_at), cache
-
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
-        """Encode prompts of different lengths in one right-padded causal forward.
-
-        Padding never enters a cache, and no row's numbers depend on the others: the sequence-mixing ops
-        (attention, the GDN mixer) take each row alone over its own tokens (backend.py), the rest is row
-        by row. Returns each row's last-token logits [B, 1, V]."""
+        """Encode prompts of different lengths into `caches` in one right-padded causal forward; returns the
+        last-token logits [B, 1, V]. Padding never enters a cache and no row depends on the others (the
+        mixing ops take each row alone, backend.py)."""
         device = self.model.device
         lens = [len(p) for p in prompts]
         T = max(lens)
@@ -198,9 +167,8 @@ class ModelRunner:
                 raise ValueError(f"position {c.length + T} exceeds max_position_embeddings {limit}")
 
     def _forward_cached(self, ids, caches, block_len, block_top_p, logits_at, stats, valid_lens=None):
-        """One forward over the rows' pool state, through the executor that fits it: pages and slots from
-        `StatePool.prepare`, the rows' lengths and slots moved on only if the forward succeeds (a failed
-        forward changes no sequence)."""
+        """One forward over the rows' pool state, through the executor that fits it. A failed forward
+        changes no sequence: `pool.finish` moves lengths and slots on only after success."""
         T = ids.shape[1]
         pool = caches[0].pool
         batch = pool.prepare(caches, T, block_len, valid_lens)
@@ -212,21 +180,16 @@ class ModelRunner:
             if not ran and pool is self._pool and self.step_graphs() is not None:
                 logits = self._graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)
             if not ran and logits is None:
-                logits = self.model.run(ids, self.positions(ids, batch, T), batch, block_len, block_top_p,
-                                        logits_at, stats)
+                if ids.device.type == "cpu":         # (without the device index, which the CPU kernels do not need)
+                    positions = torch.tensor(batch.starts)[:, None] + torch.arange(T)
+                else:
+                    positions = batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
+                logits = self.model.run(ids, positions, batch, block_len, block_top_p, logits_at, stats)
         except BaseException:
             pool.abort(batch, caches)
             raise
         pool.finish(batch, caches)
         return logits
-
-    @staticmethod
-    def positions(ids, batch, T):
-        """The rows' positions [B, T] of a cached forward (on the CPU, without the device index the
-        kernels do not need: ~0.15 ms saved per forward)."""
-        if ids.device.type == "cpu":
-            return torch.tensor(batch.starts)[:, None] + torch.arange(T)
-        return batch.index(ids.device, T).starts[:, None] + torch.arange(T, device=ids.device)
 
     def _chunked_prefill(self, ids, caches, logits_at):
         """A long causal pass as consecutive causal steps over the caches (chunked prefill)."""

@@ -185,7 +185,10 @@ class StepGraphs:
         self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()
         self.failed: set[GraphKey] = set()
         self._memory_pool = None
-        self.scratch_pages, self.scratch_slot = pool.take_scratch(MAX_TOKENS)
+        # where padding rows write: an ordinary sequence after one forward of MAX_TOKENS (PoolFull if no room)
+        self.scratch = pool.new_sequence(reserve_tokens=MAX_TOKENS)
+        pool.finish(pool.prepare([self.scratch], MAX_TOKENS, 0), [self.scratch])
+        self.scratch_pages, self.scratch_slot = self.scratch.pages, self.scratch.slot
 
     def nbytes(self) -> int:
         """Bytes of the kept graphs' static inputs and outputs (their logits, mostly)."""
@@ -198,8 +201,7 @@ class StepGraphs:
 
     def close(self) -> None:
         """Give the scratch pages and slot back to the pool and drop the graphs."""
-        self.pool.give_back_scratch(self.scratch_pages, self.scratch_slot)
-        self.scratch_pages = []
+        self.scratch.release()
         self.graphs.clear()
 
     def key_for(self, ids, batch: ForwardBatch, block_len: int, block_top_p, logits_at, stats) -> GraphKey | None:
