@@ -282,6 +282,24 @@ class StatePool:
                 raise PoolFull(f"the state pool's {what} are all in use")
         return ids.take()
 
+    # ---- scratch ---------------------------------------------------------------------------------
+    def take_scratch(self, tokens: int) -> tuple[list[int], int]:
+        """Pages for `tokens` positions and one GDN slot (0 without GDN layers) that no sequence owns:
+        where padded rows of a fixed-shape forward (the step graphs') write. PoolFull if not there."""
+        with self._lock:
+            need = self.pages_for(tokens)
+            if self.available_pages() < need or (self.has_gdn and self.available_slots() < 1):
+                raise PoolFull(f"the state pool has no room for {need} scratch pages and a slot")
+            pages = [self._take(self.page_ids) for _ in range(need)]
+            return pages, (self._take(self.slot_ids) if self.has_gdn else 0)
+
+    def give_back_scratch(self, pages: list[int], slot: int) -> None:
+        with self._lock:
+            for page in pages:
+                self.page_ids.drop(page)
+            if self.has_gdn:
+                self.slot_ids.drop(slot)
+
     # ---- sequences -------------------------------------------------------------------------------
     def new_sequence(self, reserve_tokens: int = 0) -> "SequenceState":
         """A new, empty sequence. `reserve_tokens`: pages (and two GDN slots) set aside so that it can

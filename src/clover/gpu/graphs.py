@@ -185,10 +185,7 @@ class StepGraphs:
         self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()
         self.failed: set[GraphKey] = set()
         self._memory_pool = None
-        # where padding rows write: an ordinary sequence after one forward of MAX_TOKENS (PoolFull if no room)
-        self.scratch = pool.new_sequence(reserve_tokens=MAX_TOKENS)
-        pool.finish(pool.prepare([self.scratch], MAX_TOKENS, 0), [self.scratch])
-        self.scratch_pages, self.scratch_slot = self.scratch.pages, self.scratch.slot
+        self.scratch_pages, self.scratch_slot = pool.take_scratch(MAX_TOKENS)
 
     def nbytes(self) -> int:
         """Bytes of the kept graphs' static inputs and outputs (their logits, mostly)."""
@@ -201,7 +198,8 @@ class StepGraphs:
 
     def close(self) -> None:
         """Give the scratch pages and slot back to the pool and drop the graphs."""
-        self.scratch.release()
+        self.pool.give_back_scratch(self.scratch_pages, self.scratch_slot)
+        self.scratch_pages = []
         self.graphs.clear()
 
     def key_for(self, ids, batch: ForwardBatch, block_len: int, block_top_p, logits_at, stats) -> GraphKey | None:
