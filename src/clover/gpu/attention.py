@@ -15,22 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers.attention import attention_reference
+from ..layers.attention import attention_reference, visible_keys
 from .paged_attention import applies as paged_applies, attend_paged
-
-
-def _visible(idx, T: int, block_len: int) -> torch.Tensor:
-    """Bool [B, 1, T, S]: key j is visible to query i of row b when j < end_b and (j ≤ start_b + i
-    or i is a block query)."""
-    S = idx.key_rows.shape[1]
-    device = idx.key_rows.device
-    key = torch.arange(S, device=device)[None, None, :]                              # [1, 1, S]
-    query = idx.starts[:, None, None] + torch.arange(T, device=device)[None, :, None]  # [B, T, 1]
-    visible = key <= query
-    if block_len:
-        in_block = (torch.arange(T, device=device) >= T - block_len)[None, :, None]
-        visible = visible | in_block
-    return (visible & (key < idx.key_ends[:, None, None]))[:, None]
 
 
 def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
@@ -38,7 +24,8 @@ def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
     keys = kf[idx.key_rows].permute(0, 2, 1, 3)                             # [B, Hkv, S, D]
     values = vf[idx.key_rows].permute(0, 2, 1, 3)
     sees_all = block_len == T or (block_len == 0 and T == 1)
-    mask = None if idx.uniform and sees_all else _visible(idx, T, block_len)
+    mask = None if idx.uniform and sees_all else visible_keys(                   # [B, 1, T, S]: each row's start, end
+        idx.starts[:, None, None], T, block_len, q.device, keys.shape[2], idx.key_ends[:, None, None])[:, None]
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
 

@@ -13,9 +13,6 @@ run on the same tensors.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 import torch.nn.functional as F
 
@@ -27,16 +24,19 @@ from .fla import fla_conv, fla_conv_runs_on, fla_ops, fla_runs_on
 CHUNKED_MIN_TOKENS = 64
 
 
-def delta_rule(q, k, v, g, beta, state, scale: float):
+def delta_rule(q, k, v, g, beta, state, scale: float, chunked: bool | None = None, **varlen):
     """`layers.gated_deltanet.delta_rule_reference`'s contract through fla's kernels where they run on
-    these tensors (chunked for long causal parts, fused recurrent for short ones), else the reference."""
-    chunked = q.shape[1] > CHUNKED_MIN_TOKENS
+    these tensors, else the reference: the chunked kernel when `chunked` (default: a causal part longer
+    than `CHUNKED_MIN_TOKENS`), else the fused recurrent one. `varlen`: fla's packed-sequence
+    arguments (`delta_rule_ragged`)."""
+    if chunked is None:
+        chunked = q.shape[1] > CHUNKED_MIN_TOKENS
     if not fla_runs_on(q.device, chunked):
         return delta_rule_reference(q, k, v, g, beta, state, scale)
     ops = fla_ops()
     run = ops.chunk_gated_delta_rule if chunked else ops.fused_recurrent_gated_delta_rule
     o, final = run(q, k, v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=True,
-                   use_qk_l2norm_in_kernel=True)
+                   use_qk_l2norm_in_kernel=True, **varlen)
     return o.to(state.dtype), final
 
 
@@ -65,25 +65,13 @@ def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int], ca
     final state) — what `delta_rule` gives on the padded rows with g = 0, β = 0 past their ends."""
     B, T = q.shape[:2]
     rows, cols, cu_seqlens, cu_host = ragged_index(lens, q.device, cache)
-    ops = fla_ops()
     chunked = max(lens) > CHUNKED_MIN_TOKENS
-    run = ops.chunk_gated_delta_rule if chunked else ops.fused_recurrent_gated_delta_rule
-    host = {"cu_seqlens_cpu": cu_host} if chunked and _takes_host_seqlens(run) else {}
+    host = {"cu_seqlens_cpu": cu_host} if chunked else {}
     packed = [t[rows, cols][None] for t in (q, k, v, g, beta)]                # [1, Σ lens, …]
-    o, final = run(*packed[:3], g=packed[3], beta=packed[4], scale=scale, initial_state=state,
-                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **host)
+    o, final = delta_rule(*packed, state, scale, chunked, cu_seqlens=cu_seqlens, **host)
     out = o.new_zeros(B, T, *o.shape[2:])
     out[rows, cols] = o[0]
-    return out.to(state.dtype), final
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_host_seqlens(run) -> bool:
-    """Whether fla's kernel takes `cu_seqlens_cpu`, host-side lengths (fla-core 0.6.0's chunked kernel does)."""
-    try:
-        return "cu_seqlens_cpu" in inspect.signature(run).parameters
-    except (TypeError, ValueError):
-        return False
+    return out, final
 
 
 def causal_conv(u, tail, full, weight):

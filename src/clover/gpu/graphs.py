@@ -158,8 +158,10 @@ class _StaticForward:
             self.forward()
         torch.cuda.current_stream(self.flat.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        if self.runner.memory_pool is None:
+            self.runner.memory_pool = torch.cuda.graph_pool_handle()
         # thread-local: the server's other threads may touch CUDA while the engine thread captures
-        with torch.cuda.graph(graph, pool=self.runner.memory_pool(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.runner.memory_pool, capture_error_mode="thread_local"):
             self.outputs = self.forward()
         self.graph = graph
 
@@ -184,17 +186,12 @@ class StepGraphs:
         self.device = next(iter({**pool.k, **pool.conv}.values())).device
         self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()
         self.failed: set[GraphKey] = set()
-        self._memory_pool = None
+        self.memory_pool = None      # one CUDA memory pool for all graphs, made at the first capture
         self.scratch_pages, self.scratch_slot = pool.take_scratch(MAX_TOKENS)
 
     def nbytes(self) -> int:
         """Bytes of the kept graphs' static inputs and outputs (their logits, mostly)."""
         return sum(g.nbytes() for g in self.graphs.values())
-
-    def memory_pool(self):
-        if self._memory_pool is None:
-            self._memory_pool = torch.cuda.graph_pool_handle()
-        return self._memory_pool
 
     def close(self) -> None:
         """Give the scratch pages and slot back to the pool and drop the graphs."""

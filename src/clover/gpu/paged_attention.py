@@ -8,7 +8,7 @@ pool's `[pages, page_size, Hkv, D]` tensor, and a block mask with one block per 
 each row reads: its page table. Pages wholly before a row's first new token are "full" blocks (no
 mask evaluated); the ≤ 3 pages holding its new tokens (32-token pages) are masked per position — key j is visible to
 query i when j < end and (j ≤ start + i, or i is a block query) — through a per-forward map from a
-page to its position in the row's table. The same semantics as `_visible` in gpu/attention.py.
+page to its position in the row's table. The same semantics as `visible_keys` in layers/attention.py.
 
 Where it runs: forwards of at most `MAX_TOKENS` tokens a row (decode, block steps, fused commits,
 verification) on CUDA, through `torch.compile(flex_attention)` (flex's decoding kernel: queries

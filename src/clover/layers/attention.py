@@ -64,7 +64,7 @@ class Attention(nn.Module):
             elif block_len == 0 and start == 0:
                 outs.append(_sdpa(qb, keys, values, None, causal=True))  # a prompt's first chunk
             else:
-                outs.append(_sdpa(qb, keys, values, _visible(start, T, block_len, q.device)[None, None]))
+                outs.append(_sdpa(qb, keys, values, visible_keys(start, T, block_len, q.device)[None, None]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -75,47 +75,34 @@ def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: i
     kf, vf, batch, block_len)` → [B, Hq, T, D] (default: each row alone, `Attention._attend_cached`;
     the "cuda" backend's: all rows at once, gpu/attention.py)."""
     B, T, _ = qg.shape
-    q, k, v, gate = attention_inputs(self, qg, k, v, cos, sin)          # q [B, Hq, T, D], k/v [B, Hkv, T, D]
-    if batch is None:
-        out = attend_uncached(q, k, v, block_len)
+    Hkv, D = self.num_kv_heads, self.head_dim
+    qg = qg.reshape(B, T, self.num_heads, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
+    q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)                     # [B, Hq, T, D]
+    k = apply_rotary(self.k_norm(k.reshape(B, T, Hkv, D)).transpose(1, 2), cos, sin)   # [B, Hkv, T, D]
+    v = v.reshape(B, T, Hkv, D).transpose(1, 2)
+    if batch is None:       # from scratch: causal rows, the last `block_len` rows seeing the whole block
+        out = _sdpa(q, k, v, visible_keys(0, T, block_len, q.device) if block_len else None, causal=not block_len)
     else:
-        Hkv, D = self.num_kv_heads, self.head_dim
         new_rows = batch.index(q.device, T).new_rows
         kf = batch.pool.k[self.layer_index].view(-1, Hkv, D)                # [pages·P, Hkv, D]
         vf = batch.pool.v[self.layer_index].view(-1, Hkv, D)
         kf.index_copy_(0, new_rows, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kf.dtype))
         vf.index_copy_(0, new_rows, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vf.dtype))
         out = (attend_cached or Attention._attend_cached)(self, q, kf, vf, batch, block_len)
-    out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+    out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
     return out * torch.sigmoid(gate)
 
 
-def attention_inputs(self: Attention, qg, k, v, cos, sin):
-    """Projections → q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed, rotated) and the gate [B, T, Hq·D]."""
-    B, T, _ = qg.shape
-    D = self.head_dim
-    qg = qg.reshape(B, T, self.num_heads, 2 * D)
-    q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
-    q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
-    k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
-    v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
-
-
-def attend_uncached(q, k, v, block_len: int):
-    """A forward from scratch: causal rows, the last `block_len` rows seeing the whole block."""
+def visible_keys(start, T: int, block_len: int, device, keys: int | None = None, ends=None) -> torch.Tensor:
+    """Bool [T, keys] (keys default: start + T) for T queries at positions start …: causal rows see the
+    keys up to themselves, the last `block_len` rows (a block) every key. For a batch (gpu/attention.py),
+    `start` and `ends` are [B, 1, 1] tensors, keys at or past a row's end are hidden → [B, T, keys]."""
+    key = torch.arange(start + T if keys is None else keys, device=device)
+    visible = key <= start + torch.arange(T, device=device)[:, None]
     if block_len:
-        return _sdpa(q, k, v, _visible(0, q.shape[2], block_len, q.device))
-    return _sdpa(q, k, v, None, causal=True)
-
-
-def _visible(start: int, T: int, block_len: int, device) -> torch.Tensor:
-    """Bool [T, start + T] for T queries at positions start …: causal rows see the keys up to
-    themselves, the last `block_len` rows (a block) every key."""
-    visible = torch.arange(start + T, device=device)[None, :] <= start + torch.arange(T, device=device)[:, None]
-    if block_len:
-        visible[T - block_len:] = True
-    return visible
+        visible[..., T - block_len:, :] = True
+    return visible if ends is None else visible & (key < ends)
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is

@@ -16,10 +16,8 @@ from torch import Tensor
 from .norms import compute_dtype
 
 
-def validate_block_expert_top_p(top_p: float | Tensor | None) -> None:
-    """Raise ``ValueError`` unless every p lies in (0, 1] (SPEC §6; ``None`` means off)."""
-    if top_p is None:
-        return
+def validate_block_expert_top_p(top_p: float | Tensor) -> None:
+    """Raise ``ValueError`` unless every p lies in (0, 1] (SPEC §6)."""
     p = torch.as_tensor(top_p, dtype=torch.float64)
     bad = ~((p > 0) & (p <= 1))  # NaN fails both comparisons ⇒ bad
     if bool(bad.any()):

@@ -69,14 +69,6 @@ class GatedDeltaNet(nn.Module):
 
     input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
-    # ---- pieces --------------------------------------------------------------------------------
-    def _right_conv(self, u_block: torch.Tensor) -> torch.Tensor:
-        """u_block [B, C, L] → Σ_j W_right[:, j−1]·u_{t+j}, zero past the block's end. [B, C, L]"""
-        Kr = self.conv1d_right.weight.shape[-1]
-        shifted = F.pad(u_block[:, :, 1:], (0, Kr))
-        return depthwise_conv(shifted, self.conv1d_right.weight)[:, :, : u_block.shape[2]]
-
-    # ---- forward -------------------------------------------------------------------------------
     layer_index = 0   # this layer's place in the model (the state pool keys its slots by it)
 
     def forward(self, x, batch=None, block_len: int = 0, backend=None):
@@ -139,8 +131,9 @@ def gdn_mix(mixer: GatedDeltaNet, u, z, b, a, batch, block_len: int, conv, delta
     full = torch.cat([tail, ut], dim=2)
     left = conv(u, tail, full, mixer.conv1d.weight)                      # [B, C, T]
     P = T - block_len
-    if block_len:
-        right = mixer._right_conv(ut[:, :, P:])
+    if block_len:           # the right conv in the block: Σ_j W_right[:, j−1]·u_{t+j}, zero past its end
+        w_right = mixer.conv1d_right.weight
+        right = depthwise_conv(F.pad(ut[:, :, P + 1:], (0, w_right.shape[-1])), w_right)[:, :, :block_len]
         left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
     x = F.silu(left).transpose(1, 2)                                      # [B, T, C]
     q, k, v = torch.split(x, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)

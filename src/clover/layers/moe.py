@@ -19,14 +19,13 @@ from .packed import project
 
 
 class SwiGLU(nn.Module):
+    """The shared expert's maps; `SparseMoE.forward` applies them (gate and up stacked with the router)."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -62,10 +61,6 @@ class Experts(nn.Module):
             refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
-    def _expert(self, x, expert: int):
-        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[expert])
-
     def forward(self, x, indices, weights, grouped=None):
         """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. `grouped`: what runs the
         slots once sorted by expert, as `self.grouped` takes them (the default; gpu/experts.py: grouped GEMMs)."""
@@ -91,7 +86,8 @@ class Experts(nn.Module):
             start = 0
             for e, count in enumerate(counts.tolist()):
                 if count:
-                    ys[start:start + count] = self._expert(x[token[start:start + count]], e)
+                    gate, up = F.linear(x[token[start:start + count]], self.gate_up_proj[e]).chunk(2, dim=-1)
+                    ys[start:start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])
                     start += count
             ys = ys * weight[:, None]
         return torch.zeros_like(x).index_add_(0, token, ys)

@@ -26,19 +26,9 @@ from ..quantization.modules import QuantizedLinear
 from ..runtime import release_free_memory
 
 
-def _pack_quantized(linears: list, consume: bool = False):
-    """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels.
-    `consume`: a lone map's stored codes may be handed back as they are packed (a model only the caller
-    holds); maps stacked from several are always consumed, the stack being this function's own copy."""
-
-    def stacked(name):
-        if getattr(linears[0], name) is None:
-            return None
-        return getattr(linears[0], name) if len(linears) == 1 else torch.cat([getattr(m, name) for m in linears])
-
-    return QuantPanelWeight(stacked("qweight"), stacked("scales"), stacked("mins"), linears[0].bits,
-                            super_scales=stacked("super_scales"), super_mins=stacked("super_mins"),
-                            consume=consume or len(linears) > 1)
+def _stacked(tensors: list):
+    """Tensors of maps of one input stacked along their outputs; a lone map's as it is (not copied)."""
+    return tensors[0] if len(tensors) == 1 or tensors[0] is None else torch.cat(tensors)
 
 
 def _kind(module):
@@ -83,17 +73,6 @@ def pack_experts(experts, consume: bool = False) -> None:
     register_packed(experts, "down", down)
 
 
-class PackedWeights(nn.Module):
-    """A module whose weights a transform repacked for the CPU kernels. The packed tensors are its
-    registered buffers (`state_dict()` lists them, `load_state_dict()` refills them in place, so the
-    kernels read the new values); moving or casting them would break the layout the kernels read, so
-    `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
-
-    def _apply(self, fn, recurse=True):
-        refuse_moving(self, fn)
-        return super()._apply(fn, recurse)
-
-
 def register_packed(module: nn.Module, name: str, packed) -> None:
     """Keep the tensors behind a packed weight (panels or quantized panels) as `module`'s buffers
     `name_panels` (quantized: `name_qdata`, `name_qscales`, `name_qmins`…)."""
@@ -101,12 +80,17 @@ def register_packed(module: nn.Module, name: str, packed) -> None:
         module.register_buffer(f"{name}_{key}", tensor)
 
 
-class FusedProjection(PackedWeights):
+class FusedProjection(nn.Module):
     """Several linear maps of the same input stacked into one packed matrix. Decode multiplies one
     row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
     stacked rows reads the same bytes once and returns the pieces as views. Maps of different
     precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
-    each. `consume`: as `_pack_quantized`'s."""
+    each. `consume`: a lone quantized map's stored codes may be handed back as they are packed (a model
+    only the caller holds).
+
+    The packed tensors are registered buffers (`state_dict()` lists them, `load_state_dict()` refills
+    them in place, so the kernels read the new values); moving or casting them would break the layout
+    the kernels read, so `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
 
     def __init__(self, linears: list, consume: bool = False):
         super().__init__()
@@ -118,11 +102,12 @@ class FusedProjection(PackedWeights):
             while end < len(linears) and _kind(linears[end]) == _kind(linears[start]):
                 end += 1
             run = linears[start:end]
-            if isinstance(run[0], QuantizedLinear):
-                packed = _pack_quantized(run, consume)
+            if isinstance(run[0], QuantizedLinear):     # a stack of several is a copy: always consumed
+                stored = {key: _stacked([getattr(m, key) for m in run])
+                          for key in ("qweight", *QuantPanelWeight.SCALES)}
+                packed = QuantPanelWeight(**stored, bits=run[0].bits, consume=consume or len(run) > 1)
             else:           # a lone map's weight is packed as it is (the vocabulary projection is not copied)
-                weights = [m.weight.detach() for m in run]
-                packed = PanelWeight(weights[0] if len(run) == 1 else torch.cat(weights))
+                packed = PanelWeight(_stacked([m.weight.detach() for m in run]))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
@@ -137,6 +122,10 @@ class FusedProjection(PackedWeights):
     def forward(self, x):
         return [piece for packed, bias, sizes in self.parts for piece in packed_linear(x, packed, bias).split(sizes, -1)]
 
+    def _apply(self, fn, recurse=True):
+        refuse_moving(self, fn)
+        return super()._apply(fn, recurse)
+
 
 class PackedLinear(FusedProjection):
     """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
@@ -149,13 +138,6 @@ class PackedLinear(FusedProjection):
 
     def forward(self, x):
         return packed_linear(x, self.packed, self.bias)
-
-
-def packed_form(linear: nn.Module, consume: bool = False) -> nn.Module:
-    """What a map becomes when packed: its own `packed_form(consume)` where its class defines one (a
-    tensor-parallel row-parallel map keeps its all-reduce: distributed/layers.py), else a PackedLinear."""
-    own = getattr(linear, "packed_form", None)
-    return own(consume) if own is not None else PackedLinear(linear, consume)
 
 
 def pack_for_cpu(model, consume: bool = False) -> int:
@@ -210,14 +192,15 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
             count += 2 * child.num_experts
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
-        else:
-            setattr(parent, name, packed_form(child, consume))
+        else:       # a map with a `packed_form` of its own packs as that (a row-parallel map keeps its all-reduce)
+            packed = child.packed_form(consume) if hasattr(child, "packed_form") else PackedLinear(child, consume)
+            setattr(parent, name, packed)
             count += 1
             del child       # the replaced weight is freed here, before the next matrix is packed
     return count
 
 
-def _fuse_input_projections(model, inside=lambda name: True) -> int:
+def _fuse_input_projections(model, inside) -> int:
     """Give each module (whose name passes `inside`) that declares `input_projections` (names of linear
     maps that all read the module's input) one `FusedProjection` in `fused_input`, dropping the
     separate matrices."""
