@@ -1,13 +1,9 @@
-"""Gated attention (`attention`): the reference (layers/attention.py) with all rows attending at once.
+"""The "cuda" backend's `attention`: the reference (layers/attention.py) with all rows attending at once.
 
-Once the reference has written every row's new K/V into its pages, short forwards on CUDA (decode,
-block steps, commits) attend over the pages in place (gpu/paged_attention.py).
-Otherwise — prefill chunks, or where the paged path does not run — the keys 0 … S−1 of each row (S: the
-longest row's end) are gathered from the pages with one index for one SDPA call over all rows. No
-mask when every query sees every key of its row — a decode step or a block step of rows with equal
-lengths (a block sees its whole prefix and the whole block): the flash kernels. Otherwise a boolean
-mask `[B, 1, T, S]` ("prefix plus whole block" for a commit's block rows, causal for its committed
-rows, each row's own end), built once per forward from the batch's index.
+Short forwards on CUDA attend over the pages in place (gpu/paged_attention.py). Otherwise (prefill
+chunks, or where the paged path does not run) each row's keys 0 … S−1 (S: the longest row's end) are
+gathered with one index for one SDPA call: unmasked when every query sees every key of its row (decode,
+block steps of equal-length rows: the flash kernels), else under `visible_keys`' mask.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
 
 
 def _attend_pool(attn, q, kf, vf, batch, block_len: int) -> torch.Tensor:
-    """All rows at once over the pool (this forward's K/V written): in place where the paged path
-    runs, else over keys gathered from the pages."""
+    """All rows at once over the pool (this forward's K/V written) → [B, Hq, T, D]: in place where the
+    paged path runs, else over keys gathered from the pages."""
     T = q.shape[2]
     idx = batch.index(q.device, T)
     out = None

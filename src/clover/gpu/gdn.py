@@ -1,14 +1,10 @@
-"""The GDN mixer's two replaceable parts (see `layers.gated_deltanet.gdn_mix`) through fla-core on a GPU.
+"""The GDN mixer's two replaceable parts (`layers.gated_deltanet.gdn_mix`) through fla-core on a GPU.
 
-fla's layouts are the mixer's: q, k `[B, T, Hk, dk]` (GVA: value head h reads key head h // (Hv / Hk)),
-v `[B, T, Hv, dv]`, g and β `[B, T, Hv]`, states `[N, Hv, dk, dv]` in fp32 — the pool's recurrent
-slots' layout, so a batch's states are one gather of slots. q and k go in un-normalised with
-`use_qk_l2norm_in_kernel=True` (the kernel normalises in fp32 with Clover's ε). The causal conv is
-fla's `causal_conv1d` from each row's cached tail; the delta rule `chunk_gated_delta_rule` for causal
-parts longer than `CHUNKED_MIN_TOKENS`, `fused_recurrent_gated_delta_rule` for short ones and blocks;
-right-padded prefill rows run as fla's variable-length packed sequences (`cu_seqlens`: no work on
-padding). Where fla cannot run (no `clover[gpu]`, a device it does not support) the reference's parts
-run on the same tensors.
+fla's layouts are the mixer's (states `[N, Hv, dk, dv]` fp32, the pool's slots), and q, k go in
+un-normalised (`use_qk_l2norm_in_kernel`: normalised in fp32 with Clover's ε). The conv is fla's
+`causal_conv1d`; the delta rule fla's chunked kernel for causal parts longer than `CHUNKED_MIN_TOKENS`,
+its fused recurrent one otherwise; right-padded prefill rows run as packed variable-length sequences.
+Where fla cannot run (no `clover[gpu]`, an unsupported device) the reference's parts run instead.
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ CHUNKED_MIN_TOKENS = 64
 
 
 def delta_rule(q, k, v, g, beta, state, scale: float, chunked: bool | None = None, **varlen):
-    """`layers.gated_deltanet.delta_rule_reference`'s contract through fla's kernels where they run on
-    these tensors, else the reference: the chunked kernel when `chunked` (default: a causal part longer
-    than `CHUNKED_MIN_TOKENS`), else the fused recurrent one. `varlen`: fla's packed-sequence
-    arguments (`delta_rule_ragged`)."""
+    """`delta_rule_reference`'s contract through fla's kernels where they run, else the reference: the
+    chunked kernel when `chunked` (default: more than `CHUNKED_MIN_TOKENS` tokens), else the fused
+    recurrent one. `varlen`: fla's packed-sequence arguments (`delta_rule_ragged`)."""
     if chunked is None:
         chunked = q.shape[1] > CHUNKED_MIN_TOKENS
     if not fla_runs_on(q.device, chunked):
@@ -42,10 +37,9 @@ def delta_rule(q, k, v, g, beta, state, scale: float, chunked: bool | None = Non
 
 def ragged_index(lens: list[int], device, cache: dict | None = None):
     """(rows, cols, cu_seqlens on `device`, cu_seqlens on the host) of right-padded rows' real tokens,
-    made once per forward (`cache`: the forward's `BatchIndex.derived`). fla caches what it derives
-    from `cu_seqlens` by the tensor's identity, so every GDN layer of a forward must pass the same
-    objects; and its chunked kernel reads the host copy instead of reading the device tensor back
-    (without it: one host synchronisation per layer)."""
+    made once per forward (`cache`: the forward's `BatchIndex.derived`). fla caches what it derives from
+    `cu_seqlens` by the tensor's identity, so every GDN layer must pass the same objects; the host copy
+    spares its chunked kernel a host synchronisation per layer."""
     key = ("ragged", tuple(lens))
     if cache is not None and key in cache:
         return cache[key]
@@ -59,10 +53,9 @@ def ragged_index(lens: list[int], device, cache: dict | None = None):
 
 
 def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int], cache: dict | None = None):
-    """`delta_rule` over right-padded rows (row b's first lens[b] of T tokens are real) with fla's
-    variable-length form: the real tokens packed into one sequence of Σ lens with `cu_seqlens`, so no
-    work goes to padding. Returns (o [B, T, Hv, dv] with zeros past each row's length, each row's
-    final state) — what `delta_rule` gives on the padded rows with g = 0, β = 0 past their ends."""
+    """`delta_rule` over right-padded rows (row b's first lens[b] of T tokens are real), packed into one
+    variable-length sequence so no work goes to padding → (o [B, T, Hv, dv], zero past each row's length;
+    final states): what `delta_rule` gives with g = 0, β = 0 past the rows' ends. Only where fla runs."""
     B, T = q.shape[:2]
     rows, cols, cu_seqlens, cu_host = ragged_index(lens, q.device, cache)
     chunked = max(lens) > CHUNKED_MIN_TOKENS
@@ -75,10 +68,9 @@ def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int], ca
 
 
 def causal_conv(u, tail, full, weight):
-    """The GDN's left (causal) depthwise conv of u [B, T, C] after each row's cached tail [B, C, K−1]
-    (`full` = the two joined, [B, C, K−1+T]) → [B, C, T]: fla's `causal_conv1d` where it runs (its
-    state holds K columns and reads the last K−1, so the tail goes in behind one zero column), else
-    Clover's depthwise conv."""
+    """The causal depthwise conv of u [B, T, C] after each row's cached tail [B, C, K−1] (`full`: the
+    two joined) → [B, C, T]: fla's `causal_conv1d` where it runs (its state holds K columns and reads
+    the last K−1, so the tail goes in behind a zero column), else `depthwise_conv`."""
     if not fla_conv_runs_on(u.device):
         return depthwise_conv(full, weight)
     state = F.pad(tail, (1, 0)).contiguous()                              # [B, C, K]
@@ -88,7 +80,7 @@ def causal_conv(u, tail, full, weight):
 
 def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     """`gdn_core` on this backend: `gdn_mix` with fla's conv and delta rule; right-padded prefill rows
-    as fla's packed variable-length sequences where fla runs (no work on padding)."""
+    as fla's packed variable-length sequences where fla runs."""
     ragged = (batch is not None and batch.padded
               and fla_runs_on(u.device, chunked=max(batch.commits) > CHUNKED_MIN_TOKENS))
     return gdn_mix(mixer, u, z, b, a, batch, block_len, conv=causal_conv, delta_rule=delta_rule,

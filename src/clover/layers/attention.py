@@ -1,9 +1,8 @@
-"""Gated full attention (SPEC §2) with a K/V cache, in causal mode and in block mode (SPEC §4).
+"""Gated full attention (SPEC §2) over the pool's K/V pages, in causal and block mode (SPEC §4): the
+module and the reference `attention` op (backend.py).
 
-Causal: each new query sees the cached prefix and the new tokens up to itself.
-Block: each block query sees the cached prefix and the whole block; nothing is committed (the block's
-K/V are written as scratch past the sequence's length, so the prefix is never copied). Cached K/V live
-in the model's state pool (cache.py), in pages.
+Causal queries see the cached prefix and the new tokens up to themselves; block queries see the prefix
+and the whole block. A block commits nothing: its K/V go to scratch rows past the sequence's length.
 """
 
 from __future__ import annotations
@@ -38,20 +37,17 @@ class Attention(nn.Module):
     layer_index = 0   # this layer's place in the model (the state pool keys its K/V by it)
 
     def forward(self, x, cos, sin, batch=None, block_len: int = 0, backend=None):
-        """x [B, T, H]; batch: the `ForwardBatch` of a cached forward (cache.py), or None (from scratch).
-
-        x is `[causal part | block]`: causal rows see keys up to themselves, the last `block_len` rows
-        see every key. With a batch the keys also include each row's cached prefix, and every token's
-        K/V is written into the row's pages (the block's as scratch past the row's length).
-        `backend`: whose `attention` op runs (default: the reference)."""
+        """x [B, T, H] is `[causal part | block]`, the block its last `block_len` tokens → [B, T, H].
+        `batch`: a cached forward's `ForwardBatch` (cache.py: each row also sees its cached prefix, and
+        its new K/V are written to its pages), None from scratch. `backend`: whose `attention` op runs
+        (default: the reference)."""
         qg, k, v = project(self, x)
         attend = backend.attention if backend is not None else attention_reference
         return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))
 
     def _attend_cached(self, q, kf, vf, batch, block_len):
-        """Each row on its own over its positions 0 … start+T−1 read from its pages (`kf`, `vf`: the
-        layer's flat K/V rows, this forward's written; a view when the row's pages are consecutive, else
-        gathered; never a padded batch)."""
+        """Each row alone over its keys 0 … start+T−1 read from its pages (`kf`, `vf`: the layer's flat
+        K/V rows, this forward's already written) → [B, Hq, T, D]. Never gets a padded batch."""
         T = q.shape[2]
         outs = []
         for b in range(q.shape[0]):
@@ -69,11 +65,10 @@ class Attention(nn.Module):
 
 
 def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: int, attend_cached=None):
-    """Between the projections and `o_proj`: q/k norms, rotary, scaled-dot-product attention (causal
-    rows, block rows seeing the whole block), the sigmoid output gate. A cached forward first writes
-    every row's new K/V into its pages (one `index_copy_`), then attends through `attend_cached(attn, q,
-    kf, vf, batch, block_len)` → [B, Hq, T, D] (default: each row alone, `Attention._attend_cached`;
-    the "cuda" backend's: all rows at once, gpu/attention.py)."""
+    """The op between the projections and `o_proj` → [B, T, Hq·D]: q/k norms, rotary, attention, the
+    sigmoid output gate. A cached forward writes every row's new K/V into its pages, then attends through
+    `attend_cached(attn, q, kf, vf, batch, block_len)` → [B, Hq, T, D] (default: row by row,
+    `Attention._attend_cached`; gpu/attention.py: all rows at once)."""
     B, T, _ = qg.shape
     Hkv, D = self.num_kv_heads, self.head_dim
     qg = qg.reshape(B, T, self.num_heads, 2 * D)
@@ -95,9 +90,10 @@ def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: i
 
 
 def visible_keys(start, T: int, block_len: int, device, keys: int | None = None, ends=None) -> torch.Tensor:
-    """Bool [T, keys] (keys default: start + T) for T queries at positions start …: causal rows see the
-    keys up to themselves, the last `block_len` rows (a block) every key. For a batch (gpu/attention.py),
-    `start` and `ends` are [B, 1, 1] tensors, keys at or past a row's end are hidden → [B, T, keys]."""
+    """Bool [T, keys] (default keys: start + T) for T queries at positions start …: causal rows see the
+    keys up to themselves, the last `block_len` rows (a block) every key. For a batch, `start` and `ends`
+    are [B, 1, 1] tensors (keys from a row's end on hidden) → [B, T, keys]. Paged attention's mask
+    (gpu/paged_attention.py) states the same rule per position."""
     key = torch.arange(start + T if keys is None else keys, device=device)
     visible = key <= start + torch.arange(T, device=device)[:, None]
     if block_len:
@@ -106,16 +102,14 @@ def visible_keys(start, T: int, block_len: int, device, keys: int | None = None,
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is
-# faster on fp32 inputs (measured, 16 heads of 256, 2 threads: 1024 queries × 4096 keys 267 vs 510 ms,
-# 512 × 512 26 vs 32 ms; 32 × 544 even; a single query is 4× slower in fp32, so decode stays bf16).
+# faster on fp32 inputs there, slower for a single query, so decode stays bf16 (docs/performance.md).
 FP32_ATTENTION_MIN_QUERIES = 32
 
 
 def _sdpa(q, keys, values, mask, causal: bool = False):
-    """`causal` (mask None, as many keys as queries): query i sees keys 0..i. Same result as the
-    lower-triangular mask, but PyTorch's flash attention then skips the key blocks above the diagonal
-    instead of computing and masking them (CPU, 16 heads of 256, fp32 inputs: 512 queries 24.3 →
-    20.9 ms, 1024 queries 77.5 → 62.1 ms, bit-identical) and no [T, T] mask is built."""
+    """SDPA with grouped K/V heads. `causal` (mask None, as many keys as queries) is bit-identical to the
+    lower-triangular mask, but flash attention then skips the blocks above the diagonal and no [T, T]
+    mask is built."""
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[2] >= FP32_ATTENTION_MIN_QUERIES:
         out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                              is_causal=causal, enable_gqa=True)

@@ -1,16 +1,11 @@
-"""Packed weights for CPU inference: a transform applied to a built model.
+"""Packed weights for CPU inference: a transform on a built model (`pack_for_cpu`, `pack_part`).
 
-`pack_for_cpu(model)` swaps every bf16 `nn.Linear`, every quantized map and each layer's routed experts
-for copies in the layout Clover's native kernels read (`clover.kernels`: bf16 matrices in 32-column
-panels, products in fp32 FMAs; quantized codes in the integer-dot kernels' panels) and frees the
-originals, so memory does not grow. First it stacks the maps that read the same input (a module lists
-them in `input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared
-expert's gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call
-where it made four. The model also gets the "cpu" backend (clover/backend.py): the GDN mixer, cached
-attention, the MoE block and the residual add + norm run the native kernels where a call qualifies.
-Where the kernels cannot be built, nothing is packed and the model stays on the reference path. The
-unpacked model is the reference (tests compare the two). Inference only: packed weights carry no
-gradients, and `save_checkpoint` refuses a packed model.
+Every bf16 `nn.Linear`, quantized map and routed-expert stack becomes a copy in the native kernels'
+panels (`clover.kernels`), the original freed as it goes, so memory does not grow; the maps a module
+lists in `input_projections` (they read one input) are first stacked into one `FusedProjection`. The
+model then gets the "cpu" backend. Where the kernels cannot be built nothing is packed. The unpacked
+model is the reference (tests compare the two). Inference only: packed weights carry no gradients,
+and `save_checkpoint` refuses a packed model.
 """
 
 from __future__ import annotations
@@ -32,7 +27,8 @@ def _stacked(tensors: list):
 
 
 def _kind(module):
-    """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form."""
+    """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form
+    (None: neither)."""
     if isinstance(module, QuantizedLinear):
         return ("quantized", module.bits, module.group_size, module.super_group, module.mins is not None)
     weight = getattr(module, "weight", None)
@@ -48,9 +44,9 @@ def project(module: nn.Module, x: torch.Tensor) -> list:
 
 
 def pack_experts(experts, consume: bool = False) -> None:
-    """Replace an `Experts` module's matrices by stacked panels for the native kernels (`experts.panels`,
-    their tensors registered as its buffers). `consume`: quantized stacks hand their stored pages back
-    as they are packed (nothing else may read them)."""
+    """Replace an `Experts` module's matrices by panels (`experts.panels`, registered as its buffers).
+    `consume`: quantized stacks hand their stored pages back as they are packed (nothing else may read
+    them)."""
     if experts.quantized:
         gu, dn = experts.gate_up_proj, experts.down_proj
         experts.gate_up_proj = experts.down_proj = None
@@ -69,7 +65,7 @@ def pack_experts(experts, consume: bool = False) -> None:
         down = PanelWeight(down)
         experts.down_proj = None
     experts.panels = (gate_up, down)
-    register_packed(experts, "gate_up", gate_up)           # registered state (see PackedWeights)
+    register_packed(experts, "gate_up", gate_up)           # registered state (see FusedProjection)
     register_packed(experts, "down", down)
 
 
@@ -81,16 +77,13 @@ def register_packed(module: nn.Module, name: str, packed) -> None:
 
 
 class FusedProjection(nn.Module):
-    """Several linear maps of the same input stacked into one packed matrix. Decode multiplies one
-    row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
-    stacked rows reads the same bytes once and returns the pieces as views. Maps of different
-    precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
-    each. `consume`: a lone quantized map's stored codes may be handed back as they are packed (a model
-    only the caller holds).
+    """Linear maps of one input stacked into one packed matrix: one kernel call (one dispatch, one
+    thread barrier) returns every map's output as views. Maps of different precisions (a quantized
+    shared expert beside the bf16 router) form consecutive parts. `consume`: a lone quantized map's
+    stored codes may be handed back as they are packed.
 
-    The packed tensors are registered buffers (`state_dict()` lists them, `load_state_dict()` refills
-    them in place, so the kernels read the new values); moving or casting them would break the layout
-    the kernels read, so `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
+    The packed tensors are registered buffers (`load_state_dict()` refills them in place); moving or
+    casting them would break the kernels' layout, so `.to()`, `.cuda()`, `.half()`… raise."""
 
     def __init__(self, linears: list, consume: bool = False):
         super().__init__()
@@ -128,8 +121,7 @@ class FusedProjection(nn.Module):
 
 
 class PackedLinear(FusedProjection):
-    """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
-    panels): the projection of one map, returning its output whole."""
+    """One `nn.Linear` or `QuantizedLinear` in packed panels, returning its output whole."""
 
     def __init__(self, linear: nn.Module, consume: bool = False):
         super().__init__([linear], consume)
@@ -141,13 +133,10 @@ class PackedLinear(FusedProjection):
 
 
 def pack_for_cpu(model, consume: bool = False) -> int:
-    """Pack the CPU weights of a bf16 `model` in place for the native kernels and give it the "cpu"
-    backend; returns how many matrices were packed. A no-op (returns 0) for other dtypes/devices or
-    where the kernels cannot be built (`clover.kernels.available()`). Tied output embeddings stay
-    unpacked (the embedding table still needs the plain tensor). Matrices already packed (`pack_part`
-    during a load) are left as they are. `consume=True` (a model nothing else references:
-    clover.load's) lets packing hand the stored quantized codes back to the OS slab by slab, lowering
-    the peak (`pack_part`)."""
+    """Pack a bf16 CPU `model` in place and give it the "cpu" backend → how many matrices were packed
+    (0, a no-op, for other dtypes and devices or where the kernels cannot be built). A tied output
+    embedding stays unpacked (the table needs the plain tensor); matrices already packed stay as they
+    are. `consume`: as `pack_part`'s, only for a model nothing else references (clover.load's)."""
     if not packs(model):
         return 0
     count = pack_part(model, "", consume)
@@ -164,12 +153,10 @@ def packs(model) -> bool:
 
 
 def pack_part(model, prefix: str, consume: bool = False) -> int:
-    """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
-    part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
-    the stored forms of the whole model never sit beside the packed ones). `consume`: quantized expert
-    stacks (`pack_experts`) and large quantized matrices (the vocabulary projection) are consumed slab by
-    slab as they are packed, so not even one layer's stored experts sit whole beside their packed
-    copy — only for a model nothing else references."""
+    """Pack the matrices of submodule `prefix` of `model` ("" for all of it) → how many: `pack_for_cpu`
+    a part at a time, so a loader can pack each layer as it is filled. `consume`: quantized expert stacks
+    and large quantized matrices are consumed slab by slab as they are packed, so not even one layer's
+    stored experts sit whole beside their packed copy (a model nothing else references)."""
     def inside(name: str) -> bool:
         return not prefix or name == prefix or name.startswith(prefix + ".")
 
@@ -201,9 +188,8 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
 
 
 def _fuse_input_projections(model, inside) -> int:
-    """Give each module (whose name passes `inside`) that declares `input_projections` (names of linear
-    maps that all read the module's input) one `FusedProjection` in `fused_input`, dropping the
-    separate matrices."""
+    """Stack the `input_projections` of each module whose name passes `inside` into its `fused_input`,
+    dropping the separate maps → how many were stacked."""
     count = 0
     # Only the owning modules are listed: a list of all modules would keep every replaced linear (and
     # its weight) alive until the loop ends.
