@@ -88,12 +88,6 @@ def _block_mask(idx, pages: int, rows: int, q_len: int, block_len: int):
                                     seq_lengths=(q_len, pages * P), compute_q_blocks=False)
 
 
-def _compiled():
-    if _state["compiled"] is None:
-        _state["compiled"] = torch.compile(flex_attention, dynamic=False)
-    return _state["compiled"]
-
-
 def _tail_rows(idx):
     """([B·(P−1)] flat pool rows, [B·(P−1)] bool): the rows of each row's last page past its end
     (False: a filler entry, the row's own last key, for rows ending on a page boundary)."""
@@ -151,7 +145,9 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, id
         return None
     try:
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES + 8, fail_on_recompile_limit_hit=True):
-            out = _compiled()(q, keys, values, block_mask=mask, enable_gqa=True)
+            if _state["compiled"] is None:
+                _state["compiled"] = torch.compile(flex_attention, dynamic=False)
+            out = _state["compiled"](q, keys, values, block_mask=mask, enable_gqa=True)
     except Exception as exc:                                     # compiling failed: gathered attention from now on
         _state["broken"] = f"{type(exc).__name__}: {exc}"
         log.warning("paged attention (FlexAttention) failed, gathering keys instead: %s", _state["broken"][:500])
