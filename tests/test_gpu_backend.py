@@ -391,7 +391,6 @@ def test_a_ragged_prefill_hands_fla_one_set_of_lengths_per_forward(monkeypatch):
         calls.append((cu_seqlens, cu_seqlens_cpu))
         return v.new_zeros(v.shape), initial_state.clone()
 
-    gdn._takes_host_seqlens.cache_clear()
     monkeypatch.setattr(gdn, "fla_ops", lambda: SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule))
     monkeypatch.setattr(gdn, "fla_runs_on", lambda device, chunked=False: True)
     monkeypatch.setattr(gdn, "fla_conv_runs_on", lambda device: False)
@@ -401,7 +400,6 @@ def test_a_ragged_prefill_hands_fla_one_set_of_lengths_per_forward(monkeypatch):
     with torch.inference_mode():
         caches = [model.make_cache() for _ in range(2)]
         model.prefill_batch([[3 + i % 80 for i in range(70)], [5 + i % 80 for i in range(100)]], caches)
-    gdn._takes_host_seqlens.cache_clear()
     assert len(calls) == gdn_layers >= 2
     assert len({id(c) for c, _ in calls}) == 1 and len({id(h) for _, h in calls}) == 1
     cu, host = calls[0]

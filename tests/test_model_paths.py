@@ -349,7 +349,9 @@ def _per_slot_experts(experts, x, indices, weights):
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):
         for j in range(indices.shape[1]):
-            out[n] += weights[n, j].to(x.dtype) * experts._expert(x[n], int(indices[n, j]))
+            e = int(indices[n, j])
+            gate, up = F.linear(x[n], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out[n] += weights[n, j].to(x.dtype) * F.linear(F.silu(gate) * up, experts.down_proj[e])
     return out
 
 

@@ -1,13 +1,9 @@
-"""Gated attention (`attention`): the reference (layers/attention.py) with all rows attending at once.
+"""The "cuda" backend's `attention`: the reference (layers/attention.py) with all rows attending at once.
 
-Once the reference has written every row's new K/V into its pages, short forwards on CUDA (decode,
-block steps, commits) attend over the pages in place (gpu/paged_attention.py).
-Otherwise — prefill chunks, or where the paged path does not run — the keys 0 … S−1 of each row (S: the
-longest row's end) are gathered from the pages with one index for one SDPA call over all rows. No
-mask when every query sees every key of its row — a decode step or a block step of rows with equal
-lengths (a block sees its whole prefix and the whole block): the flash kernels. Otherwise a boolean
-mask `[B, 1, T, S]` ("prefix plus whole block" for a commit's block rows, causal for its committed
-rows, each row's own end), built once per forward from the batch's index.
+Short forwards on CUDA attend over the pages in place (gpu/paged_attention.py). Otherwise (prefill
+chunks, or where the paged path does not run) each row's keys 0 … S−1 (S: the longest row's end) are
+gathered with one index for one SDPA call: unmasked when every query sees every key of its row (decode,
+block steps of equal-length rows: the flash kernels), else under `visible_keys`' mask.
 """
 
 from __future__ import annotations
@@ -15,22 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers.attention import attention_reference
+from ..layers.attention import attention_reference, visible_keys
 from .paged_attention import applies as paged_applies, attend_paged
-
-
-def _visible(idx, T: int, block_len: int) -> torch.Tensor:
-    """Bool [B, 1, T, S]: key j is visible to query i of row b when j < end_b and (j ≤ start_b + i
-    or i is a block query)."""
-    S = idx.key_rows.shape[1]
-    device = idx.key_rows.device
-    key = torch.arange(S, device=device)[None, None, :]                              # [1, 1, S]
-    query = idx.starts[:, None, None] + torch.arange(T, device=device)[None, :, None]  # [B, T, 1]
-    visible = key <= query
-    if block_len:
-        in_block = (torch.arange(T, device=device) >= T - block_len)[None, :, None]
-        visible = visible | in_block
-    return (visible & (key < idx.key_ends[:, None, None]))[:, None]
 
 
 def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
@@ -38,13 +20,14 @@ def _attend_gathered(q, kf, vf, idx, T: int, block_len: int) -> torch.Tensor:
     keys = kf[idx.key_rows].permute(0, 2, 1, 3)                             # [B, Hkv, S, D]
     values = vf[idx.key_rows].permute(0, 2, 1, 3)
     sees_all = block_len == T or (block_len == 0 and T == 1)
-    mask = None if idx.uniform and sees_all else _visible(idx, T, block_len)
+    mask = None if idx.uniform and sees_all else visible_keys(                   # [B, 1, T, S]: each row's start, end
+        idx.starts[:, None, None], T, block_len, q.device, keys.shape[2], idx.key_ends[:, None, None])[:, None]
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
 
 def _attend_pool(attn, q, kf, vf, batch, block_len: int) -> torch.Tensor:
-    """All rows at once over the pool (this forward's K/V written): in place where the paged path
-    runs, else over keys gathered from the pages."""
+    """All rows at once over the pool (this forward's K/V written) → [B, Hq, T, D]: in place where the
+    paged path runs, else over keys gathered from the pages."""
     T = q.shape[2]
     idx = batch.index(q.device, T)
     out = None

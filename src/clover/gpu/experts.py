@@ -1,24 +1,11 @@
-"""Routed experts as two grouped GEMMs over all experts (`torch.nn.functional.grouped_mm`).
+"""The "cuda" backend's routed experts: two grouped GEMMs over all experts (`grouped_mm`), no host read.
 
-Token-slots are sorted by expert (a stable sort: each expert's rows in token order, as the grouped
-reference does); `offs` — the cumulative row counts of all E experts, empty ones included — tells the
-grouped GEMM where each expert's rows end, so nothing is read back to the host and no Python loop
-runs over experts; each token's k products are then summed in a fixed order (deterministic on a GPU).
-Where the installed torch has no `grouped_mm`, or for other dtypes than bf16, the experts run one by
-one (`Experts.forward`, one host sync for the counts).
-
-Quantized experts (a `clover quantize`d checkpoint or a GGUF file: quantization/modules.py) are
-dequantized on the device at each call, with no host read either way; which way is cheaper follows
-from the slot count S = N·k:
-  - S < E (decode, small batches): each slot's own expert is dequantized (gathered by index, so an
-    expert two tokens share is dequantized twice) and the slots run as batched matrix-vector products;
-  - S ≥ E (block steps, prefill): every expert is dequantized once and the grouped GEMMs run as for
-    float experts (per expert where grouped_mm is unavailable).
-Both cost a dequantization per step where a fused dequantize-GEMM kernel would read the codes once: the
-form that fits the model on a smaller card, not yet the fast one.
-
-A tensor-parallel rank's experts (`ExpertShard`) take the global routing remapped to their own
-(`_local_routing`), then run as above.
+Token-slots are sorted by expert (stably, as the reference); `offs`, the cumulative row counts of all E
+experts, tells the GEMM where each expert's rows end, and each token's k products are summed in a fixed
+order (deterministic on a GPU). Without `grouped_mm`, or for other dtypes than bf16, the experts run one
+by one (`Experts.forward`). Quantized experts are dequantized on the device at each call: each slot's
+own expert when there are fewer slots than experts (decode), else every expert once. An `ExpertShard`
+(expert parallel) takes the global routing remapped to its own experts.
 """
 
 from __future__ import annotations
@@ -39,14 +26,13 @@ SLOT_PASS_WEIGHTS = 1 << 27
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether `grouped_experts` runs as grouped GEMMs for inputs like `x` (else per expert): bf16 only
-    (CUDA's kernels take bf16; the CPU kernel also runs float32 eagerly, but torch.compile's shape
-    function refuses it, and one rule for both keeps the compiled and eager paths the same)."""
+    (CUDA's kernels take bf16; on CPU torch.compile refuses float32, and one rule keeps the compiled and
+    eager paths the same)."""
     return GROUPED_MM is not None and x.dtype == torch.bfloat16
 
 
 def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H] (what `Experts.forward` computes).
-    Quantized stacks: per slot below E slots, all experts dequantized at or above."""
+    """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H], as `Experts.forward`."""
     first = getattr(experts, "first", None)
     if first is not None:
         indices, weights = _local_routing(indices, weights, first, experts.num_experts)
@@ -57,10 +43,9 @@ def grouped_experts(experts, x: torch.Tensor, indices: torch.Tensor, weights: to
 
 
 def _local_routing(indices, weights, first: int, count: int):
-    """The global routing seen by a rank holding experts first … first+count−1 (`ExpertShard`, expert
-    parallel): other ranks' slots go to local expert 0 with weight 0 — their products are exact zeros
-    (finite inputs), so the sum is the rank's partial one, with no host read to find its own slots (the
-    reference's `nonzero`). The price: those slots' rows pass through expert 0 too."""
+    """The global routing seen by a rank holding experts first … first+count−1: other ranks' slots go
+    to local expert 0 with weight 0 (exact zeros for finite inputs), so no host read finds the rank's
+    own slots; the price is that those rows pass through expert 0 too."""
     local = indices - first
     mine = (local >= 0) & (local < count)
     return torch.where(mine, local, 0), torch.where(mine, weights, 0)
@@ -89,9 +74,8 @@ def _per_slot(x, indices, weights, gate_up, down) -> torch.Tensor:
 
 
 def _grouped_gemm(experts, x, token, expert, weight) -> torch.Tensor:
-    """`Experts.grouped` (token-slots sorted by expert: `Experts.forward`) as two grouped GEMMs. Quantized
-    stacks are dequantized as each GEMM needs them, down's once gate/up's is freed: the transient peak
-    is the larger of the two."""
+    """`Experts.grouped` as two grouped GEMMs. Quantized stacks are dequantized as each GEMM needs
+    them, down's once gate/up's is freed: the transient peak is the larger of the two."""
     # (a scatter, not bincount: bincount's output size depends on the data, which CUDA graphs cannot capture)
     counts = torch.zeros(experts.num_experts, dtype=torch.long, device=x.device).scatter_add_(
         0, expert, torch.ones_like(expert))

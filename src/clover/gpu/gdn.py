@@ -1,20 +1,13 @@
-"""The GDN mixer's two replaceable parts (see `layers.gated_deltanet.gdn_mix`) through fla-core on a GPU.
+"""The GDN mixer's two replaceable parts (`layers.gated_deltanet.gdn_mix`) through fla-core on a GPU.
 
-fla's layouts are the mixer's: q, k `[B, T, Hk, dk]` (GVA: value head h reads key head h // (Hv / Hk)),
-v `[B, T, Hv, dv]`, g and β `[B, T, Hv]`, states `[N, Hv, dk, dv]` in fp32 — the pool's recurrent
-slots' layout, so a batch's states are one gather of slots. q and k go in un-normalised with
-`use_qk_l2norm_in_kernel=True` (the kernel normalises in fp32 with Clover's ε). The causal conv is
-fla's `causal_conv1d` from each row's cached tail; the delta rule `chunk_gated_delta_rule` for causal
-parts longer than `CHUNKED_MIN_TOKENS`, `fused_recurrent_gated_delta_rule` for short ones and blocks;
-right-padded prefill rows run as fla's variable-length packed sequences (`cu_seqlens`: no work on
-padding). Where fla cannot run (no `clover[gpu]`, a device it does not support) the reference's parts
-run on the same tensors.
+fla's layouts are the mixer's (states `[N, Hv, dk, dv]` fp32, the pool's slots), and q, k go in
+un-normalised (`use_qk_l2norm_in_kernel`: normalised in fp32 with Clover's ε). The conv is fla's
+`causal_conv1d`; the delta rule fla's chunked kernel for causal parts longer than `CHUNKED_MIN_TOKENS`,
+its fused recurrent one otherwise; right-padded prefill rows run as packed variable-length sequences.
+Where fla cannot run (no `clover[gpu]`, an unsupported device) the reference's parts run instead.
 """
 
 from __future__ import annotations
-
-import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -27,25 +20,26 @@ from .fla import fla_conv, fla_conv_runs_on, fla_ops, fla_runs_on
 CHUNKED_MIN_TOKENS = 64
 
 
-def delta_rule(q, k, v, g, beta, state, scale: float):
-    """`layers.gated_deltanet.delta_rule_reference`'s contract through fla's kernels where they run on
-    these tensors (chunked for long causal parts, fused recurrent for short ones), else the reference."""
-    chunked = q.shape[1] > CHUNKED_MIN_TOKENS
+def delta_rule(q, k, v, g, beta, state, scale: float, chunked: bool | None = None, **varlen):
+    """`delta_rule_reference`'s contract through fla's kernels where they run, else the reference: the
+    chunked kernel when `chunked` (default: more than `CHUNKED_MIN_TOKENS` tokens), else the fused
+    recurrent one. `varlen`: fla's packed-sequence arguments (`delta_rule_ragged`)."""
+    if chunked is None:
+        chunked = q.shape[1] > CHUNKED_MIN_TOKENS
     if not fla_runs_on(q.device, chunked):
         return delta_rule_reference(q, k, v, g, beta, state, scale)
     ops = fla_ops()
     run = ops.chunk_gated_delta_rule if chunked else ops.fused_recurrent_gated_delta_rule
     o, final = run(q, k, v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=True,
-                   use_qk_l2norm_in_kernel=True)
+                   use_qk_l2norm_in_kernel=True, **varlen)
     return o.to(state.dtype), final
 
 
 def ragged_index(lens: list[int], device, cache: dict | None = None):
     """(rows, cols, cu_seqlens on `device`, cu_seqlens on the host) of right-padded rows' real tokens,
-    made once per forward (`cache`: the forward's `BatchIndex.derived`). fla caches what it derives
-    from `cu_seqlens` by the tensor's identity, so every GDN layer of a forward must pass the same
-    objects; and its chunked kernel reads the host copy instead of reading the device tensor back
-    (without it: one host synchronisation per layer)."""
+    made once per forward (`cache`: the forward's `BatchIndex.derived`). fla caches what it derives from
+    `cu_seqlens` by the tensor's identity, so every GDN layer must pass the same objects; the host copy
+    spares its chunked kernel a host synchronisation per layer."""
     key = ("ragged", tuple(lens))
     if cache is not None and key in cache:
         return cache[key]
@@ -59,38 +53,24 @@ def ragged_index(lens: list[int], device, cache: dict | None = None):
 
 
 def delta_rule_ragged(q, k, v, g, beta, state, scale: float, lens: list[int], cache: dict | None = None):
-    """`delta_rule` over right-padded rows (row b's first lens[b] of T tokens are real) with fla's
-    variable-length form: the real tokens packed into one sequence of Σ lens with `cu_seqlens`, so no
-    work goes to padding. Returns (o [B, T, Hv, dv] with zeros past each row's length, each row's
-    final state) — what `delta_rule` gives on the padded rows with g = 0, β = 0 past their ends."""
+    """`delta_rule` over right-padded rows (row b's first lens[b] of T tokens are real), packed into one
+    variable-length sequence so no work goes to padding → (o [B, T, Hv, dv], zero past each row's length;
+    final states): what `delta_rule` gives with g = 0, β = 0 past the rows' ends. Only where fla runs."""
     B, T = q.shape[:2]
     rows, cols, cu_seqlens, cu_host = ragged_index(lens, q.device, cache)
-    ops = fla_ops()
     chunked = max(lens) > CHUNKED_MIN_TOKENS
-    run = ops.chunk_gated_delta_rule if chunked else ops.fused_recurrent_gated_delta_rule
-    host = {"cu_seqlens_cpu": cu_host} if chunked and _takes_host_seqlens(run) else {}
+    host = {"cu_seqlens_cpu": cu_host} if chunked else {}
     packed = [t[rows, cols][None] for t in (q, k, v, g, beta)]                # [1, Σ lens, …]
-    o, final = run(*packed[:3], g=packed[3], beta=packed[4], scale=scale, initial_state=state,
-                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **host)
+    o, final = delta_rule(*packed, state, scale, chunked, cu_seqlens=cu_seqlens, **host)
     out = o.new_zeros(B, T, *o.shape[2:])
     out[rows, cols] = o[0]
-    return out.to(state.dtype), final
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_host_seqlens(run) -> bool:
-    """Whether fla's kernel takes `cu_seqlens_cpu`, host-side lengths (fla-core 0.6.0's chunked kernel does)."""
-    try:
-        return "cu_seqlens_cpu" in inspect.signature(run).parameters
-    except (TypeError, ValueError):
-        return False
+    return out, final
 
 
 def causal_conv(u, tail, full, weight):
-    """The GDN's left (causal) depthwise conv of u [B, T, C] after each row's cached tail [B, C, K−1]
-    (`full` = the two joined, [B, C, K−1+T]) → [B, C, T]: fla's `causal_conv1d` where it runs (its
-    state holds K columns and reads the last K−1, so the tail goes in behind one zero column), else
-    Clover's depthwise conv."""
+    """The causal depthwise conv of u [B, T, C] after each row's cached tail [B, C, K−1] (`full`: the
+    two joined) → [B, C, T]: fla's `causal_conv1d` where it runs (its state holds K columns and reads
+    the last K−1, so the tail goes in behind a zero column), else `depthwise_conv`."""
     if not fla_conv_runs_on(u.device):
         return depthwise_conv(full, weight)
     state = F.pad(tail, (1, 0)).contiguous()                              # [B, C, K]
@@ -100,7 +80,7 @@ def causal_conv(u, tail, full, weight):
 
 def gdn_core_fast(mixer, u, z, b, a, batch, block_len: int):
     """`gdn_core` on this backend: `gdn_mix` with fla's conv and delta rule; right-padded prefill rows
-    as fla's packed variable-length sequences where fla runs (no work on padding)."""
+    as fla's packed variable-length sequences where fla runs."""
     ragged = (batch is not None and batch.padded
               and fla_runs_on(u.device, chunked=max(batch.commits) > CHUNKED_MIN_TOKENS))
     return gdn_mix(mixer, u, z, b, a, batch, block_len, conv=causal_conv, delta_rule=delta_rule,

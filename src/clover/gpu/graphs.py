@@ -1,28 +1,16 @@
-"""CUDA graphs of the short cached forwards: decode steps, block steps and fused commits, per batch bucket.
+"""CUDA graphs of the short cached forwards (decode steps, block steps, fused commits), per batch bucket.
 
-A decode step of a MoE model launches thousands of small kernels; replaying them as one CUDA graph
-removes the Python and launch overhead (nano-vllm and vLLM do the same). A graph replays fixed kernels
-on fixed addresses at fixed shapes, so each captured forward runs on static buffers:
-
-  - rows padded up to a batch bucket (`BATCH_BUCKETS`); a padding row reads the zero GDN state
-    (slot 0), writes its state to a scratch slot and its K/V to scratch pages that this runner holds
-    out of the pool for as long as it lives, so it never touches a sequence's state;
-  - keys gathered over a fixed window (the rows' longest end rounded up to a power of two, at least
-    `MIN_WINDOW`), masked at each row's own end — attention always takes a mask here;
-  - each step's index (the rows' starts, slots and page tables) goes to the device in one copy; the
-    key and K/V rows, positions and masks are computed from it inside the graph.
-
-Graphs are keyed by (rows, tokens per row, block length, window, selection on/off, which logits) and
-captured on first use into one shared memory pool. Each keeps its logits as static memory, so a
-forward whose logits would pass `MAX_GRAPH_LOGITS_BYTES` runs eagerly, and the least recently used
-graphs are dropped past `MAX_GRAPHS` graphs or `MAX_GRAPHS_BYTES` of static buffers. A forward the
-graphs do not cover (long prefill chunks, padded prompts, open speculations, more rows than the
-largest bucket) runs eagerly, and so does any key whose capture failed (logged once: an op that synchronises with the host cannot be
-captured). Outputs are copied out of the static buffers, so callers never see them overwritten.
-
-`replay="eager"` runs the same static-buffer forward without capturing it (each replay calls it
-again): what the tests check on CPU — padding, windows, scratch state, bucket choice — is everything
-but the capture itself, which only a GPU can do (`benchmarks/gpu_check.py`).
+A graph replays fixed kernels on fixed addresses, so each captured forward runs on static buffers:
+  - rows padded up to a batch bucket; a padding row reads the zero GDN state (slot 0) and writes to a
+    scratch slot and scratch pages this runner holds out of the pool, never to a sequence's state;
+  - keys over a fixed window (the longest row's end rounded up to a power of two ≥ `MIN_WINDOW`),
+    always masked at each row's own end;
+  - each step's index goes to the device in one copy; key rows, positions and masks are computed from
+    it inside the graph.
+Graphs are captured on first use into one memory pool and dropped least recently used past `MAX_GRAPHS`
+or `MAX_GRAPHS_BYTES`. Forwards they do not cover (long or padded chunks, open speculations, too many
+rows, too large logits) and keys whose capture failed (logged once) run eagerly. Outputs are copied
+out of the static buffers. `replay="eager"` runs the same static forward uncaptured: the tests on CPU.
 """
 
 from __future__ import annotations
@@ -158,8 +146,10 @@ class _StaticForward:
             self.forward()
         torch.cuda.current_stream(self.flat.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        if self.runner.memory_pool is None:
+            self.runner.memory_pool = torch.cuda.graph_pool_handle()
         # thread-local: the server's other threads may touch CUDA while the engine thread captures
-        with torch.cuda.graph(graph, pool=self.runner.memory_pool(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.runner.memory_pool, capture_error_mode="thread_local"):
             self.outputs = self.forward()
         self.graph = graph
 
@@ -184,17 +174,12 @@ class StepGraphs:
         self.device = next(iter({**pool.k, **pool.conv}.values())).device
         self.graphs: OrderedDict[GraphKey, _StaticForward] = OrderedDict()
         self.failed: set[GraphKey] = set()
-        self._memory_pool = None
+        self.memory_pool = None      # one CUDA memory pool for all graphs, made at the first capture
         self.scratch_pages, self.scratch_slot = pool.take_scratch(MAX_TOKENS)
 
     def nbytes(self) -> int:
         """Bytes of the kept graphs' static inputs and outputs (their logits, mostly)."""
         return sum(g.nbytes() for g in self.graphs.values())
-
-    def memory_pool(self):
-        if self._memory_pool is None:
-            self._memory_pool = torch.cuda.graph_pool_handle()
-        return self._memory_pool
 
     def close(self) -> None:
         """Give the scratch pages and slot back to the pool and drop the graphs."""

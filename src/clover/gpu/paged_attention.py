@@ -1,21 +1,15 @@
 """Attention that reads K/V from the state pool's pages in place (FlexAttention), for short forwards.
 
-The gathered path (gpu/attention.py) copies every row's keys and values 0 … S−1 out of the pages
-before its SDPA call: at long contexts and many rows that copy is most of a decode step's memory
-traffic (8 rows × 32K keys × 2 K/V heads × 256 × bf16 × K and V is 512 MB per attention layer). Here
-one FlexAttention call attends over the whole pool, `[1, Hkv, pages · page_size, D]`, a view of the
-pool's `[pages, page_size, Hkv, D]` tensor, and a block mask with one block per page says which pages
-each row reads: its page table. Pages wholly before a row's first new token are "full" blocks (no
-mask evaluated); the ≤ 3 pages holding its new tokens (32-token pages) are masked per position — key j is visible to
-query i when j < end and (j ≤ start + i, or i is a block query) — through a per-forward map from a
-page to its position in the row's table. The same semantics as `_visible` in gpu/attention.py.
+The gathered path (gpu/attention.py) first copies every row's keys out of the pages: at long contexts
+most of a decode step's memory traffic. Here one FlexAttention call attends over the whole pool viewed
+as `[1, Hkv, pages · page_size, D]`, under a block mask with one block per page (a row's page table).
+Pages wholly before a row's first new token are "full" blocks; the ≤ 3 pages holding its new tokens are
+masked per position by `visible_keys`' rule (layers/attention.py), through a map from a page to its
+place in the row's table.
 
-Where it runs: forwards of at most `MAX_TOKENS` tokens a row (decode, block steps, fused commits,
-verification) on CUDA, through `torch.compile(flex_attention)` (flex's decoding kernel: queries
-< 128 long, static batch). Rows and tokens are padded to buckets, so a server compiles a bounded set of
-shapes; past `MAX_COMPILED_SHAPES`, or when compiling fails, the gathered path runs (logged once).
-Prefill chunks keep the gathered path and the flash kernels. `CLOVER_PAGED_ATTENTION=0` turns it off,
-`=1` also runs it on CPU (uncompiled flex: the tests' semantics check), default `auto` (CUDA only).
+Runs on CUDA for forwards of at most `MAX_TOKENS` tokens a row, compiled over rows and tokens padded
+to buckets; past `MAX_COMPILED_SHAPES` or after a failed compile the gathered path runs (logged once).
+`CLOVER_PAGED_ATTENTION`: `0` off, `1` also on CPU (uncompiled: the tests' semantics check), `auto`.
 """
 
 from __future__ import annotations
@@ -51,9 +45,9 @@ def _buckets(rows: int, tokens: int) -> tuple[int, int]:
 
 
 def _page_blocks(idx, pages: int, rows: int, block_len: int):
-    """The block mask's tensors for `rows` query rows (rows past the batch: no pages), computed on the
-    device once per forward: (partial counts, partial pages, full counts, full pages, page → position
-    in the row's table, block queries' first index)."""
+    """The block mask's tensors for `rows` query rows (rows past the batch: no pages), on the device:
+    (partial counts, partial pages, full counts, full pages, page → place in the row's table,
+    [start, end, first block query] per row)."""
     B, N = idx.table.shape
     P, T = idx.page_size, idx.tokens
     device = idx.table.device
@@ -94,12 +88,6 @@ def _block_mask(idx, pages: int, rows: int, q_len: int, block_len: int):
                                     seq_lengths=(q_len, pages * P), compute_q_blocks=False)
 
 
-def _compiled():
-    if _state["compiled"] is None:
-        _state["compiled"] = torch.compile(flex_attention, dynamic=False)
-    return _state["compiled"]
-
-
 def _tail_rows(idx):
     """([B·(P−1)] flat pool rows, [B·(P−1)] bool): the rows of each row's last page past its end
     (False: a filler entry, the row's own last key, for rows ending on a page boundary)."""
@@ -114,9 +102,9 @@ def _tail_rows(idx):
 
 def clear_tails(k_pool: torch.Tensor, v_pool: torch.Tensor, idx) -> None:
     """Zero the K/V rows past each row's end in its last page. The kernels read a page whole and weigh
-    masked rows by 0, and 0 × NaN is NaN: whatever a page held before (another request's non-finite
-    values, never-written memory) must not reach this row. Those positions hold nothing yet: a row's
-    later forwards write them before they are attended to."""
+    masked rows by 0, and 0 × NaN is NaN, so what a page held before (another request's non-finite
+    values, never-written memory) must not reach this row; a row writes those positions before it
+    attends to them."""
     if "tails" not in idx.derived:
         idx.derived["tails"] = _tail_rows(idx)
     rows, past = idx.derived["tails"]
@@ -129,8 +117,8 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, id
                  compiled: bool | None = None):
     """q [B, Hq, T, D] over the pool's pages `[pages, page_size, Hkv, D]` (this forward's K/V already
     written) → [B, Hq, T, D], or None when the paged path cannot run (the caller gathers instead).
-    `compiled` (default: on CUDA) runs `torch.compile(flex_attention)` over bucketed shapes; uncompiled
-    flex computes every page's scores, so it sees the pool with non-finite values zeroed (tests)."""
+    `compiled` (default: on CUDA); uncompiled flex scores every page, so it sees the pool with
+    non-finite values zeroed (tests)."""
     B, Hq, T, D = q.shape
     pages, P, Hkv, _ = k_pool.shape
     if compiled is None:
@@ -157,7 +145,9 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, id
         return None
     try:
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES + 8, fail_on_recompile_limit_hit=True):
-            out = _compiled()(q, keys, values, block_mask=mask, enable_gqa=True)
+            if _state["compiled"] is None:
+                _state["compiled"] = torch.compile(flex_attention, dynamic=False)
+            out = _state["compiled"](q, keys, values, block_mask=mask, enable_gqa=True)
     except Exception as exc:                                     # compiling failed: gathered attention from now on
         _state["broken"] = f"{type(exc).__name__}: {exc}"
         log.warning("paged attention (FlexAttention) failed, gathering keys instead: %s", _state["broken"][:500])

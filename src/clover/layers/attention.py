@@ -1,9 +1,8 @@
-"""Gated full attention (SPEC §2) with a K/V cache, in causal mode and in block mode (SPEC §4).
+"""Gated full attention (SPEC §2) over the pool's K/V pages, in causal and block mode (SPEC §4): the
+module and the reference `attention` op (backend.py).
 
-Causal: each new query sees the cached prefix and the new tokens up to itself.
-Block: each block query sees the cached prefix and the whole block; nothing is committed (the block's
-K/V are written as scratch past the sequence's length, so the prefix is never copied). Cached K/V live
-in the model's state pool (cache.py), in pages.
+Causal queries see the cached prefix and the new tokens up to themselves; block queries see the prefix
+and the whole block. A block commits nothing: its K/V go to scratch rows past the sequence's length.
 """
 
 from __future__ import annotations
@@ -38,20 +37,17 @@ class Attention(nn.Module):
     layer_index = 0   # this layer's place in the model (the state pool keys its K/V by it)
 
     def forward(self, x, cos, sin, batch=None, block_len: int = 0, backend=None):
-        """x [B, T, H]; batch: the `ForwardBatch` of a cached forward (cache.py), or None (from scratch).
-
-        x is `[causal part | block]`: causal rows see keys up to themselves, the last `block_len` rows
-        see every key. With a batch the keys also include each row's cached prefix, and every token's
-        K/V is written into the row's pages (the block's as scratch past the row's length).
-        `backend`: whose `attention` op runs (default: the reference)."""
+        """x [B, T, H] is `[causal part | block]`, the block its last `block_len` tokens → [B, T, H].
+        `batch`: a cached forward's `ForwardBatch` (cache.py: each row also sees its cached prefix, and
+        its new K/V are written to its pages), None from scratch. `backend`: whose `attention` op runs
+        (default: the reference)."""
         qg, k, v = project(self, x)
         attend = backend.attention if backend is not None else attention_reference
         return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))
 
     def _attend_cached(self, q, kf, vf, batch, block_len):
-        """Each row on its own over its positions 0 … start+T−1 read from its pages (`kf`, `vf`: the
-        layer's flat K/V rows, this forward's written; a view when the row's pages are consecutive, else
-        gathered; never a padded batch)."""
+        """Each row alone over its keys 0 … start+T−1 read from its pages (`kf`, `vf`: the layer's flat
+        K/V rows, this forward's already written) → [B, Hq, T, D]. Never gets a padded batch."""
         T = q.shape[2]
         outs = []
         for b in range(q.shape[0]):
@@ -64,71 +60,56 @@ class Attention(nn.Module):
             elif block_len == 0 and start == 0:
                 outs.append(_sdpa(qb, keys, values, None, causal=True))  # a prompt's first chunk
             else:
-                outs.append(_sdpa(qb, keys, values, _visible(start, T, block_len, q.device)[None, None]))
+                outs.append(_sdpa(qb, keys, values, visible_keys(start, T, block_len, q.device)[None, None]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def attention_reference(self: Attention, qg, k, v, cos, sin, batch, block_len: int, attend_cached=None):
-    """Between the projections and `o_proj`: q/k norms, rotary, scaled-dot-product attention (causal
-    rows, block rows seeing the whole block), the sigmoid output gate. A cached forward first writes
-    every row's new K/V into its pages (one `index_copy_`), then attends through `attend_cached(attn, q,
-    kf, vf, batch, block_len)` → [B, Hq, T, D] (default: each row alone, `Attention._attend_cached`;
-    the "cuda" backend's: all rows at once, gpu/attention.py)."""
+    """The op between the projections and `o_proj` → [B, T, Hq·D]: q/k norms, rotary, attention, the
+    sigmoid output gate. A cached forward writes every row's new K/V into its pages, then attends through
+    `attend_cached(attn, q, kf, vf, batch, block_len)` → [B, Hq, T, D] (default: row by row,
+    `Attention._attend_cached`; gpu/attention.py: all rows at once)."""
     B, T, _ = qg.shape
-    q, k, v, gate = attention_inputs(self, qg, k, v, cos, sin)          # q [B, Hq, T, D], k/v [B, Hkv, T, D]
-    if batch is None:
-        out = attend_uncached(q, k, v, block_len)
+    Hkv, D = self.num_kv_heads, self.head_dim
+    qg = qg.reshape(B, T, self.num_heads, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
+    q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)                     # [B, Hq, T, D]
+    k = apply_rotary(self.k_norm(k.reshape(B, T, Hkv, D)).transpose(1, 2), cos, sin)   # [B, Hkv, T, D]
+    v = v.reshape(B, T, Hkv, D).transpose(1, 2)
+    if batch is None:       # from scratch: causal rows, the last `block_len` rows seeing the whole block
+        out = _sdpa(q, k, v, visible_keys(0, T, block_len, q.device) if block_len else None, causal=not block_len)
     else:
-        Hkv, D = self.num_kv_heads, self.head_dim
         new_rows = batch.index(q.device, T).new_rows
         kf = batch.pool.k[self.layer_index].view(-1, Hkv, D)                # [pages·P, Hkv, D]
         vf = batch.pool.v[self.layer_index].view(-1, Hkv, D)
         kf.index_copy_(0, new_rows, k.transpose(1, 2).reshape(B * T, Hkv, D).to(kf.dtype))
         vf.index_copy_(0, new_rows, v.transpose(1, 2).reshape(B * T, Hkv, D).to(vf.dtype))
         out = (attend_cached or Attention._attend_cached)(self, q, kf, vf, batch, block_len)
-    out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+    out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
     return out * torch.sigmoid(gate)
 
 
-def attention_inputs(self: Attention, qg, k, v, cos, sin):
-    """Projections → q [B, Hq, T, D], k, v [B, Hkv, T, D] (normed, rotated) and the gate [B, T, Hq·D]."""
-    B, T, _ = qg.shape
-    D = self.head_dim
-    qg = qg.reshape(B, T, self.num_heads, 2 * D)
-    q, gate = qg[..., :D], qg[..., D:].reshape(B, T, self.num_heads * D)
-    q = self.q_norm(q).transpose(1, 2)                                  # [B, Hq, T, D]
-    k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
-    v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
-
-
-def attend_uncached(q, k, v, block_len: int):
-    """A forward from scratch: causal rows, the last `block_len` rows seeing the whole block."""
+def visible_keys(start, T: int, block_len: int, device, keys: int | None = None, ends=None) -> torch.Tensor:
+    """Bool [T, keys] (default keys: start + T) for T queries at positions start …: causal rows see the
+    keys up to themselves, the last `block_len` rows (a block) every key. For a batch, `start` and `ends`
+    are [B, 1, 1] tensors (keys from a row's end on hidden) → [B, T, keys]. Paged attention's mask
+    (gpu/paged_attention.py) states the same rule per position."""
+    key = torch.arange(start + T if keys is None else keys, device=device)
+    visible = key <= start + torch.arange(T, device=device)[:, None]
     if block_len:
-        return _sdpa(q, k, v, _visible(0, q.shape[2], block_len, q.device))
-    return _sdpa(q, k, v, None, causal=True)
-
-
-def _visible(start: int, T: int, block_len: int, device) -> torch.Tensor:
-    """Bool [T, start + T] for T queries at positions start …: causal rows see the keys up to
-    themselves, the last `block_len` rows (a block) every key."""
-    visible = torch.arange(start + T, device=device)[None, :] <= start + torch.arange(T, device=device)[:, None]
-    if block_len:
-        visible[T - block_len:] = True
-    return visible
+        visible[..., T - block_len:, :] = True
+    return visible if ends is None else visible & (key < ends)
 
 
 # CPU bf16 attention over this many queries or more runs in fp32: PyTorch's CPU flash attention is
-# faster on fp32 inputs (measured, 16 heads of 256, 2 threads: 1024 queries × 4096 keys 267 vs 510 ms,
-# 512 × 512 26 vs 32 ms; 32 × 544 even; a single query is 4× slower in fp32, so decode stays bf16).
+# faster on fp32 inputs there, slower for a single query, so decode stays bf16 (docs/performance.md).
 FP32_ATTENTION_MIN_QUERIES = 32
 
 
 def _sdpa(q, keys, values, mask, causal: bool = False):
-    """`causal` (mask None, as many keys as queries): query i sees keys 0..i. Same result as the
-    lower-triangular mask, but PyTorch's flash attention then skips the key blocks above the diagonal
-    instead of computing and masking them (CPU, 16 heads of 256, fp32 inputs: 512 queries 24.3 →
-    20.9 ms, 1024 queries 77.5 → 62.1 ms, bit-identical) and no [T, T] mask is built."""
+    """SDPA with grouped K/V heads. `causal` (mask None, as many keys as queries) is bit-identical to the
+    lower-triangular mask, but flash attention then skips the blocks above the diagonal and no [T, T]
+    mask is built."""
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[2] >= FP32_ATTENTION_MIN_QUERIES:
         out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                              is_causal=causal, enable_gqa=True)

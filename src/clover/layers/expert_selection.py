@@ -1,11 +1,9 @@
 """Block expert selection (SPEC §6) and restricted top-k routing, as pure tensor functions.
 
-In block mode a whole block of tokens is routed together; keeping only the experts that carry most of
-the block's top-k router mass cuts the number of distinct experts whose weights a forward touches
-(the quantity selection reduces). Ties, both in mass and in top-k, go to the lower expert index; a
-stable descending sort gives exactly that on every backend, which ``torch.topk`` does not promise.
-``top_k_lowest_index_first`` gets the same order from ``torch.topk`` on keys that cannot tie (a
-stable sort of 32 rows of 256 costs ~320 µs on 2 threads, this ~40 µs).
+A block keeps only the experts that carry most of its top-k router mass, so a forward touches fewer
+experts' weights. Ties, in mass and in top-k, go to the lower expert index on every backend: a stable
+descending sort's order, which ``torch.topk`` does not promise (``top_k_lowest_index_first`` gets it
+from ``torch.topk`` on keys that cannot tie; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ from torch import Tensor
 from .norms import compute_dtype
 
 
-def validate_block_expert_top_p(top_p: float | Tensor | None) -> None:
-    """Raise ``ValueError`` unless every p lies in (0, 1] (SPEC §6; ``None`` means off)."""
-    if top_p is None:
-        return
+def validate_block_expert_top_p(top_p: float | Tensor) -> None:
+    """Raise ``ValueError`` unless every p lies in (0, 1] (SPEC §6)."""
     p = torch.as_tensor(top_p, dtype=torch.float64)
     bad = ~((p > 0) & (p <= 1))  # NaN fails both comparisons ⇒ bad
     if bool(bad.any()):
@@ -27,10 +23,10 @@ def validate_block_expert_top_p(top_p: float | Tensor | None) -> None:
 
 
 def top_k_lowest_index_first(values: Tensor, k: int) -> Tensor:
-    """Indices of the k largest entries of each row, in descending order, ties to the lower index:
-    exactly ``torch.sort(values, descending=True, stable=True)[1][..., :k]``. Float32 values become
-    int64 keys `(order-preserving 32-bit image) · 2³² + (E − 1 − index)`, which never tie, so
-    ``torch.topk`` (fast, but unspecified on ties) gives that order. Other dtypes use the sort."""
+    """Indices of the k largest entries of each row, descending, ties to the lower index: exactly
+    ``torch.sort(values, descending=True, stable=True)[1][..., :k]``. Float32 values become int64 keys
+    `(order-preserving 32-bit image) · 2³² + (E − 1 − index)`, which never tie, for ``torch.topk``
+    (fast, unspecified on ties). Other dtypes, and few rows, use the sort."""
     E = values.shape[-1]
     if values.dtype != torch.float32 or E >= 2 ** 31 or values.numel() <= 1024:
         # a few rows (decode): one sort call beats the key's ~10 small ops
@@ -47,15 +43,11 @@ def select_block_experts_batched(
     top_p: Tensor | float,
     min_experts: int,
 ) -> Tensor:
-    """Kept experts ``Bool[B, E]`` for each sequence's block (``router_probs[B, L, E]``).
-
-    Per row: ``m_e = Σ_t Σ_{e∈C_t} π_t[e]`` over each token's top-k candidates ``C_t``; experts ranked
-    by ``m_e`` descending (ties → lower index); keep the shortest prefix with cumulative mass
-    ``≥ p·Σ m``, and at least ``min_experts`` (capped at E; ≥1 always). Zero-mass experts enter
-    only to reach the minimum. Rows with ``p == 1`` keep all experts. ``top_p`` is not checked here
-    (a host sync): callers validate it once per forward (``validate_block_expert_top_p``), as the
-    config validates ``top_k`` and ``min_experts``.
-    """
+    """Kept experts ``Bool[B, E]`` for each row's block ``router_probs[B, L, E]``: experts ranked by
+    ``m_e = Σ_t Σ_{e∈C_t} π_t[e]`` over each token's top-k candidates ``C_t`` (ties → lower index), the
+    shortest prefix with cumulative mass ``≥ p·Σ m`` kept, and at least ``min_experts`` (capped at E,
+    ≥ 1); ``p == 1`` keeps all. ``top_p`` is not checked here (a host sync): callers validate it once
+    per forward (``validate_block_expert_top_p``)."""
     B, L, E = router_probs.shape
     device = router_probs.device
     k = min(top_k, E)
@@ -84,15 +76,11 @@ def select_block_experts_batched(
 def route_top_k(
     router_probs: Tensor, top_k: int, allowed: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Top-k routing of ``router_probs[N, E]``, optionally restricted to ``allowed[N, E]``.
-
-    Returns ``(weights float32[N, k], indices long[N, k])``, slots in descending probability
-    (ties → lower index), weights renormalised to sum 1 over the kept slots. With ``allowed=None``
-    this is ``torch.topk`` + renormalisation, as in Qwen3.5-MoE's router. When a row allows fewer
-    than k experts, the missing slots get weight 0 and repeat the row's best allowed index, so a
-    caller's gather/index stays in range; a row allowing no expert gets all-zero weights (indices
-    still in ``[0, E)``). ``allowed`` may also be ``[E]`` (one kept set for all rows).
-    """
+    """Top-k routing of ``router_probs[N, E]``, optionally restricted to ``allowed`` ``[N, E]`` or
+    ``[E]`` → ``(weights float32[N, k], indices long[N, k])``, slots in descending probability (ties →
+    lower index), weights renormalised over the kept slots (unrestricted: Qwen3.5-MoE's router). A
+    row allowing fewer than k experts fills the missing slots with weight 0 and its best allowed index,
+    so indices stay in ``[0, E)``; a row allowing none gets all-zero weights."""
     N, E = router_probs.shape
     probs = router_probs.to(compute_dtype(router_probs.dtype))
     if allowed is None:

@@ -1,16 +1,11 @@
-"""A token embedding left in its checkpoint file: rows read as they are looked up.
+"""A token embedding left in its checkpoint file, its rows read as they are looked up (docs/weights.md).
 
-Why: a lookup reads a few rows of the table (one per decode step), yet loading converts all of it
-into memory — Clover-35B-A3B's 248,320 × 2,048 table is 1.02 GB in bf16 (a Clover int4 checkpoint
-keeps it so), 0.29 GB at a GGUF file's Q4_K. Like llama.cpp's mapped weights, the table stays in the
-file and the OS page cache keeps the rows in use. Rows are read with `pread`, not through a memory
-map: a file cut or rewritten under a running model then gives an error naming it (each lookup checks
-the file's size and modification time first), never a SIGBUS; replacing the file by renaming a new one
-over it leaves the loaded model reading the old one.
-
-`clover.load` uses it where it packs the model for the CPU and the table is untied (a tied table is
-also the vocabulary projection, read whole every step). This class reads float rows (a safetensors
-table: `checkpoint.load_model(table_in_file=True)`); `gguf/embedding.py` decodes quantized ones.
+A lookup reads a few rows, yet loading would hold the whole table in memory; here the OS page cache
+keeps the rows in use. Rows are read with `pread`, not through a memory map: a file cut or rewritten
+under a running model gives an error naming it (each lookup checks its size and modification time),
+never a SIGBUS; a file replaced by a rename leaves the model reading the old one. `clover.load` uses it
+for an untied table of a model packed for the CPU. This class reads float rows (safetensors);
+`gguf/embedding.py` decodes quantized ones.
 """
 
 from __future__ import annotations
@@ -53,10 +48,9 @@ class FileEmbedding(nn.Module):
             self._identity = self._stat()          # (a copy keeps the original's: the file it loaded)
 
     def _prefetch(self) -> None:
-        """Ask the OS to read the whole table into its page cache, from a background thread (llama.cpp's
-        map is populated at load too): a token's first lookup would otherwise wait on the disk (~0.3 ms
-        on this project's VMs, more than a small model's whole decode step outside its products). One
-        request per MiB: Linux reads at most a device's read-ahead window per request."""
+        """Ask the OS to read the whole table into its page cache from a background thread, so a
+        token's first lookup does not wait on the disk; one request per MiB, as Linux reads at most a
+        device's read-ahead window per request."""
         fd, end = os.dup(self._fd), self.offset + self.num_embeddings * self.row_bytes
 
         def advise():

@@ -19,12 +19,10 @@ from .packed import project
 
 
 def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Valid depthwise convolution: x [B, C, N], weight [C, 1, K] → [B, C, N − K + 1].
-
-    Decode (one output) and block steps (a few dozen) compute it as K shifted multiply-adds in
-    float32, rounded once as oneDNN's convolution rounds: each oneDNN call costs about 0.25 ms here
-    whatever its length, which would dominate those steps. The sum runs in a fixed order, so a
-    row's result does not depend on the batch around it. Long inputs use conv1d."""
+    """Valid depthwise convolution: x [B, C, N], weight [C, 1, K] → [B, C, N − K + 1]. Up to 64 outputs
+    (decode, block steps) it is K shifted multiply-adds in float32, rounded once as conv1d rounds: a
+    conv1d call's fixed cost would dominate those steps. The fixed order keeps a row's result
+    independent of its batch."""
     K = weight.shape[-1]
     n = x.shape[-1] - K + 1
     if n > 64:
@@ -69,21 +67,13 @@ class GatedDeltaNet(nn.Module):
 
     input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
-    # ---- pieces --------------------------------------------------------------------------------
-    def _right_conv(self, u_block: torch.Tensor) -> torch.Tensor:
-        """u_block [B, C, L] → Σ_j W_right[:, j−1]·u_{t+j}, zero past the block's end. [B, C, L]"""
-        Kr = self.conv1d_right.weight.shape[-1]
-        shifted = F.pad(u_block[:, :, 1:], (0, Kr))
-        return depthwise_conv(shifted, self.conv1d_right.weight)[:, :, : u_block.shape[2]]
-
-    # ---- forward -------------------------------------------------------------------------------
     layer_index = 0   # this layer's place in the model (the state pool keys its slots by it)
 
     def forward(self, x, batch=None, block_len: int = 0, backend=None):
-        """x [B, T, H] is `[causal part | block]`, the block being the last `block_len` tokens.
-        Without a batch both start from a zero state. With one (a cached forward, cache.py) each row
-        continues from its GDN slot: the causal part's state goes to the row's write slot, the block
-        reads the state and writes nothing. `backend`: whose `gdn_core` runs (default: the reference)."""
+        """x [B, T, H] is `[causal part | block]`, the block its last `block_len` tokens → [B, T, H].
+        Without a batch the state starts at zero; with one (cache.py) each row continues from its GDN
+        slot, the causal part's state goes to its write slot and the block writes nothing. `backend`:
+        whose `gdn_core` runs (default: the reference)."""
         u, z, b, a = project(self, x)       # pre-conv channels u, output gate z, the β / decay inputs b, a
         core = backend.gdn_core if backend is not None else gdn_core_reference
         P = x.shape[1] - block_len
@@ -95,16 +85,15 @@ class GatedDeltaNet(nn.Module):
 
 
 def gdn_core_reference(mixer: GatedDeltaNet, u, z, b, a, batch, block_len: int):
-    """The mixer between its input projections and `out_proj`, in plain PyTorch: `gdn_mix` with the
-    depthwise conv and the chunked / recurrent delta rule of layers/delta_rule.py."""
+    """The "gdn_core" op's reference: `gdn_mix` with the depthwise conv and layers/delta_rule.py."""
     return gdn_mix(mixer, u, z, b, a, batch, block_len, conv=lambda u, tail, full, w: depthwise_conv(full, w),
                    delta_rule=delta_rule_reference)
 
 
 def delta_rule_reference(q, k, v, g, beta, state, scale: float):
-    """The gated delta rule on heads-last tensors: q, k [B, T, Hk, dk] (not yet normalised), v [B, T, Hv, dv],
-    g, β [B, T, Hv], state [B, Hv, dk, dv] fp32 → (o [B, T, Hv, dv], final state). Value head h reads key
-    head h // (Hv / Hk)."""
+    """The gated delta rule on heads-last tensors: q, k [B, T, Hk, dk] (not yet normalised), v [B, T, Hv,
+    dv], g, β [B, T, Hv], state [B, Hv, dk, dv] fp32 → (o [B, T, Hv, dv], final state). Value head h
+    reads key head h // (Hv / Hk)."""
     cdt = state.dtype
     rep = v.shape[2] // q.shape[2]
     qh = (l2_normalize(q.to(cdt)) * scale).repeat_interleave(rep, dim=2)
@@ -115,14 +104,13 @@ def delta_rule_reference(q, k, v, g, beta, state, scale: float):
 
 
 def gdn_mix(mixer: GatedDeltaNet, u, z, b, a, batch, block_len: int, conv, delta_rule, padded_rule=None):
-    """The GDN mixer around its two replaceable parts, written once for every backend: causal conv from
-    each row's cached tail (+ the right conv in the block), the gated delta rule over the rows' states
-    (the causal part's end state and conv tail written to the rows' write slots), the block's
-    end-of-block readout mixed with its causal readout (§4), the gated norm.
-    `conv(u [B, T, C], tail [B, C, K−1], full [B, C, K−1+T], weight) → [B, C, T]`; `delta_rule` as
-    `delta_rule_reference`; right-padded rows (a backend that takes them, backend.py) run through
-    `padded_rule(q, k, v, g, β, state, scale, lens, cache)` where given, else with g = 0, β = 0 past
-    each row's length (its state passes through unchanged)."""
+    """The GDN mixer around its two replaceable parts, written once for every backend → [B, T, value_dim]:
+    the conv from each row's cached tail (+ the right conv in the block), the delta rule (the causal
+    part's end state and conv tail written to the write slots), the block's end-of-block readout mixed
+    with its causal one (§4), the gated norm. `conv(u [B, T, C], tail [B, C, K−1], full [B, C, K−1+T],
+    weight) → [B, C, T]`; `delta_rule` as `delta_rule_reference`; right-padded rows run through
+    `padded_rule(q, k, v, g, β, state, scale, lens, cache)` if given, else with g = 0, β = 0 past their
+    ends (the state passes through unchanged)."""
     B, T, _ = u.shape
     dtype = u.dtype
     cdt = compute_dtype(dtype)
@@ -139,8 +127,9 @@ def gdn_mix(mixer: GatedDeltaNet, u, z, b, a, batch, block_len: int, conv, delta
     full = torch.cat([tail, ut], dim=2)
     left = conv(u, tail, full, mixer.conv1d.weight)                      # [B, C, T]
     P = T - block_len
-    if block_len:
-        right = mixer._right_conv(ut[:, :, P:])
+    if block_len:           # the right conv in the block: Σ_j W_right[:, j−1]·u_{t+j}, zero past its end
+        w_right = mixer.conv1d_right.weight
+        right = depthwise_conv(F.pad(ut[:, :, P + 1:], (0, w_right.shape[-1])), w_right)[:, :, :block_len]
         left = torch.cat([left[:, :, :P], left[:, :, P:] + right], dim=2)
     x = F.silu(left).transpose(1, 2)                                      # [B, T, C]
     q, k, v = torch.split(x, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)

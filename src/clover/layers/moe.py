@@ -1,9 +1,9 @@
-"""Sparse mixture of experts with a shared expert (SPEC §2) and block expert selection (SPEC §6).
+"""Sparse mixture of experts with a shared expert (SPEC §2) and block expert selection (SPEC §6): the
+module and the "moe" op's reference (backend.py).
 
 Expert weights are stored fused, as transformers 5 does: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`.
-The fast path groups token-slots by expert so each routed expert's weights are read once per forward
-for all of its tokens, and experts nobody routed to are never touched. The block itself is the "moe"
-op's reference (backend.py).
+Token-slots run grouped by expert: each routed expert's weights are read once per forward, unrouted
+experts never.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from .packed import project
 
 
 class SwiGLU(nn.Module):
+    """The shared expert's maps; `SparseMoE.forward` applies them (gate and up stacked with the router)."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -53,8 +52,7 @@ class Experts(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the expert matrices are stored quantized (a `QuantizedWeight` module,
-        quantization/modules.py), not yet packed."""
+        """Whether the expert matrices are stored quantized (`QuantizedWeight` modules), not yet packed."""
         return isinstance(self.gate_up_proj, nn.Module)
 
     def _apply(self, fn, recurse=True):
@@ -62,13 +60,9 @@ class Experts(nn.Module):
             refuse_moving(self, fn)
         return super()._apply(fn, recurse)
 
-    def _expert(self, x, expert: int):
-        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[expert])
-
     def forward(self, x, indices, weights, grouped=None):
         """x [N, H]; indices/weights [N, k] → Σ_slots weight · expert(x) [N, H]. `grouped`: what runs the
-        slots once sorted by expert, as `self.grouped` takes them (the default; gpu/experts.py: grouped GEMMs)."""
+        slots sorted by expert, as `self.grouped` (the default) takes them."""
         k = indices.shape[1]
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
@@ -76,8 +70,7 @@ class Experts(nn.Module):
 
     def grouped(self, x, token, expert, weight):
         """Token-slots sorted by expert: row x[token[s]] through expert[s] times weight[s], summed per
-        token → [N, H]. Each expert's weights are read once for all of its rows, and experts no slot
-        routes to are never touched; a row's k results are added in expert order."""
+        token → [N, H]; a row's k results are added in expert order."""
         counts = torch.bincount(expert, minlength=self.num_experts)
         weight = weight.to(x.dtype)
         if self.panels is not None:      # packed for the native kernels: gather, SwiGLU, weighting inside
@@ -91,7 +84,8 @@ class Experts(nn.Module):
             start = 0
             for e, count in enumerate(counts.tolist()):
                 if count:
-                    ys[start:start + count] = self._expert(x[token[start:start + count]], e)
+                    gate, up = F.linear(x[token[start:start + count]], self.gate_up_proj[e]).chunk(2, dim=-1)
+                    ys[start:start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])
                     start += count
             ys = ys * weight[:, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
@@ -115,16 +109,15 @@ class SparseMoE(nn.Module):
     input_projections = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
-        """The block's output as the next layer adds it, after whichever backend computed it: this
-        module's whole sum as it is (a tensor-parallel shard's block sums its ranks' parts here:
-        distributed/layers.py)."""
+        """The block's output as the next layer adds it, whichever backend computed it: as it is here;
+        a tensor-parallel shard sums its ranks' parts (distributed/layers.py)."""
         return out
 
     def forward(self, x, block_len: int = 0, block_top_p=None, experts=None):
-        """x [B, T, H]. The last `block_len` tokens of each row are a noisy block; `block_top_p` [B]
-        (1.0 = off) restricts their routing per row (SPEC §6). Returns (out [B, T, H], distinct [B] | None):
-        the number of distinct experts each row's block used, when there is a block. `experts`: what
-        runs the routed experts, `(x [N, H], indices, weights) → [N, H]` (default: `self.experts`)."""
+        """x [B, T, H], the last `block_len` tokens of each row a block; `block_top_p` [B] (1.0 = off)
+        restricts the block's routing per row (SPEC §6) → (out [B, T, H], the distinct experts each
+        row's block used [B], None without a block). `experts`: runs the routed experts, `(x [N, H],
+        indices, weights) → [N, H]` (default: `self.experts`)."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         logits, shared_gate, gate, up = project(self, flat)

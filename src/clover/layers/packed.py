@@ -1,16 +1,11 @@
-"""Packed weights for CPU inference: a transform applied to a built model.
+"""Packed weights for CPU inference: a transform on a built model (`pack_for_cpu`, `pack_part`).
 
-`pack_for_cpu(model)` swaps every bf16 `nn.Linear`, every quantized map and each layer's routed experts
-for copies in the layout Clover's native kernels read (`clover.kernels`: bf16 matrices in 32-column
-panels, products in fp32 FMAs; quantized codes in the integer-dot kernels' panels) and frees the
-originals, so memory does not grow. First it stacks the maps that read the same input (a module lists
-them in `input_projections`: the GDN in-projections, attention's q/k/v, the router with the shared
-expert's gate/up/output gate) into one `FusedProjection`: decode then makes one matrix-vector call
-where it made four. The model also gets the "cpu" backend (clover/backend.py): the GDN mixer, cached
-attention, the MoE block and the residual add + norm run the native kernels where a call qualifies.
-Where the kernels cannot be built, nothing is packed and the model stays on the reference path. The
-unpacked model is the reference (tests compare the two). Inference only: packed weights carry no
-gradients, and `save_checkpoint` refuses a packed model.
+Every bf16 `nn.Linear`, quantized map and routed-expert stack becomes a copy in the native kernels'
+panels (`clover.kernels`), the original freed as it goes, so memory does not grow; the maps a module
+lists in `input_projections` (they read one input) are first stacked into one `FusedProjection`. The
+model then gets the "cpu" backend. Where the kernels cannot be built nothing is packed. The unpacked
+model is the reference (tests compare the two). Inference only: packed weights carry no gradients,
+and `save_checkpoint` refuses a packed model.
 """
 
 from __future__ import annotations
@@ -26,23 +21,14 @@ from ..quantization.modules import QuantizedLinear
 from ..runtime import release_free_memory
 
 
-def _pack_quantized(linears: list, consume: bool = False):
-    """Quantized maps of one input, stacked along their outputs, in the quantized kernels' panels.
-    `consume`: a lone map's stored codes may be handed back as they are packed (a model only the caller
-    holds); maps stacked from several are always consumed, the stack being this function's own copy."""
-
-    def stacked(name):
-        if getattr(linears[0], name) is None:
-            return None
-        return getattr(linears[0], name) if len(linears) == 1 else torch.cat([getattr(m, name) for m in linears])
-
-    return QuantPanelWeight(stacked("qweight"), stacked("scales"), stacked("mins"), linears[0].bits,
-                            super_scales=stacked("super_scales"), super_mins=stacked("super_mins"),
-                            consume=consume or len(linears) > 1)
+def _stacked(tensors: list):
+    """Tensors of maps of one input stacked along their outputs; a lone map's as it is (not copied)."""
+    return tensors[0] if len(tensors) == 1 or tensors[0] is None else torch.cat(tensors)
 
 
 def _kind(module):
-    """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form."""
+    """What can share one stacked matrix: bf16 matrices, or quantized ones of one bits/group/offset form
+    (None: neither)."""
     if isinstance(module, QuantizedLinear):
         return ("quantized", module.bits, module.group_size, module.super_group, module.mins is not None)
     weight = getattr(module, "weight", None)
@@ -58,9 +44,9 @@ def project(module: nn.Module, x: torch.Tensor) -> list:
 
 
 def pack_experts(experts, consume: bool = False) -> None:
-    """Replace an `Experts` module's matrices by stacked panels for the native kernels (`experts.panels`,
-    their tensors registered as its buffers). `consume`: quantized stacks hand their stored pages back
-    as they are packed (nothing else may read them)."""
+    """Replace an `Experts` module's matrices by panels (`experts.panels`, registered as its buffers).
+    `consume`: quantized stacks hand their stored pages back as they are packed (nothing else may read
+    them)."""
     if experts.quantized:
         gu, dn = experts.gate_up_proj, experts.down_proj
         experts.gate_up_proj = experts.down_proj = None
@@ -79,19 +65,8 @@ def pack_experts(experts, consume: bool = False) -> None:
         down = PanelWeight(down)
         experts.down_proj = None
     experts.panels = (gate_up, down)
-    register_packed(experts, "gate_up", gate_up)           # registered state (see PackedWeights)
+    register_packed(experts, "gate_up", gate_up)           # registered state (see FusedProjection)
     register_packed(experts, "down", down)
-
-
-class PackedWeights(nn.Module):
-    """A module whose weights a transform repacked for the CPU kernels. The packed tensors are its
-    registered buffers (`state_dict()` lists them, `load_state_dict()` refills them in place, so the
-    kernels read the new values); moving or casting them would break the layout the kernels read, so
-    `.to()`, `.cuda()`, `.half()`… raise instead of silently doing nothing."""
-
-    def _apply(self, fn, recurse=True):
-        refuse_moving(self, fn)
-        return super()._apply(fn, recurse)
 
 
 def register_packed(module: nn.Module, name: str, packed) -> None:
@@ -101,12 +76,14 @@ def register_packed(module: nn.Module, name: str, packed) -> None:
         module.register_buffer(f"{name}_{key}", tensor)
 
 
-class FusedProjection(PackedWeights):
-    """Several linear maps of the same input stacked into one packed matrix. Decode multiplies one
-    row by each matrix, and every separate call pays dispatch and a thread barrier; one call over the
-    stacked rows reads the same bytes once and returns the pieces as views. Maps of different
-    precisions (a quantized shared expert beside the bf16 router) form consecutive parts, one matrix
-    each. `consume`: as `_pack_quantized`'s."""
+class FusedProjection(nn.Module):
+    """Linear maps of one input stacked into one packed matrix: one kernel call (one dispatch, one
+    thread barrier) returns every map's output as views. Maps of different precisions (a quantized
+    shared expert beside the bf16 router) form consecutive parts. `consume`: a lone quantized map's
+    stored codes may be handed back as they are packed.
+
+    The packed tensors are registered buffers (`load_state_dict()` refills them in place); moving or
+    casting them would break the kernels' layout, so `.to()`, `.cuda()`, `.half()`… raise."""
 
     def __init__(self, linears: list, consume: bool = False):
         super().__init__()
@@ -118,11 +95,12 @@ class FusedProjection(PackedWeights):
             while end < len(linears) and _kind(linears[end]) == _kind(linears[start]):
                 end += 1
             run = linears[start:end]
-            if isinstance(run[0], QuantizedLinear):
-                packed = _pack_quantized(run, consume)
+            if isinstance(run[0], QuantizedLinear):     # a stack of several is a copy: always consumed
+                stored = {key: _stacked([getattr(m, key) for m in run])
+                          for key in ("qweight", *QuantPanelWeight.SCALES)}
+                packed = QuantPanelWeight(**stored, bits=run[0].bits, consume=consume or len(run) > 1)
             else:           # a lone map's weight is packed as it is (the vocabulary projection is not copied)
-                weights = [m.weight.detach() for m in run]
-                packed = PanelWeight(weights[0] if len(run) == 1 else torch.cat(weights))
+                packed = PanelWeight(_stacked([m.weight.detach() for m in run]))
             biases = [getattr(m, "bias", None) for m in run]
             bias = None
             if any(b is not None for b in biases):
@@ -137,10 +115,13 @@ class FusedProjection(PackedWeights):
     def forward(self, x):
         return [piece for packed, bias, sizes in self.parts for piece in packed_linear(x, packed, bias).split(sizes, -1)]
 
+    def _apply(self, fn, recurse=True):
+        refuse_moving(self, fn)
+        return super()._apply(fn, recurse)
+
 
 class PackedLinear(FusedProjection):
-    """`nn.Linear` (or a `QuantizedLinear`) whose weight lives in a packed layout (panels or quantized
-    panels): the projection of one map, returning its output whole."""
+    """One `nn.Linear` or `QuantizedLinear` in packed panels, returning its output whole."""
 
     def __init__(self, linear: nn.Module, consume: bool = False):
         super().__init__([linear], consume)
@@ -151,21 +132,11 @@ class PackedLinear(FusedProjection):
         return packed_linear(x, self.packed, self.bias)
 
 
-def packed_form(linear: nn.Module, consume: bool = False) -> nn.Module:
-    """What a map becomes when packed: its own `packed_form(consume)` where its class defines one (a
-    tensor-parallel row-parallel map keeps its all-reduce: distributed/layers.py), else a PackedLinear."""
-    own = getattr(linear, "packed_form", None)
-    return own(consume) if own is not None else PackedLinear(linear, consume)
-
-
 def pack_for_cpu(model, consume: bool = False) -> int:
-    """Pack the CPU weights of a bf16 `model` in place for the native kernels and give it the "cpu"
-    backend; returns how many matrices were packed. A no-op (returns 0) for other dtypes/devices or
-    where the kernels cannot be built (`clover.kernels.available()`). Tied output embeddings stay
-    unpacked (the embedding table still needs the plain tensor). Matrices already packed (`pack_part`
-    during a load) are left as they are. `consume=True` (a model nothing else references:
-    clover.load's) lets packing hand the stored quantized codes back to the OS slab by slab, lowering
-    the peak (`pack_part`)."""
+    """Pack a bf16 CPU `model` in place and give it the "cpu" backend → how many matrices were packed
+    (0, a no-op, for other dtypes and devices or where the kernels cannot be built). A tied output
+    embedding stays unpacked (the table needs the plain tensor); matrices already packed stay as they
+    are. `consume`: as `pack_part`'s, only for a model nothing else references (clover.load's)."""
     if not packs(model):
         return 0
     count = pack_part(model, "", consume)
@@ -182,12 +153,10 @@ def packs(model) -> bool:
 
 
 def pack_part(model, prefix: str, consume: bool = False) -> int:
-    """Pack the matrices of submodule `prefix` of `model` ("" for all of it): what pack_for_cpu does, one
-    part at a time, so a loader can pack each layer as soon as it is filled (the GGUF loader does:
-    the stored forms of the whole model never sit beside the packed ones). `consume`: quantized expert
-    stacks (`pack_experts`) and large quantized matrices (the vocabulary projection) are consumed slab by
-    slab as they are packed, so not even one layer's stored experts sit whole beside their packed
-    copy — only for a model nothing else references."""
+    """Pack the matrices of submodule `prefix` of `model` ("" for all of it) → how many: `pack_for_cpu`
+    a part at a time, so a loader can pack each layer as it is filled. `consume`: quantized expert stacks
+    and large quantized matrices are consumed slab by slab as they are packed, so not even one layer's
+    stored experts sit whole beside their packed copy (a model nothing else references)."""
     def inside(name: str) -> bool:
         return not prefix or name == prefix or name.startswith(prefix + ".")
 
@@ -210,17 +179,17 @@ def pack_part(model, prefix: str, consume: bool = False) -> int:
             count += 2 * child.num_experts
             del child
             release_free_memory()   # a layer's freed stored matrices back to the OS before the next (runtime.py)
-        else:
-            setattr(parent, name, packed_form(child, consume))
+        else:       # a map with a `packed_form` of its own packs as that (a row-parallel map keeps its all-reduce)
+            packed = child.packed_form(consume) if hasattr(child, "packed_form") else PackedLinear(child, consume)
+            setattr(parent, name, packed)
             count += 1
             del child       # the replaced weight is freed here, before the next matrix is packed
     return count
 
 
-def _fuse_input_projections(model, inside=lambda name: True) -> int:
-    """Give each module (whose name passes `inside`) that declares `input_projections` (names of linear
-    maps that all read the module's input) one `FusedProjection` in `fused_input`, dropping the
-    separate matrices."""
+def _fuse_input_projections(model, inside) -> int:
+    """Stack the `input_projections` of each module whose name passes `inside` into its `fused_input`,
+    dropping the separate maps → how many were stacked."""
     count = 0
     # Only the owning modules are listed: a list of all modules would keep every replaced linear (and
     # its weight) alive until the loop ends.

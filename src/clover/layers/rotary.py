@@ -17,25 +17,17 @@ class RotaryEmbedding(nn.Module):
         # Kept as a float64 CPU constant (not a buffer) so `.to(dtype)` never degrades it; float32
         # models round it exactly as transformers does, float64 models keep full precision.
         self.inv_freq64 = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
-        self._tables: dict = {}
-
-    def _inv_freq(self, cdt, device):
-        key = (cdt, str(device))
-        if key not in self._tables:
-            self._tables[key] = self.inv_freq64.to(device=device, dtype=cdt)
-        return self._tables[key]
+        self._tables: dict = {}     # (dtype, device) → inv_freq64 converted once
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] → (cos, sin) [B, T, rotary_dim] in `dtype`."""
         cdt = compute_dtype(dtype)
-        freqs = positions.to(cdt)[..., None] * self._inv_freq(cdt, positions.device)
+        key = (cdt, str(positions.device))
+        if key not in self._tables:
+            self._tables[key] = self.inv_freq64.to(device=positions.device, dtype=cdt)
+        freqs = positions.to(cdt)[..., None] * self._tables[key]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -43,5 +35,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     r = cos.shape[-1]
     cos, sin = cos[:, None], sin[:, None]
     rot, rest = x[..., :r], x[..., r:]
-    rot = rot * cos + rotate_half(rot) * sin
+    half = r // 2
+    rot = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], dim=-1) * sin     # rotate-half convention
     return torch.cat([rot, rest], dim=-1) if rest.shape[-1] else rot
