@@ -63,7 +63,7 @@ def test_a_failed_pool_swap_keeps_the_old_pool():
 def test_steps_of_up_to_64_tokens_run_the_plan_and_longer_ones_do_not(monkeypatch):
     """On a model packed for the kernels a decode step, a block step, a fused commit and a short causal
     pass run the prepared plan; a pass of more than 64 tokens (a prefill chunk) runs the layers.
-    Swapping the backend drops the prepared plans (they bind its kernels)."""
+    Swapping the backend drops the prepared plans at the next step (they bind its kernels)."""
     model = make_model("base", seed=4, dtype=torch.bfloat16)
     assert pack_for_cpu(model) > 0
     planned = []
@@ -86,6 +86,5 @@ def test_steps_of_up_to_64_tokens_run_the_plan_and_longer_ones_do_not(monkeypatc
         planned.clear()
         plans = model.runner._plans
         model.backend = Backend("cpu")
-        assert model.runner._plans is None
         model.step(torch.tensor([[8]]), [cache], logits_at="last")
         assert planned == [(1, True)] and model.runner._plans is not plans

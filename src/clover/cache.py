@@ -392,20 +392,14 @@ class StatePool:
             self._reserve(held, 0, 1)
         self.slot_ids.drop(slot)
 
-    def flat_positions(self, pages: list[int], start: int, stop: int) -> torch.Tensor:
-        """Rows of a `[pages · page_size, …]` view holding positions start … stop−1 of a page table."""
-        table = torch.tensor(pages[: self.pages_for(stop)], dtype=torch.long)
-        return page_rows(table, torch.arange(start, stop), self.page_size)
-
-    def span(self, pages: list[int], start: int, stop: int):
-        """Positions start … stop−1 of a page table in a `[pages · page_size, …]` view: a slice when
+    def span(self, pages: list[int], stop: int):
+        """Positions 0 … stop−1 (stop ≥ 1) of a page table in a `[pages · page_size, …]` view: a slice when
         the pages are consecutive, else an index tensor."""
         P = self.page_size
-        run = pages[start // P: (stop - 1) // P + 1]
+        run = pages[: (stop - 1) // P + 1]
         if run == list(range(run[0], run[0] + len(run))):
-            first = run[0] * P + start % P
-            return slice(first, first + stop - start)
-        return self.flat_positions(pages, start, stop)
+            return slice(run[0] * P, run[0] * P + stop)
+        return page_rows(torch.tensor(run), torch.arange(stop), P)
 
     # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None) -> ForwardBatch:
@@ -502,7 +496,8 @@ class SequenceState:
     def kv(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention layer `layer`'s K and V of positions 0 … upto−1 (default: the length), [n, Hkv, D] copies."""
         n = self.length if upto is None else upto
-        rows = self.pool.flat_positions(self._held.pages, 0, n)
+        table = torch.tensor(self._held.pages[: self.pool.pages_for(n)], dtype=torch.long)
+        rows = page_rows(table, torch.arange(n), self.pool.page_size)
         k, v = self.pool.k[layer], self.pool.v[layer]
         return k.view(-1, *k.shape[2:])[rows], v.view(-1, *v.shape[2:])[rows]
 

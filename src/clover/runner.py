@@ -33,7 +33,7 @@ class ModelRunner:
 
     def __init__(self, model, backend: Backend | None = None):
         self.model = model
-        self._backend = backend or reference_backend()
+        self.backend = backend or reference_backend()
         # under tensor parallelism, the config with this rank's head counts that sizes the pool (None: the model's)
         self.state_config = None
         self.graph_replay: str | None = None       # step graphs: "cuda", "eager" or off (see `use_graphs`)
@@ -51,15 +51,6 @@ class ModelRunner:
         return f"ModelRunner(backend={self.backend.name!r}, graphs={self.graph_replay!r})"
 
     # ---- backend and executors -------------------------------------------------------------------
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    @backend.setter
-    def backend(self, backend: Backend) -> None:
-        self._backend = backend
-        self._plans = None                     # prepared for the old backend's kernels
-
     def use_graphs(self, replay: str | None = "cuda") -> None:
         """Turn step graphs on (`replay="cuda"`: captured CUDA graphs; "eager": the same static-buffer
         forwards uncaptured, for CPU tests) or off (None: the current pool's graphs closed)."""
@@ -175,7 +166,8 @@ class ModelRunner:
         try:
             ran, logits = False, None
             if T <= PLANNED_TOKENS:                  # the CPU's prepared kernel calls, where they fit
-                self._plans = self._plans or DecodePlans(self.model)
+                if self._plans is None or self._plans.backend is not self.backend:   # plans bind its kernels
+                    self._plans = DecodePlans(self.model)
                 ran, logits = self._plans.step(self.model, ids, batch, block_len, block_top_p, logits_at, stats)
             if not ran and pool is self._pool and self.step_graphs() is not None:
                 logits = self._graphs.run(ids, batch, block_len, block_top_p, logits_at, stats)

@@ -183,12 +183,7 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
     it says stop (or goes away). SIGTERM is ignored: rank 0 shuts the group down gracefully."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     model.runner.configure_pool(options.max_cache_bytes, options.max_sequences or 4 * options.max_batch)  # as Engine
-
-    def new_decoder():
-        return Decoder(model, max_batch=options.max_batch, step_tokens=options.step_tokens,
-                       prefix_cache=options.prefix_cache, decode_prefill_tokens=options.decode_prefill_tokens)
-
-    decoder, seqs = new_decoder(), {}
+    decoder, seqs = options.decoder(model), {}
     while True:
         try:
             ops = channel.receive()
@@ -209,7 +204,7 @@ def follow(model, options: EngineOptions, channel: ControlChannel) -> int:
                 if seq is not None:
                     decoder.cancel(seq)
             elif kind == "reset":
-                decoder, seqs = new_decoder(), {}
+                decoder, seqs = options.decoder(model), {}
             elif kind == "step":
                 digest = None
                 try:

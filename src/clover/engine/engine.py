@@ -72,6 +72,11 @@ class EngineOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
 
+    def decoder(self, model) -> Decoder:
+        """A new `Decoder` over `model` with these options (the engine's, and a tensor-parallel follower's)."""
+        return Decoder(model, max_batch=self.max_batch, step_tokens=self.step_tokens, prefix_cache=self.prefix_cache,
+                       decode_prefill_tokens=self.decode_prefill_tokens)
+
 
 class Engine:
     """`submit(prompt_ids, settings) -> RequestHandle`; `shutdown()`. Thread-safe."""
@@ -112,9 +117,7 @@ class Engine:
             self.start()
 
     def _new_decoder(self) -> Decoder:
-        o = self.options
-        return Decoder(self.model, max_batch=o.max_batch, step_tokens=o.step_tokens, prefix_cache=o.prefix_cache,
-                       decode_prefill_tokens=o.decode_prefill_tokens)
+        return self.options.decoder(self.model)
 
     # ---- properties --------------------------------------------------------------------------
     @property

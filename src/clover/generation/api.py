@@ -1,7 +1,6 @@
-"""`generate()`: the user-facing call, transformers-style — returns `[prompt | completion]`.
-
-Settings resolve as built-in defaults ← the model directory's `generation_config.json` ← keyword
-arguments; every request is validated (SPEC §9) before the first forward of any of them.
+"""The library's generation loop: `generate()` (transformers-style, returns `[prompt | completion]`),
+`generate_batch` and `run_sequences` over one `Decoder`, no thread; `validate`, a request's checks against
+the model (SPEC §9), run for every request before the first forward of any of them.
 """
 
 from __future__ import annotations

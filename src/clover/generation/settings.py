@@ -16,8 +16,9 @@ from ..decoding.controls import ControlSettings
 DECODING_MODES = ("low_confidence", "self_speculative")
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
-# Sampling runs in float32 with denormals flushed to zero (runtime.py): a positive temperature or
-# top_p below float32's smallest normal number acts as 0 there (a division by zero, an empty nucleus).
+# Sampling runs in float32 with denormals flushed to zero (runtime.py): a positive temperature, top_p or
+# block_expert_top_p below float32's smallest normal number acts as 0 (a division by zero, an empty
+# nucleus, a failed check in the model).
 FLOAT32_TINY = 2.0 ** -126
 
 
@@ -102,10 +103,8 @@ class GenerationSettings(ControlSettings):
                 raise GenerationSettingsError(f"{name} must be a number, got {v!r}")
 
         def fraction(name):
-            # None: unset. Below float32's smallest normal number a value acts as 0 (runtime.py flushes
-            # denormals): top_p's nucleus would be empty, block_expert_top_p would fail the model's check.
             v = getattr(self, name)
-            if v is None:
+            if v is None:                                   # unset
                 return
             number(name)
             if not 0.0 < v <= 1.0:

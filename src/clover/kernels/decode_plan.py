@@ -11,9 +11,9 @@ everything else runs the layers. Why, and what it saved: docs/performance.md.
 Invariants (tests/test_decode_plan.py): results bit-identical to the layers' path and to the calls run
 one by one; the logits and expert statistics a step returns are new, buffers are per step shape; one step
 at a time per model (a second thread takes the layers' path); a plan keeps alive what its pointers point
-into, is rebuilt when a parameter its fp32 constants come from is rewritten and dropped when
-`model.backend` is set (modules swapped in otherwise are not seen); an open speculation's GDN inputs are
-recorded as the layers record them.
+into, is rebuilt when a parameter its fp32 constants come from is rewritten and dropped (by the runner)
+when `model.backend` is another (modules swapped in otherwise are not seen); an open speculation's GDN
+inputs are recorded as the layers record them.
 """
 
 from __future__ import annotations
@@ -414,8 +414,7 @@ class DecodePlans:
         `batch` (ids [B, T], T ≤ 64, the last `block_len` a block) through its prepared plan, or
         (False, None) when no plan applies (the runner then runs the layers)."""
         B, T = ids.shape
-        if (not ENABLED or not self.ok or model.backend is not self.backend or not 0 < T <= MAX_TOKENS
-                or batch.padded
+        if (not ENABLED or not self.ok or not 0 < T <= MAX_TOKENS or batch.padded
                 or (batch.write_slots is None and self.has_gdn and T > block_len) or torch.is_grad_enabled()
                 or ids.dtype != torch.long or ids.device.type != "cpu"):
             return False, None

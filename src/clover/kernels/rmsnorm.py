@@ -1,8 +1,6 @@
-"""Python face of `rmsnorm.c`: the residual add with the zero-centred RMSNorm after it, in one call; and
-`kernel_constants`, the fp32 copies and C descriptors every face keeps on its module.
-
-`add_rmsnorm(h, delta, norm)` is `(h + delta, norm(h + delta))` for a `ZeroCenteredRMSNorm` (delta None:
-`norm(h)` alone), bit-equal to the PyTorch module, the reference (tests/test_kernels.py).
+"""Python face of `rmsnorm.c`: `add_rmsnorm`, the residual add with the zero-centred RMSNorm after it in one
+call, bit-equal to `layers.norms.add_rmsnorm_reference` (tests/test_kernels.py); and `kernel_constants`, the
+fp32 copies and C descriptors every face keeps on its module.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ def versions(tensors) -> int:
 
 def kernel_constants(module, sources, make):
     """What `make()` builds from `sources` (the module's parameters the kernel reads, as fp32 copies or
-    C descriptors), kept on `module` with its sources and made again whenever a source was written
-    since (a weight reload through `load_state_dict` copies into them, bumping their versions)."""
+    C descriptors), kept on `module` and made again whenever a source was written since (`versions`)."""
     version = versions(sources)
     cached = module.__dict__.get("_kernel_constants")
     if cached is None or cached[0] != version:

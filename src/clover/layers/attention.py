@@ -52,7 +52,7 @@ class Attention(nn.Module):
         outs = []
         for b in range(q.shape[0]):
             start = batch.starts[b]
-            rows = batch.pool.span(batch.pages[b], 0, start + T)
+            rows = batch.pool.span(batch.pages[b], start + T)
             keys, values = kf[rows].transpose(0, 1)[None], vf[rows].transpose(0, 1)[None]     # [1, Hkv, S, D]
             qb = q[b:b + 1]
             if block_len == T or (block_len == 0 and T == 1):

@@ -3,11 +3,8 @@
 Per value head the state `S ∈ R^{dk×dv}` evolves as `S ← exp(g_t)·S; S ← S + k_t ⊗ β_t(v_t − Sᵀk_t)`
 and the output is `o_t = Sᵀq_t`. All inputs here are already L2-normalised/scaled; shapes are
 `q, k [B, H, T, dk]`, `v [B, H, T, dv]`, `g, beta [B, H, T]`, state `[B, H, dk, dv]`.
-Both functions return `(o [B, H, T, dv], final_state)` in the inputs' dtype (float32 or float64).
-
-The chunked form (the WY / UT-transform formulation of DeltaNet) turns the per-token recursion inside
-a chunk into triangular solves and matmuls; only a short loop over chunks remains. The recurrent form is
-the plain definition and doubles as the reference the chunked one is tested against.
+Both forms return `(o [B, H, T, dv], final_state)` in the inputs' dtype (float32 or float64); the recurrent
+form is the definition, the reference the chunked one (the WY / UT transform of DeltaNet) is tested against.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import torch.nn.functional as F
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Chunked form: O(T/C) sequential steps of matmuls instead of T rank-1 updates.
+    """Chunked form (per chunk, triangular solves and matmuls): O(T/C) sequential steps, not T rank-1 updates.
 
     Within a chunk with cumulative log-decay γ, the state after position t is
     `S_t = e^{γ_t} S_0 + Σ_{s≤t} e^{γ_t−γ_s} k_s u_sᵀ`, where the corrections u solve the unit lower
