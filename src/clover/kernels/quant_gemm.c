@@ -480,6 +480,30 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
  * hold inputs (0,1) (2,3) (4,5) (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte.
  * `entries` stacked matrices (an expert slab: qentry / oentry bytes apart) in one call: a parallel
  * region per expert cost more than the packing on a busy machine. */
+#ifdef __AVX512F__
+/* The dwords at byte `at` of 16 columns' rows (`cols`: their addresses, 8 a vector; `valid`: which exist,
+ * a padding row reading as zero): lane j, column j. */
+static inline __m512i column_dwords(const __m512i *cols, const __mmask8 *valid, long at) {
+    const void *base = (const void *)(intptr_t)at;
+    __m256i lo = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), valid[0], cols[0], base, 1);
+    __m256i hi = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), valid[1], cols[1], base, 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* 16 columns' stored bytes b0 … b3 (codes k … k + 7, low nibble first) → their panel dwords: bytes
+ * (b0 lo | b2 lo << 4, b0 hi | b2 hi << 4, b1 lo | b3 lo << 4, b1 hi | b3 hi << 4), the scalar loop's d[0 … 3]. */
+static inline __m512i nibble_dwords(__m512i x) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13));
+    const __m512i second = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14, 15, 15));
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAULL;
+    __m512i lo = _mm512_and_si512(x, low), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+    __m512i p = _mm512_mask_blend_epi8(odd, _mm512_shuffle_epi8(lo, first), _mm512_shuffle_epi8(hi, first));
+    __m512i q = _mm512_mask_blend_epi8(odd, _mm512_shuffle_epi8(lo, second), _mm512_shuffle_epi8(hi, second));
+    return _mm512_or_si512(p, _mm512_slli_epi16(q, 4));
+}
+#endif
+
 int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
                              const int64_t *rows, int panels, uint8_t *out, long oentry, int threads) {
     if (!(bits == 8 || bits == 6 || bits == 5 || bits == 4) || K % 8) return -2;
@@ -493,9 +517,37 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
             src[c] = r < 0 ? 0 : q + e * qentry + r * qrow;
         }
         uint8_t *o = out + e * oentry + p * panel_bytes;
+#ifdef __AVX512F__
+        __m512i cols[4];                                /* the columns' row addresses, 8 a vector */
+        __mmask8 valid[4];
+        for (int v = 0; v < 4; v++) {
+            int64_t at[8];
+            unsigned m = 0;
+            for (int j = 0; j < 8; j++) {
+                at[j] = (int64_t)(intptr_t)src[8 * v + j];
+                m |= (unsigned)(src[8 * v + j] != 0) << j;
+            }
+            cols[v] = _mm512_loadu_si512((const void *)at);
+            valid[v] = (__mmask8)m;
+        }
+#endif
         for (long k = 0; k < K; k += 8, o += step) {
             if (bits == 5) memset(o + 128, 0, 32);
+#ifdef __AVX512F__                                      /* a half's 16 columns at once: bytes, or nibbles */
+            for (int h = 0; h < 2; h++) {
+                if (bits == 8) {
+                    const __m512i flip = _mm512_set1_epi8((char)0x80);
+                    _mm512_storeu_si512((void *)(o + 64 * h), _mm512_xor_si512(column_dwords(cols + 2 * h, valid + 2 * h, k), flip));
+                    _mm512_storeu_si512((void *)(o + 128 + 64 * h),
+                                        _mm512_xor_si512(column_dwords(cols + 2 * h, valid + 2 * h, k + 4), flip));
+                } else {
+                    _mm512_storeu_si512((void *)(o + 64 * h), nibble_dwords(column_dwords(cols + 2 * h, valid + 2 * h, k / 2)));
+                }
+            }
+            if (bits == 8 || bits == 4) continue;
+#endif
             for (int c = 0; c < PANEL; c++) {
+#ifndef __AVX512F__
                 uint8_t *d = o + 4 * c;                 /* column c: half c/16, byte 64·half + 4·(c%16) */
                 if (bits == 8) {                        /* two blocks of 4 inputs, 128 bytes apart */
                     for (int i = 0; i < 8; i++)
@@ -511,6 +563,7 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
                     d[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
                     d[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
                 }
+#endif
                 if (bits == 5 && src[c]) {              /* fifths: vector T's mask, bit b for its byte b */
                     int fifths = src[c][K / 2 + k / 8];
                     for (int i = 0; i < 8; i++) {
