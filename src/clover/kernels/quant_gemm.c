@@ -504,6 +504,11 @@ static inline __m512i nibble_dwords(__m512i x) {
 }
 #endif
 
+/* The four 2-bit fields of a byte, one to each byte of the result (field i in byte i). */
+static inline uint32_t spread_pairs(uint32_t v) {
+    return (v & 3) | ((v >> 2) & 3) << 8 | ((v >> 4) & 3) << 16 | ((v >> 6) & 3) << 24;
+}
+
 int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
                              const int64_t *rows, int panels, uint8_t *out, long oentry, int threads) {
     if (!(bits == 8 || bits == 6 || bits == 5 || bits == 4) || K % 8) return -2;
@@ -532,7 +537,6 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
         }
 #endif
         for (long k = 0; k < K; k += 8, o += step) {
-            if (bits == 5) memset(o + 128, 0, 32);
 #ifdef __AVX512F__                                      /* a half's 16 columns at once: bytes, or nibbles */
             for (int h = 0; h < 2; h++) {
                 if (bits == 8) {
@@ -544,17 +548,13 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
                     _mm512_storeu_si512((void *)(o + 64 * h), nibble_dwords(column_dwords(cols + 2 * h, valid + 2 * h, k / 2)));
                 }
             }
-            if (bits == 8 || bits == 4) continue;
-#endif
+#else
             for (int c = 0; c < PANEL; c++) {
-#ifndef __AVX512F__
                 uint8_t *d = o + 4 * c;                 /* column c: half c/16, byte 64·half + 4·(c%16) */
                 if (bits == 8) {                        /* two blocks of 4 inputs, 128 bytes apart */
                     for (int i = 0; i < 8; i++)
                         d[(i / 4) * 128 + i % 4] = src[c] ? (uint8_t)(src[c][k + i] ^ 0x80) : 128;
-                    continue;
-                }
-                if (!src[c]) {
+                } else if (!src[c]) {
                     d[0] = d[1] = d[2] = d[3] = 0;
                 } else {
                     const uint8_t *b = src[c] + k / 2;
@@ -563,21 +563,29 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
                     d[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
                     d[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
                 }
+            }
 #endif
-                if (bits == 5 && src[c]) {              /* fifths: vector T's mask, bit b for its byte b */
-                    int fifths = src[c][K / 2 + k / 8];
-                    for (int i = 0; i < 8; i++) {
-                        int b = 4 * (c % 16) + i % 4, T = 2 * (c / 16) + i / 4;
-                        o[128 + 8 * T + b / 8] |= (uint8_t)(((fifths >> i) & 1) << (b % 8));
+            if (bits == 5) {                            /* fifths: per half, the masks of inputs 0-3 and 4-7, */
+                for (int h = 0; h < 2; h++) {           /* column j's bits at 4j … 4j + 3 */
+                    uint64_t first = 0, second = 0;
+                    for (int j = 0; j < 16; j++) {
+                        const uint8_t *row = src[16 * h + j];
+                        uint64_t fifths = row ? row[K / 2 + k / 8] : 0;
+                        first |= (fifths & 15) << (4 * j);
+                        second |= (fifths >> 4) << (4 * j);
                     }
+                    memcpy(o + 128 + 16 * h, &first, 8);
+                    memcpy(o + 136 + 16 * h, &second, 8);
                 }
-                if (bits == 6) {                        /* tops: byte 4·(c%16) + i, pairs (lo, hi) per half */
-                    const uint8_t *t = src[c] ? src[c] + K / 2 + k / 4 : 0;
-                    for (int i = 0; i < 4; i++) {
-                        int pair = t ? ((t[0] >> (2 * i)) & 3) | (((t[1] >> (2 * i)) & 3) << 2) : 0;
-                        uint8_t *x = o + 128 + 4 * (c % 16) + i;
-                        *x = (uint8_t)(c < 16 ? pair : *x | (pair << 4));
+            }
+            if (bits == 6) {                            /* tops: byte 4j + i, column j's pair (input i, 4 + i), */
+                for (int j = 0; j < 16; j++) {          /* column 16 + j's in the high nibble */
+                    uint32_t word = 0;
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t *t = src[16 * h + j] ? src[16 * h + j] + K / 2 + k / 4 : 0;
+                        word |= (t ? spread_pairs(t[0]) | spread_pairs(t[1]) << 2 : 0) << (4 * h);
                     }
+                    memcpy(o + 128 + 4 * j, &word, 4);
                 }
             }
         }
