@@ -472,14 +472,6 @@ int clover_weights_gemm_grouped(const Weights *w, const void *A, long lda, int a
     return status;
 }
 
-/* The panel layout above, from the stored codes (quantization/format.py: int8 [N, K], int4 nibbles
- * [N, K/2], int6 / int5 nibbles then top-bit pairs / fifth bits [N, 3K/4] / [N, 5K/8]; `qrow` bytes per
- * stored row). Output panels take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes
- * of zero weight; its scales are zero too). One pass over the codes, where the PyTorch reordering took
- * ~10 passes: most of a GGUF load's time. Per column and 8 inputs the stored nibble bytes b0..b3
- * hold inputs (0,1) (2,3) (4,5) (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte.
- * `entries` stacked matrices (an expert slab: qentry / oentry bytes apart) in one call: a parallel
- * region per expert cost more than the packing on a busy machine. */
 #ifdef __AVX512F__
 /* The dwords at byte `at` of 16 columns' rows (`cols`: their addresses, 8 a vector; `valid`: which exist,
  * a padding row reading as zero): lane j, column j. */
@@ -491,11 +483,14 @@ static inline __m512i column_dwords(const __m512i *cols, const __mmask8 *valid, 
 }
 
 /* 16 columns' stored bytes b0 … b3 (codes k … k + 7, low nibble first) → their panel dwords: bytes
- * (b0 lo | b2 lo << 4, b0 hi | b2 hi << 4, b1 lo | b3 lo << 4, b1 hi | b3 hi << 4), the scalar loop's d[0 … 3]. */
+ * (b0 lo | b2 lo << 4, b0 hi | b2 hi << 4, b1 lo | b3 lo << 4, b1 hi | b3 hi << 4): the scalar loop's
+ * d[0 … 3]. */
 static inline __m512i nibble_dwords(__m512i x) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13));
-    const __m512i second = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14, 15, 15));
+    const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13,
+                                                                13));
+    const __m512i second = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14,
+                                                                 15, 15));
     const __mmask64 odd = 0xAAAAAAAAAAAAAAAAULL;
     __m512i lo = _mm512_and_si512(x, low), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
     __m512i p = _mm512_mask_blend_epi8(odd, _mm512_shuffle_epi8(lo, first), _mm512_shuffle_epi8(hi, first));
@@ -509,6 +504,14 @@ static inline uint32_t spread_pairs(uint32_t v) {
     return (v & 3) | ((v >> 2) & 3) << 8 | ((v >> 4) & 3) << 16 | ((v >> 6) & 3) << 24;
 }
 
+/* The panel layout above, from the stored codes (quantization/format.py: int8 [N, K], int4 nibbles
+ * [N, K/2], int6 / int5 nibbles then top-bit pairs / fifth bits [N, 3K/4] / [N, 5K/8]; `qrow` bytes per
+ * stored row). Output panels take stored rows `rows[0 .. 32·panels)` in order, −1 a padding row (codes
+ * of zero weight; its scales are zero too). One pass over the codes, where the PyTorch reordering took
+ * ~10 passes: most of a GGUF load's time. Per column and 8 inputs the stored nibble bytes b0..b3
+ * hold inputs (0,1) (2,3) (4,5) (6,7), low nibble first; the panel wants inputs (i, 4 + i) per byte.
+ * `entries` stacked matrices (an expert slab: qentry / oentry bytes apart) in one call: a parallel
+ * region per expert cost more than the packing on a busy machine. */
 int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entries, int bits, int K,
                              const int64_t *rows, int panels, uint8_t *out, long oentry, int threads) {
     if (!(bits == 8 || bits == 6 || bits == 5 || bits == 4) || K % 8) return -2;
@@ -541,11 +544,13 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
             for (int h = 0; h < 2; h++) {
                 if (bits == 8) {
                     const __m512i flip = _mm512_set1_epi8((char)0x80);
-                    _mm512_storeu_si512((void *)(o + 64 * h), _mm512_xor_si512(column_dwords(cols + 2 * h, valid + 2 * h, k), flip));
-                    _mm512_storeu_si512((void *)(o + 128 + 64 * h),
-                                        _mm512_xor_si512(column_dwords(cols + 2 * h, valid + 2 * h, k + 4), flip));
+                    __m512i first = column_dwords(cols + 2 * h, valid + 2 * h, k);          /* inputs 0-3 */
+                    __m512i second = column_dwords(cols + 2 * h, valid + 2 * h, k + 4);     /* inputs 4-7 */
+                    _mm512_storeu_si512((void *)(o + 64 * h), _mm512_xor_si512(first, flip));
+                    _mm512_storeu_si512((void *)(o + 128 + 64 * h), _mm512_xor_si512(second, flip));
                 } else {
-                    _mm512_storeu_si512((void *)(o + 64 * h), nibble_dwords(column_dwords(cols + 2 * h, valid + 2 * h, k / 2)));
+                    __m512i stored = column_dwords(cols + 2 * h, valid + 2 * h, k / 2);
+                    _mm512_storeu_si512((void *)(o + 64 * h), nibble_dwords(stored));
                 }
             }
 #else
