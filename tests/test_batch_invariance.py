@@ -135,8 +135,10 @@ def test_a_forward_from_scratch_equals_the_cached_path(model):
     """`model(ids)` (no cache kept: the Hugging Face wrapper's forward, a block's logits from scratch)
     computes what the state pool's path computes, bit for bit: two rows together against each prefilled
     alone, prompts past one 64-token kernel call, and a block over a causal prefix against a prefill
-    and a block step. (Its attention ran PyTorch's reference while the cached path ran the kernel: the
-    logits differed by up to 0.03.)"""
+    and a block step, in one kernel call and past one. (Its attention ran PyTorch's reference while the
+    cached path ran the kernel: the logits differed by up to 0.03. Later a block over more than 64
+    tokens still ran the reference for GDN and attention; the shipped weights of 6035892 hid it at
+    this seed and showed it at seed 8.)"""
     V = model.config.vocab_size
     ids = torch.randint(10, V - 10, (2, 150), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
@@ -145,9 +147,9 @@ def test_a_forward_from_scratch_equals_the_cached_path(model):
             logits, cache = model.prefill(ids[r], logits_at="all")
             assert torch.equal(together[r:r + 1], logits), r
             cache.release()
-        P, L = 40, 32
-        scratch = model(ids[:1, :P + L], block_len=L)[:, P:]
-        cache = model.make_cache(capacity=P + L)
-        model.step(ids[:1, :P], [cache], logits_at="none")
-        assert torch.equal(scratch, model.step(ids[:1, P:P + L], [cache], block=True))
-        cache.release()
+        for P, L in ((24, 32), (40, 32), (100, 32), (90, 8)):
+            scratch = model(ids[:1, :P + L], block_len=L)[:, P:]
+            cache = model.make_cache(capacity=P + L)
+            model.step(ids[:1, :P], [cache], logits_at="none")
+            assert torch.equal(scratch, model.step(ids[:1, P:P + L], [cache], block=True)), (P, L)
+            cache.release()

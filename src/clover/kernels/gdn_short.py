@@ -19,6 +19,18 @@ from .rmsnorm import kernel_constants
 MAX_TOKENS = 64
 
 
+def call_spans(T: int, block_len: int, limit: int = MAX_TOKENS) -> list[tuple[int, int]]:
+    """The kernel calls of a pass of T tokens whose last `block_len` are a block: the causal part in
+    `limit`-token calls from its start, then the block alone when the whole pass does not fit one call —
+    the calls a prefill and a block step make, so a forward from scratch computes what the cached path
+    does."""
+    if T <= limit:
+        return [(0, T)]
+    P = T - block_len
+    edges = list(range(0, P, limit)) + [P] + ([T] if block_len else [])
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def _constants(mixer):
     """fp32 copies of the parameters the kernel reads (kept on the mixer, made again after a reload)."""
     f32 = lambda t: t.detach().to(torch.float32).contiguous()  # noqa: E731
@@ -54,10 +66,10 @@ def gdn_short_args(mixer, u, z, b, a, slot_arrays, out, causal: int, threads: in
 
 def gdn_short(mixer, u, z, b, a, batch, block_len: int = 0) -> torch.Tensor:
     """The "cpu" backend's `gdn_core`: the projections u, z, b, a bf16 [B, T, ·], the last `block_len`
-    tokens a block (then T ≤ 64) → the gated-norm output [B, T, Hv·dv]. `batch` None: a forward from
-    scratch (zero states in, scratch states out). Causal tokens go 64 per call: the first reads the rows'
+    tokens a block (at most 64) → the gated-norm output [B, T, Hv·dv]. `batch` None: a forward from
+    scratch (zero states in, scratch states out). The calls are `call_spans`: the first reads the rows'
     slots, the later ones update the write slots in place (the kernel reads a state slab, or a conv
-    channel block, whole before it writes it back)."""
+    channel block, whole before it writes it back), and a block after them reads what they wrote."""
     B, T = u.shape[:2]
     if batch is None:
         conv = torch.zeros(2 * B, mixer.conv_dim, mixer.kernel - 1, dtype=torch.bfloat16)
@@ -66,8 +78,8 @@ def gdn_short(mixer, u, z, b, a, batch, block_len: int = 0) -> torch.Tensor:
     else:
         conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
         read_slots, write_slots = batch.read_slots, batch.write_slots
-    if T < 1 or (block_len and T > MAX_TOKENS):
-        raise ValueError(f"gdn_short takes 1..{MAX_TOKENS} tokens (any number without a block), got {T}")
+    if T < 1 or block_len > MAX_TOKENS:
+        raise ValueError(f"gdn_short takes at least one token and a block of at most {MAX_TOKENS}, got {T}, {block_len}")
     for t in (u, z, b, a):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
             raise ValueError("gdn_short takes bf16 projections with contiguous channels")
@@ -86,8 +98,7 @@ def gdn_short(mixer, u, z, b, a, batch, block_len: int = 0) -> torch.Tensor:
     arrays = [_slot_pointers(conv, read_slots), _slot_pointers(conv, written), _slot_pointers(recurrent, read_slots),
               _slot_pointers(recurrent, written)]
     slots = [ctypes.addressof(p) for p in arrays]
-    for s in range(0, T, MAX_TOKENS):
-        e = min(T, s + MAX_TOKENS)
+    for s, e in call_spans(T, block_len):
         u_, z_, b_, a_, out_ = (u, z, b, a, out) if T <= MAX_TOKENS else (t[:, s:e] for t in (u, z, b, a, out))
         status = library().clover_gdn_short(*gdn_short_args(mixer, u_, z_, b_, a_, slots, out_, min(e, P) - s,
                                                             torch.get_num_threads()))

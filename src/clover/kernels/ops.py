@@ -1,6 +1,6 @@
 """The native CPU kernels as the "cpu" backend's implementations of the ops (clover/backend.py), each with
-the test of which calls it takes: bf16 CPU tensors without autograd, at most 64 tokens with a block (any
-number of causal tokens, 64 a call), attention heads ≤ 512 wide with ≤ 16 query heads per K/V head, a MoE
+the test of which calls it takes: bf16 CPU tensors without autograd, a block of at most 64 tokens (any
+number of causal tokens, 64 a call, then the block: `call_spans`), attention heads ≤ 512 wide with ≤ 16 query heads per K/V head, a MoE
 block packed by `pack_for_cpu`. A call that does not qualify runs the op's PyTorch reference; the kernels
 refuse anything else with an error.
 """
@@ -13,7 +13,7 @@ from ..cache import PAGE_SIZE
 from .attention_cached import MAX_TOKENS as ATTENTION_MAX_TOKENS
 from .attention_cached import attention_cached
 from .gdn_short import MAX_TOKENS as GDN_MAX_TOKENS
-from .gdn_short import gdn_short
+from .gdn_short import call_spans, gdn_short
 from .moe_block import moe_block, packed_for_kernels
 from .rmsnorm import add_rmsnorm
 
@@ -37,17 +37,18 @@ def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
     T = u.shape[1]
-    return (T <= GDN_MAX_TOKENS or not block_len) and _plain_bf16(u, z, b, a)
+    return block_len <= GDN_MAX_TOKENS and _plain_bf16(u, z, b, a)
 
 
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
-    return ((qg.shape[1] <= ATTENTION_MAX_TOKENS or not block_len)
+    return (block_len <= ATTENTION_MAX_TOKENS
             and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
 
 
 def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
-    """Each row over its pages; a causal pass of more than 64 tokens as consecutive 64-token calls, each
-    writing its K/V before it attends: a query's numbers never depend on how a prompt was chunked."""
+    """Each row over its pages, in the calls of `call_spans` (a causal pass of more than 64 tokens as
+    consecutive 64-token calls, then a block alone), each writing its K/V before it attends: a query's
+    numbers never depend on how a prompt was chunked."""
     B, T = qg.shape[:2]
     out = torch.empty(B, T, attn.num_heads * attn.head_dim, dtype=qg.dtype)
     if batch is None:            # from scratch (`model(ids)`): each row's K/V in scratch pages, as a prefill
@@ -59,10 +60,9 @@ def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
         table, starts = batch.page_table(), batch.starts
         kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
     for r in range(B):
-        for s in range(0, T, ATTENTION_MAX_TOKENS):
-            e = min(T, s + ATTENTION_MAX_TOKENS)
+        for s, e in call_spans(T, block_len, ATTENTION_MAX_TOKENS):
             attention_cached(attn, qg[r, s:e], k[r, s:e], v[r, s:e], cos[r, s:e], sin[r, s:e], kp, vp, table[r],
-                             starts[r] + s, block_len, out=out[r, s:e])
+                             starts[r] + s, block_len if e == T else 0, out=out[r, s:e])
     return out
 
 
