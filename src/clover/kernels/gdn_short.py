@@ -79,7 +79,8 @@ def gdn_short(mixer, u, z, b, a, batch, block_len: int = 0) -> torch.Tensor:
         conv, recurrent = batch.pool.conv[mixer.layer_index], batch.pool.recurrent[mixer.layer_index]
         read_slots, write_slots = batch.read_slots, batch.write_slots
     if T < 1 or block_len > MAX_TOKENS:
-        raise ValueError(f"gdn_short takes at least one token and a block of at most {MAX_TOKENS}, got {T}, {block_len}")
+        raise ValueError(f"gdn_short takes at least one token and a block of at most {MAX_TOKENS} "
+                         f"(got {T} tokens, block {block_len})")
     for t in (u, z, b, a):
         if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
             raise ValueError("gdn_short takes bf16 projections with contiguous channels")

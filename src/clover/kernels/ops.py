@@ -1,8 +1,8 @@
 """The native CPU kernels as the "cpu" backend's implementations of the ops (clover/backend.py), each with
 the test of which calls it takes: bf16 CPU tensors without autograd, a block of at most 64 tokens (any
-number of causal tokens, 64 a call, then the block: `call_spans`), attention heads ≤ 512 wide with ≤ 16 query heads per K/V head, a MoE
-block packed by `pack_for_cpu`. A call that does not qualify runs the op's PyTorch reference; the kernels
-refuse anything else with an error.
+number of causal tokens, 64 a call, then the block: `call_spans`), attention heads ≤ 512 wide with ≤ 16
+query heads per K/V head, a MoE block packed by `pack_for_cpu`. A call that does not qualify runs the op's
+PyTorch reference; the kernels refuse anything else with an error.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
 
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
-    T = u.shape[1]
     return block_len <= GDN_MAX_TOKENS and _plain_bf16(u, z, b, a)
 
 
