@@ -28,8 +28,11 @@ Three more forms hold GGUF's K-quants and 5-bit types in memory bit for bit, at 
              with scales only (S = 256): 0.578 and 0.820 bytes per weight, where fp16 scales per group
              would take 0.625 and 1.125 (bits 8 for Q6_K's codes).
 
-`clover quantize` writes the symmetric form (absmax per group: s = max|w| / 127 or / 7, rounded to fp16
-first and the codes computed against the rounded scale). The checkpoint keeps a module's name and
+`clover quantize` writes the symmetric form. int8: s = max|w| / 127 per group. int4: s = max|w| / d with
+d the one of 6.5, 7, 7.5, 8, 8.5 that reconstructs the group with the least squared error; plain absmax
+(d = 7) never uses the code −8 and lets one outlier set the step for all 32 weights (relative L2 error
+9.8% → 8.8% on the demo model). Scales are rounded to fp16 first and the codes computed against the
+rounded scale. The checkpoint keeps a module's name and
 replaces `.weight` by `.qweight` / `.scales` (/ `.mins`); everything else (embeddings, norms, the
 router, the shared expert's output gate, biases) is stored as before. `config.json` records
 `"quantization_config": {"quant_method": "clover", "bits": B, "group_size": G}`. Which matrices are
@@ -122,14 +125,32 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         raise ValueError(f"{K} inputs are not a multiple of the group size {spec.group_size}")
     G = spec.group_size
     w = weight.detach().to(torch.float32).reshape(*lead, N, K // G, G)
-    top = 127 if spec.bits == 8 else 7
-    scales = (w.abs().amax(-1) / top).to(SCALE_DTYPE)
-    s = scales.to(torch.float32).unsqueeze(-1)
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    q = torch.round(w * inv).clamp_(-top - (spec.bits == 4), top)     # int4 may use −8 (u = 0)
+    amax = w.abs().amax(-1, keepdim=True)
     if spec.bits == 8:
-        return {"qweight": q.to(torch.int8).reshape(*lead, N, K), "scales": scales}
-    return {"qweight": pack_nibbles((q + 8).to(torch.uint8).reshape(*lead, N, K)), "scales": scales}
+        s, q = _codes(w, amax / 127, 127)
+        return {"qweight": q.to(torch.int8).reshape(*lead, N, K), "scales": s.squeeze(-1).to(SCALE_DTYPE)}
+    s, q, err = None, None, None
+    for d in INT4_RANGES:
+        s_d, q_d = _codes(w, amax / d, 7)
+        err_d = (q_d * s_d - w).square_().sum(-1, keepdim=True)
+        if err is None:
+            s, q, err = s_d, q_d, err_d
+        else:
+            better = err_d < err
+            s, q, err = torch.where(better, s_d, s), torch.where(better, q_d, q), torch.minimum(err_d, err)
+    return {"qweight": pack_nibbles((q + 8).to(torch.uint8).reshape(*lead, N, K)),
+            "scales": s.squeeze(-1).to(SCALE_DTYPE)}
+
+
+INT4_RANGES = (7.0, 6.5, 7.5, 8.0, 8.5)      # max|w| / s candidates for an int4 group, absmax first (wins ties)
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp16-rounded scale (as fp32) and the codes round(w / s) in −top−1…top (int4 may use −8)."""
+    s = scale.to(SCALE_DTYPE).to(torch.float32)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = torch.round(w * inv).clamp_(-top - (top == 7), top)
+    return s, q
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
