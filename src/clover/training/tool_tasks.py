@@ -7,10 +7,15 @@ and the tests call it; `lookup` reads a store you pass, or the deterministic dem
 
 A tool problem is two training examples, as an agent loop sees them:
   - the *call turn*: tools offered in the system turn (a random subset holding the needed tool, in a
-    random order), the user question → thinking that names the tool and copies its arguments, then
-    the call in the template's XML format;
+    random order), the user question → thinking that names the tool (`call multiply`), then the call
+    in the template's XML format;
   - the *answer turn*: the same chat plus the assistant's call (its thinking kept or dropped, as
-    clients do either) and the `<tool_response>` → thinking that reads the result, then the answer.
+    clients do either) and the `<tool_response>` → thinking that names the tool (`multiply
+    returned`), then the answer.
+Neither thinking copies a number. Block decoding fills free text in parallel, and a copy whose length
+varies shifts everything after it: a digit the thinking got wrong went on into the call, and an answer
+that began after a copied result had to guess where it began. Without copies the call's values are
+filled in order under the call grammar, and the answer starts at the same offset in every chat.
 Besides, the evaluated tasks (addition, …) appear with tools offered and no call: the model learns to
 decide. Prompts render through the demo chat template (`chat_template.TOOL_CHAT_TEMPLATE`), the
 text the server renders for the same messages. Splits are by the problem (`key`), as in `tasks.py`.
@@ -91,15 +96,15 @@ CONVERT_TEMPLATES = ("Convert {v} {u} to {t}.", "How many {t} is {v} {u}?", "Wha
 def _multiply(rng: random.Random):
     a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1) for d in (rng.choice((2, 3)), rng.choice((2, 3))))
     args = {"a": a, "b": b}
-    return rng.choice(MULTIPLY_TEMPLATES).format(a=a, b=b), f"a={a} b={b}", args, f"{a}*{b}"
+    return rng.choice(MULTIPLY_TEMPLATES).format(a=a, b=b), args, f"{a}*{b}"
 
 
 def _lookup(rng: random.Random):
     # a letter and one or two digits (`q7`, `b42`): digits are always single tokens, so the key reads
-    # as the same few tokens in the question, the thinking and the call — random letter strings fell
+    # as the same few tokens in the question and the call — random letter strings fell
     # apart into whatever merges they happened to contain, and the small model could not copy them
     k = rng.choice(LETTERS) + str(rng.randint(0, 99))
-    return rng.choice(LOOKUP_TEMPLATES).format(k=k), f"key={k}", {"key": k}, k
+    return rng.choice(LOOKUP_TEMPLATES).format(k=k), {"key": k}, k
 
 
 def _convert(rng: random.Random):
@@ -109,7 +114,7 @@ def _convert(rng: random.Random):
     value = float(v) if isinstance(v, Decimal) else v
     args = {"value": value, "unit": unit, "to": to}
     question = rng.choice(CONVERT_TEMPLATES).format(v=v_text, u=unit, t=to)
-    return question, f"value={v_text} unit={unit} to={to}", args, f"{v_text}{unit}>{to}"
+    return question, args, f"{v_text}{unit}>{to}"
 
 
 _PROBLEMS = {"tool_multiply": ("multiply", _multiply), "tool_lookup": ("lookup", _lookup),
@@ -176,12 +181,12 @@ def tool_problem(task: str, rng: random.Random, tools: list[dict] | None = None,
     `tools` fixes the offered tools (eval: all of DEMO_TOOLS); `result` the tool's answer (else a
     random store value for lookup, the true result for the others)."""
     name, problem = _PROBLEMS[task]
-    question, think_args, args, key = problem(rng)
+    question, args, key = problem(rng)
     user = [{"role": "user", "content": question}]
     if tools is None:
         tools = offered_tools(rng, name)
         user = _with_system(user, rng)
-    call_thinking = f"call {name}: {think_args}"
+    call_thinking = f"call {name}"
     call = Example(task, user, call_thinking, call_text(name, args), f"{task}:{key}", tools=tuple(tools))
     if result is None:
         result = str(rng.randint(0, 999)) if name == "lookup" else run_tool(name, args)
@@ -191,7 +196,7 @@ def tool_problem(task: str, rng: random.Random, tools: list[dict] | None = None,
     if rng.random() < 0.5:
         assistant["reasoning_content"] = call_thinking
     history = user + [assistant, {"role": "tool", "content": result}]
-    reply = Example(task, history, f"{name} returned {result}", answer, f"{task}:{key}", tools=tuple(tools))
+    reply = Example(task, history, f"{name} returned", answer, f"{task}:{key}", tools=tuple(tools))
     return call, reply, {"name": name, "arguments": args}
 
 
