@@ -124,11 +124,25 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     if not spec.fits(K):
         raise ValueError(f"{K} inputs are not a multiple of the group size {spec.group_size}")
     G = spec.group_size
-    w = weight.detach().to(torch.float32).reshape(*lead, N, K // G, G)
-    amax = w.abs().amax(-1, keepdim=True)
+    groups = weight.detach().reshape(-1, G)
+    parts = [_quantize_groups(groups[i:i + GROUPS_PER_PASS].to(torch.float32), spec.bits)
+             for i in range(0, groups.shape[0], GROUPS_PER_PASS)]
+    scales = torch.cat([s for s, _ in parts]).reshape(*lead, N, K // G).to(SCALE_DTYPE)
+    q = torch.cat([q for _, q in parts]).reshape(*lead, N, K)
     if spec.bits == 8:
-        s, q = _codes(w, amax / 127, 127)
-        return {"qweight": q.to(torch.int8).reshape(*lead, N, K), "scales": s.squeeze(-1).to(SCALE_DTYPE)}
+        return {"qweight": q.to(torch.int8), "scales": scales}
+    return {"qweight": pack_nibbles((q + 8).to(torch.uint8)), "scales": scales}
+
+
+INT4_RANGES = (7.0, 6.5, 7.5, 8.0, 8.5)      # max|w| / s candidates for an int4 group, absmax first (wins ties)
+GROUPS_PER_PASS = 8192                       # groups at a time: the fp32 temporaries (1 MB) stay in cache
+
+
+def _quantize_groups(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 groups [R, G] → (scales [R, 1] fp32, already fp16-exact; codes [R, G] in −127…127 or −8…7)."""
+    amax = w.abs().amax(-1, keepdim=True)
+    if bits == 8:
+        return _codes(w, amax / 127, 127)
     s, q, err = None, None, None
     for d in INT4_RANGES:
         s_d, q_d = _codes(w, amax / d, 7)
@@ -138,11 +152,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         else:
             better = err_d < err
             s, q, err = torch.where(better, s_d, s), torch.where(better, q_d, q), torch.minimum(err_d, err)
-    return {"qweight": pack_nibbles((q + 8).to(torch.uint8).reshape(*lead, N, K)),
-            "scales": s.squeeze(-1).to(SCALE_DTYPE)}
-
-
-INT4_RANGES = (7.0, 6.5, 7.5, 8.0, 8.5)      # max|w| / s candidates for an int4 group, absmax first (wins ties)
+    return s, q
 
 
 def _codes(w: torch.Tensor, scale: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
