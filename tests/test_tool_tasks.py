@@ -25,9 +25,9 @@ DEMO = clover.DEMO_MODEL_DIR
 
 def test_demo_tools_compute_hand_checked_results():
     assert run_tool("multiply", {"a": 23, "b": 41}) == "943"
-    assert run_tool("convert", {"value": 3.5, "unit": "km", "to": "m"}) == "3500"
-    assert run_tool("convert", {"value": 350, "unit": "cm", "to": "m"}) == "3.5"
-    assert run_tool("convert", {"value": 42, "unit": "mm", "to": "km"}) == "0.000042"
+    assert run_tool("convert", {"value": 3.5, "unit": "km", "to": "m"}) == "3500 m"
+    assert run_tool("convert", {"value": 350, "unit": "cm", "to": "m"}) == "3.5 m"
+    assert run_tool("convert", {"value": 42, "unit": "mm", "to": "km"}) == "0.000042 km"
     assert run_tool("lookup", {"key": "zq"}, store={"zq": 17}) == "17"
     assert format_number(0.1 + 0.2) == "0.30000000000000004"   # no rounding hidden in the format
     with pytest.raises(ValueError, match="no value stored"):

@@ -16,6 +16,9 @@ Neither thinking copies a number. Block decoding fills free text in parallel, an
 varies shifts everything after it: a digit the thinking got wrong went on into the call, and an answer
 that began after a copied result had to guess where it began. Without copies the call's values are
 filled in order under the call grammar, and the answer starts at the same offset in every chat.
+`convert` returns its result with the unit (`697000 cm`), so every answer is the tool's result
+verbatim: each answer position copies the response's token at the same offset, where a bare number
+left the unit's place to a count of the digits, which runs of zeros made LowConfidence get wrong.
 Besides, the evaluated tasks (addition, …) appear with tools offered and no call: the model learns to
 decide. Prompts render through the demo chat template (`chat_template.TOOL_CHAT_TEMPLATE`), the
 text the server renders for the same messages. Splits are by the problem (`key`), as in `tasks.py`.
@@ -79,7 +82,7 @@ def run_tool(name: str, arguments: Mapping[str, Any], store: Mapping[str, Any] |
         unit, to = arguments["unit"], arguments["to"]
         if unit not in UNITS or to not in UNITS:
             raise ValueError(f"units must be one of {', '.join(UNITS)}")
-        return format_number(Decimal(str(arguments["value"])) * UNITS[unit] / UNITS[to])
+        return f"{format_number(Decimal(str(arguments['value'])) * UNITS[unit] / UNITS[to])} {to}"
     raise ValueError(f"unknown tool {name!r}")
 
 
@@ -190,13 +193,12 @@ def tool_problem(task: str, rng: random.Random, tools: list[dict] | None = None,
     call = Example(task, user, call_thinking, call_text(name, args), f"{task}:{key}", tools=tuple(tools))
     if result is None:
         result = str(rng.randint(0, 999)) if name == "lookup" else run_tool(name, args)
-    answer = f"{result} {args['to']}" if name == "convert" else result
     assistant = {"role": "assistant", "content": "",
                  "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]}
     if rng.random() < 0.5:
         assistant["reasoning_content"] = call_thinking
     history = user + [assistant, {"role": "tool", "content": result}]
-    reply = Example(task, history, f"{name} returned", answer, f"{task}:{key}", tools=tuple(tools))
+    reply = Example(task, history, f"{name} returned", result, f"{task}:{key}", tools=tuple(tools))
     return call, reply, {"name": name, "arguments": args}
 
 
