@@ -32,9 +32,9 @@ Three more forms hold GGUF's K-quants and 5-bit types in memory bit for bit, at 
 d the one of 6.5, 7, 7.5, 8, 8.5 that reconstructs the group with the least squared error; plain absmax
 (d = 7) never uses the code −8 and lets one outlier set the step for all 32 weights (relative L2 error
 9.8% → 8.8% on the demo model). Scales are rounded to fp16 first and the codes computed against the
-rounded scale. The checkpoint keeps a module's name and
-replaces `.weight` by `.qweight` / `.scales` (/ `.mins`); everything else (embeddings, norms, the
-router, the shared expert's output gate, biases) is stored as before. `config.json` records
+rounded scale. The checkpoint keeps a module's name and replaces `.weight` by `.qweight` / `.scales`
+(/ `.mins`); everything else (embeddings, norms, the router, the shared expert's output gate, biases)
+is stored as before. `config.json` records
 `"quantization_config": {"quant_method": "clover", "bits": B, "group_size": G}`. Which matrices are
 quantized is read from the file (a `.qweight` key), not assumed: a matrix whose K is not a multiple
 of the group size stays in bf16.
