@@ -452,13 +452,13 @@ def test_quantize_refuses_and_leaves_nothing(bf16_dir, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(tensor, spec)
 
-    real = convert._quantized
-    monkeypatch.setattr(convert, "_quantized", failing)
+    real = convert.quantize
+    monkeypatch.setattr(convert, "quantize", failing)
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(src, tmp_path / "out", 4, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
     dst = tmp_path / "twice"
-    monkeypatch.setattr(convert, "_quantized", real)
+    monkeypatch.setattr(convert, "quantize", real)
     quantize_checkpoint(src, dst, 8, progress=False)
     with pytest.raises(QuantizeError, match="already quantized"):
         quantize_checkpoint(dst, tmp_path / "again", 4, progress=False)

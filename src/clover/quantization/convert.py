@@ -42,19 +42,6 @@ def _targets(model, spec: QuantSpec) -> dict[str, str]:
     return out
 
 
-ROWS_PER_STEP = 8192
-
-
-def _quantized(tensor: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """Quantize in slices (one expert, or 8192 rows, at a time): the fp32 temporaries stay small even for
-    a 248k-row vocabulary projection. Rows are quantized independently, so slicing changes nothing."""
-    if tensor.dim() == 3:
-        parts = [_quantized(tensor[e], spec) for e in range(tensor.shape[0])]
-        return {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
-    parts = [quantize(tensor[i:i + ROWS_PER_STEP], spec) for i in range(0, tensor.shape[0], ROWS_PER_STEP)]
-    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-
-
 class _ShardWriter:
     """Collects tensors and writes a safetensors shard whenever `limit` bytes are pending."""
 
@@ -132,7 +119,7 @@ def quantize_checkpoint(src, dst, bits: int = 4, group_size: int = 32, *, overwr
             if owner is None:
                 writer.add(name, tensor)
             else:
-                for key, value in _quantized(tensor, spec).items():
+                for key, value in quantize(tensor, spec).items():
                     writer.add(f"{owner}.{key}", value)
             del tensor
             bar.update(1)

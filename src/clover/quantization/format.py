@@ -130,7 +130,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     scales = torch.cat([s for s, _ in parts]).reshape(*lead, N, K // G).to(SCALE_DTYPE)
     q = torch.cat([q for _, q in parts]).reshape(*lead, N, K)
     if spec.bits == 8:
-        return {"qweight": q.to(torch.int8), "scales": scales}
+        return {"qweight": q, "scales": scales}
     return {"qweight": pack_nibbles((q + 8).to(torch.uint8)), "scales": scales}
 
 
@@ -139,10 +139,11 @@ GROUPS_PER_PASS = 8192                       # groups at a time: the fp32 tempor
 
 
 def _quantize_groups(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 groups [R, G] → (scales [R, 1] fp32, already fp16-exact; codes [R, G] in −127…127 or −8…7)."""
+    """fp32 groups [R, G] → (scales [R, 1] fp32, already fp16-exact; int8 codes [R, G] in −127…127 or −8…7)."""
     amax = w.abs().amax(-1, keepdim=True)
     if bits == 8:
-        return _codes(w, amax / 127, 127)
+        s, q = _codes(w, amax / 127, 127)
+        return s, q.to(torch.int8)
     s, q, err = None, None, None
     for d in INT4_RANGES:
         s_d, q_d = _codes(w, amax / d, 7)
@@ -152,7 +153,7 @@ def _quantize_groups(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
         else:
             better = err_d < err
             s, q, err = torch.where(better, s_d, s), torch.where(better, q_d, q), torch.minimum(err_d, err)
-    return s, q
+    return s, q.to(torch.int8)
 
 
 def _codes(w: torch.Tensor, scale: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
