@@ -17,8 +17,8 @@ from clover.tokenization import CloverTokenizer
 from clover.training.evaluate_tools import call_matches, heldout_tool_problems
 from clover.training.extend_tokenizer import extend_model, extended_tokenizer_json, learn_merges
 from clover.training.tasks import TASK_NAMES, generate_example, sample_examples, split_of
-from clover.training.tool_tasks import (DEMO_TOOLS, TOOL_TASK_NAMES, call_text, format_number, pydantic_style,
-                                        run_tool, tool_problem)
+from clover.training.tool_tasks import (DEMO_TOOLS, STAND_IN_SHARE, TOOL_TASK_NAMES, call_text, format_number,
+                                        generate_tool_example, pydantic_style, run_tool, tool_problem)
 
 DEMO = clover.DEMO_MODEL_DIR
 
@@ -85,6 +85,24 @@ def test_heldout_tool_problems_never_appear_in_training():
     for task, call, reply, expected in held:
         if expected["name"] == "lookup":
             assert reply.answer == run_tool("lookup", expected["arguments"])
+
+
+def test_training_answer_turns_copy_the_tool_response():
+    """Every training answer turn answers with its tool message's text verbatim, and about
+    STAND_IN_SHARE of multiply / convert ones carry a result the call's arguments do not give (so only
+    copying gets them right); the call turns are unchanged."""
+    rng = random.Random(4)
+    for task in ("tool_multiply", "tool_convert"):
+        examples = [generate_tool_example(task, rng) for _ in range(600)]
+        replies = [ex for ex in examples if ex.messages[-1]["role"] == "tool"]
+        assert 0.4 < len(replies) / len(examples) < 0.6
+        assert all(ex.answer == ex.messages[-1]["content"] for ex in replies)
+        fn = [ex.messages[-2]["tool_calls"][0]["function"] for ex in replies]
+        stand_in = sum(ex.answer != run_tool(f["name"], f["arguments"]) for ex, f in zip(replies, fn))
+        assert abs(stand_in / len(replies) - STAND_IN_SHARE) < 0.08
+        for call in (ex for ex in examples if ex.messages[-1]["role"] != "tool"):
+            _, calls = parse_tool_calls(call.answer, DEMO_TOOLS)
+            assert [c["function"]["name"] for c in calls] == [task.removeprefix("tool_")]
 
 
 def test_tool_none_keeps_the_evaluated_tasks_answers():

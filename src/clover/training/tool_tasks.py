@@ -11,7 +11,8 @@ A tool problem is two training examples, as an agent loop sees them:
     in the template's XML format;
   - the *answer turn*: the same chat plus the assistant's call (its thinking kept or dropped, as
     clients do either) and the `<tool_response>` → thinking that names the tool (`multiply
-    returned`), then the answer.
+    returned`), then the answer: the response's text verbatim (in training, half the multiply /
+    convert ones respond with another problem's result, `stand_in_result`, so the answer is copied).
 Neither thinking copies a number. Block decoding fills free text in parallel, and a copy whose length
 varies shifts everything after it: a digit the thinking got wrong went on into the call, and an answer
 that began after a copied result had to guess where it began. Without copies the call's values are
@@ -209,5 +210,21 @@ def generate_tool_example(task: str, rng: random.Random) -> Example:
         ex = generate_example(rng.choice(TASK_NAMES), rng)
         return Example(ex.task, _with_system(ex.messages, rng), ex.thinking, ex.answer, ex.key,
                        tools=tuple(offered_tools(rng, None)))
-    call, reply, _ = tool_problem(task, rng)
-    return call if rng.random() < 0.5 else reply
+    if rng.random() < 0.5:
+        return tool_problem(task, rng)[0]
+    name = _PROBLEMS[task][0]
+    result = stand_in_result(name, rng) if name != "lookup" and rng.random() < STAND_IN_SHARE else None
+    return tool_problem(task, rng, result=result)[1]
+
+
+STAND_IN_SHARE = 0.5
+
+
+def stand_in_result(name: str, rng: random.Random) -> str:
+    """The result of another random problem for the same tool: a number of the right shape (runs of
+    zeros, a unit) that the question does not determine. A `STAND_IN_SHARE` of multiply / convert
+    answer turns train on one, as lookup's always do, so the answer copies the response position by
+    position instead of working the result out again from the question (which, under LowConfidence,
+    miscounted runs of zeros: `583000 mm` came back as `58300 mm`)."""
+    _, problem = _PROBLEMS[f"tool_{name}"]
+    return run_tool(name, problem(rng)[1])
