@@ -7,9 +7,8 @@ independently of the model). Step two: the tool runs on the arguments the model 
 its result goes back as a `tool` message, and the answer must be exact. The demo model is small and
 its accuracy is measured, not perfect (docs/tools.md: tool-call accuracy), so each tool must succeed on at
 least 7 of 8 problems — a model that does not call tools, or mangles arguments, fails that at once.
-Decoding is self-speculative, as docs/tools.md's agent example uses it: the demo model writes calls well
-causally (self-speculative output is the autoregressive output, drafted in blocks) and less well with
-LowConfidence, which places the XML's repeated tags before it knows the values' lengths.
+Each loop runs with the server's default decoding (LowConfidence, the call grammar under tool_choice
+auto) and with self-speculative decoding (lossless: the autoregressive output, drafted in blocks).
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ def client():
         yield c
 
 
-def _ask(client, messages, stream: bool):
+def _ask(client, messages, stream: bool, decoding: dict):
     """One chat turn → (content, tool_calls as [{id, name, arguments}], finish_reason)."""
-    kw = dict(model=MODEL, messages=messages, tools=DEMO_TOOLS, max_tokens=128,
-              extra_body={"decoding": "self_speculative"})
+    kw = dict(model=MODEL, messages=messages, tools=DEMO_TOOLS, max_tokens=128, extra_body=decoding)
     if not stream:
         choice = client.chat.completions.create(**kw).choices[0]
         calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
@@ -58,10 +56,10 @@ def _ask(client, messages, stream: bool):
     return "".join(content), [calls[i] for i in sorted(calls)], finish
 
 
-def _agent_loop(client, question: str, stream: bool) -> tuple[dict | None, str]:
+def _agent_loop(client, question: str, stream: bool, decoding: dict) -> tuple[dict | None, str]:
     """(the model's call with parsed arguments, its final answer) — the loop an agent runs."""
     messages = [{"role": "user", "content": question}]
-    content, calls, finish = _ask(client, messages, stream)
+    content, calls, finish = _ask(client, messages, stream, decoding)
     if finish != "tool_calls" or len(calls) != 1:
         return None, content
     call = calls[0]
@@ -74,20 +72,24 @@ def _agent_loop(client, question: str, stream: bool) -> tuple[dict | None, str]:
                      {"id": call["id"], "type": "function",
                       "function": {"name": call["name"], "arguments": call["arguments"]}}]},
                  {"role": "tool", "tool_call_id": call["id"], "content": result}]
-    answer, more_calls, finish = _ask(client, messages, stream)
+    answer, more_calls, finish = _ask(client, messages, stream, decoding)
     assert finish == "stop" and not more_calls
     return {"name": call["name"], "arguments": arguments}, answer.strip()
 
 
+DECODINGS = {"default": {}, "self_speculative": {"decoding": "self_speculative"}}   # default: LowConfidence
+
+
+@pytest.mark.parametrize("decoding", list(DECODINGS))
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("task", TOOL_TASK_NAMES)
-def test_demo_model_runs_the_tool_loop(client, task, stream):
+def test_demo_model_runs_the_tool_loop(client, task, stream, decoding):
     problems = [p for p in heldout_tool_problems(PER_TOOL, seed=77) if p[0] == task]
     assert len(problems) == PER_TOOL
     ok, misses = 0, []
     for _, call_turn, reply_turn, expected in problems:
         question = call_turn.messages[-1]["content"]
-        call, answer = _agent_loop(client, question, stream)
+        call, answer = _agent_loop(client, question, stream, DECODINGS[decoding])
         if call == expected and answer == reply_turn.answer:
             ok += 1
         else:
@@ -102,6 +104,6 @@ def test_demo_model_answers_without_a_tool_when_it_needs_none(client):
     examples = [ex for t in TASK_NAMES for ex in sample_examples(2, "heldout", 5, tasks=[t])]
     ok = 0
     for ex in examples:
-        content, calls, finish = _ask(client, ex.messages, stream=False)
+        content, calls, finish = _ask(client, ex.messages, stream=False, decoding=DECODINGS["self_speculative"])
         ok += finish == "stop" and not calls and check_answer(ex, content)
     assert ok >= len(examples) - 1
