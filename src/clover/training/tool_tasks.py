@@ -203,6 +203,19 @@ def tool_problem(task: str, rng: random.Random, tools: list[dict] | None = None,
     return call, reply, {"name": name, "arguments": args}
 
 
+STAND_IN_SHARE = 0.5
+
+
+def stand_in_result(name: str, rng: random.Random) -> str:
+    """The result of another random problem for the same tool: a number of the right shape (runs of
+    zeros, a unit) that the question does not determine. A `STAND_IN_SHARE` of multiply / convert
+    answer turns train on one, as lookup's always do, so the answer copies the response position by
+    position instead of working the result out again from the question (which, under LowConfidence,
+    miscounted runs of zeros: `583000 mm` came back as `58300 mm`)."""
+    _, problem = _PROBLEMS[f"tool_{name}"]
+    return run_tool(name, problem(rng)[1])
+
+
 def generate_tool_example(task: str, rng: random.Random) -> Example:
     """One training example of a tool task: a call turn or an answer turn (even odds), or — for
     `tool_none` — an evaluated task's question with tools offered that it answers without a call."""
@@ -215,16 +228,3 @@ def generate_tool_example(task: str, rng: random.Random) -> Example:
     name = _PROBLEMS[task][0]
     result = stand_in_result(name, rng) if name != "lookup" and rng.random() < STAND_IN_SHARE else None
     return tool_problem(task, rng, result=result)[1]
-
-
-STAND_IN_SHARE = 0.5
-
-
-def stand_in_result(name: str, rng: random.Random) -> str:
-    """The result of another random problem for the same tool: a number of the right shape (runs of
-    zeros, a unit) that the question does not determine. A `STAND_IN_SHARE` of multiply / convert
-    answer turns train on one, as lookup's always do, so the answer copies the response position by
-    position instead of working the result out again from the question (which, under LowConfidence,
-    miscounted runs of zeros: `583000 mm` came back as `58300 mm`)."""
-    _, problem = _PROBLEMS[f"tool_{name}"]
-    return run_tool(name, problem(rng)[1])
