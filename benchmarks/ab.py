@@ -5,9 +5,10 @@
 The machine these benchmarks run on drifts by 10–25% over minutes, so two benchmark processes run one
 after the other cannot resolve a change of a few percent. Here the revision's package is extracted
 under another name (`clover_base`), both engines load the same checkpoint into one process, and their
-measurements alternate round by round: prefill (512 tokens; 4096 every fourth round), 8 AR decode
-steps, one 32-token block step at `block_expert_top_p` 0.7, and one commit fused with the next block's
-first step (64 tokens, `block_len` 32), each a median over the rounds.
+measurements alternate round by round: prefill (512 tokens; 4096 every fourth round, then 8 AR decode
+steps on its cache), 8 AR decode steps after 512, one 32-token block step at `block_expert_top_p` 0.7,
+and one commit fused with the next block's first step (64 tokens, `block_len` 32), each a median over
+the rounds.
 The working tree's `clover` must be importable (`pip install -e .`).
 """
 
@@ -53,9 +54,14 @@ def measure(model, config, rnd: int) -> dict:
     out["prefill 512 (tok/s)"] = 512 / (time.perf_counter() - t)
     if rnd % 4 == 0:
         long_ids = make_input_ids(config, 4096)
+        long_cache = model.make_cache(capacity=4200)
         t = time.perf_counter()
-        model.step(long_ids, [model.make_cache(capacity=4200)], logits_at="last")
+        token = model.step(long_ids, [long_cache], logits_at="last")[:, -1:].argmax(-1)
         out["prefill 4096 (tok/s)"] = 4096 / (time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(8):
+            token = model.step(token, [long_cache], logits_at="last")[:, -1:].argmax(-1)
+        out["decode step after 4096 (ms)"] = (time.perf_counter() - t) / 8 * 1e3
     cache = model.make_cache(capacity=700)
     model.step(ids, [cache], logits_at="last")
     block = make_input_ids(config, 32, seed=2)

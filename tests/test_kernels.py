@@ -447,6 +447,46 @@ def test_attention_cached_takes_k_and_v_with_their_own_token_strides():
     assert torch.equal(a, b) and all(map(torch.equal, kv_a, kv_b))
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 32), (16, 1, 24), (8, 1, 40)])
+def test_attention_cached_reads_the_cache_wherever_its_pages_lie(heads, kv_heads, head_dim):
+    """A 300-position cache read through a shuffled table of 16-row pages, among pages full of NaN that
+    no position maps to, gives the same output and cache rows as the same positions in consecutive
+    32-row pages: decode tokens, a causal run, a block and a commit fused with a block; query groups of
+    2, 16 and 8 heads a K/V head (keys are scored two at a time for groups of up to 8), head sizes not a
+    multiple of 16. The kernel fetches rows ahead through the page table and sums values in tiles of
+    keys; neither may change a bit or read a row outside the sequence."""
+    from clover.kernels.attention_cached import attention_cached
+    from tiny_models import make_model
+
+    model = make_model("base", seed=5, dtype=torch.bfloat16, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim)
+    attn = next(layer.self_attn for layer in model.model.layers if layer.kind == "full_attention")
+    g = torch.Generator().manual_seed(4)
+    Hkv, D = kv_heads, head_dim
+    cached = [torch.randn(400, Hkv, D, generator=g).bfloat16() for _ in range(2)]      # positions' K, V
+    for start, T, block_len in ((300, 1, 0), (257, 7, 0), (300, 9, 9), (291, 12, 4)):
+        qg = torch.randn(T, 2 * heads * D, generator=g).bfloat16()
+        k, v = (torch.randn(T, Hkv * D, generator=g).bfloat16() for _ in range(2))
+        cos, sin = model.model.rotary(start + torch.arange(T)[None], torch.bfloat16)
+        outs = []
+        for page, shuffled in ((32, False), (16, True)):
+            n = -(-(start + T) // page)
+            table = (torch.randperm(n + 5, generator=g)[:n] if shuffled else torch.arange(n)).to(torch.int32)
+            pages = [torch.full((n + 5, page, Hkv, D), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+            pos = torch.arange(start)
+            rows = table[pos // page].long() * page + pos % page
+            for dst, src in zip(pages, cached):
+                dst.view(-1, Hkv, D)[rows] = src[:start]
+            with torch.inference_mode():
+                out = attention_cached(attn, qg, k, v, cos[0], sin[0], *pages, table, start, block_len=block_len)
+            pos = torch.arange(start + T)
+            rows = table[pos // page].long() * page + pos % page
+            outs.append((out, *(t.view(-1, Hkv, D)[rows] for t in pages)))
+        (a, *kv_a), (b, *kv_b) = outs
+        assert not a.isnan().any() and torch.equal(a, b), (start, T, block_len)
+        assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b))
+
+
 @pytest.mark.parametrize("variant", ["base", "gdn_heavy"])
 def test_gdn_kernel_from_scratch_matches_the_pytorch_path(variant):
     """The "cpu" backend's GDN op without a cache (`model(ids)`: zero initial state), causal inputs of

@@ -43,51 +43,78 @@ static __thread float *scores;
 static __thread long score_floats;
 
 #define MAX_GROUP 16        /* query heads per K/V head */
-#define PV_CHUNK 32         /* output dims per pass over the keys: 2 vectors × group accumulators */
+#define PV_CHUNK 32         /* output dims per pass over a tile of keys: 2 vectors × group accumulators */
+#define V_TILE 8            /* keys per tile of the Σ p·v (8 value rows stay in L1 without conflicts) */
 
 /* 16 bf16 values widened to fp32 with a plain load (masked loads are much slower on this machine) */
 static inline __m512 widen16(const uint16_t *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
 }
 
+/* The D bf16 values of one key or value row towards L1, ahead of their use: the rows a head reads are
+ * `ld` apart and cross pages, which the hardware prefetchers do not follow (a 16k-token decode's
+ * attention read its cache at a fifth of the read bandwidth without this). */
+#define prefetch_row(row, D)                                                                           \
+    for (int b_ = 0; b_ < (D) * 2; b_ += 64) _mm_prefetch((const char *)(row) + b_, _MM_HINT_T0)
+/* (a macro: GCC deletes calls to a function whose only effect is a prefetch, as if it did nothing) */
+
+/* Scores q·k / √D of N consecutive key rows (`ld` apart) for G query heads into p[g·stride + n], with
+ * each key row widened once for all G heads; mx[g] keeps the running maximum. */
+static inline __attribute__((always_inline)) void score_keys(
+        const int G, const int N, int D, const uint16_t *Ks, long ld, float q[][512], float scale, float *p,
+        long stride, float *mx) {
+    __m512 acc[2][MAX_GROUP];
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < G; g++) acc[n][g] = _mm512_setzero_ps();
+    for (int j = 0; j < D; j += 16) {
+        __mmask16 m = lanes(D - j);
+        __m512 kj[2];
+        for (int n = 0; n < N; n++) kj[n] = D - j >= 16 ? widen16(Ks + n * ld + j) : load_bf16_16(Ks + n * ld + j, m);
+        for (int g = 0; g < G; g++) {
+            __m512 qg = D - j >= 16 ? _mm512_loadu_ps(q[g] + j) : _mm512_maskz_loadu_ps(m, q[g] + j);
+            for (int n = 0; n < N; n++) acc[n][g] = _mm512_fmadd_ps(qg, kj[n], acc[n][g]);
+        }
+    }
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < G; g++) {
+            float x = _mm512_reduce_add_ps(acc[n][g]) * scale;
+            p[g * stride + n] = x;
+            mx[g] = x > mx[g] ? x : mx[g];                /* fmaxf, NaN kept out, without a libm call */
+        }
+}
+
 /* One token's G query heads that share a K/V head (qg: the first head's query | gate, heads 2D apart):
  * q norm + rotary, scores over keys 0 … S−1 with each key row widened once for all G heads, softmax,
- * Σ p·v 32 output dims at a time with the G heads' accumulators in registers, normalised, rounded,
- * times the sigmoid gate, into out (heads D apart). p: G rows of `stride` floats of scratch. Inlined
- * with G constant (see the caller) so the accumulator arrays live in registers. */
+ * Σ p·v in tiles of keys, normalised, rounded, times the sigmoid gate, into out (heads D apart). p: G
+ * rows of `stride` floats of scratch. Inlined with G constant (see the caller) so the accumulator
+ * arrays live in registers. */
 static inline __attribute__((always_inline)) void attend_group(
         const int G, int D, int R, long S, const uint16_t *qg, const float *q_scale, float eps, const uint16_t *cos,
         const uint16_t *sin, const uint16_t *K, const uint16_t *V, const int32_t *pages, int page, long ld, float *p,
         long stride, float scale, uint16_t *out) {
-    int nd = (D + 15) / 16, full = D % 16 == 0;
-    float q[MAX_GROUP][512], mx[MAX_GROUP], inv[MAX_GROUP];
+    float q[MAX_GROUP][512], acc[MAX_GROUP][512], mx[MAX_GROUP], inv[MAX_GROUP];
+    for (long i = 0; i < S && i < page; i++) prefetch_row(K + ((long)pages[0] * page + i) * ld, D);
     for (int g = 0; g < G; g++) {
         norm_rope(qg + (long)g * 2 * D, D, R, q_scale, eps, cos, sin, q[g]);
         mx[g] = -INFINITY;
     }
-    /* keys page by page: one page-table lookup per page, rows `ld` apart inside it */
-    for (long s0 = 0; s0 < S; s0 += page)
-    for (long s = s0, s_end = S - s0 < page ? S : s0 + page; s < s_end; s++) {   /* scores q·k_s / √D */
-        const uint16_t *Ks = K + ((long)pages[s0 / page] * page + (s - s0)) * ld;  /* each key row widened once */
-        __m512 acc[MAX_GROUP];
-        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-        for (int j = 0; j < nd; j++) {
-            __m512 kj;
-            if (full) {
-                kj = widen16(Ks + 16 * j);
-                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * j), kj, acc[g]);
-            } else {
-                __mmask16 m = lanes(D - 16 * j);
-                kj = load_bf16_16(Ks + 16 * j, m);
-                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[g] + 16 * j), kj, acc[g]);
-            }
+    /* keys page by page (one page-table lookup per page, rows `ld` apart inside it), two at a time
+     * while both keys' accumulators fit in registers: two independent chains of FMAs, each key's in
+     * the order of one alone */
+    for (long s0 = 0; s0 < S; s0 += page) {
+        const uint16_t *Kp = K + (long)pages[s0 / page] * page * ld;
+        long s = s0, s_end = S - s0 < page ? S : s0 + page;
+        const uint16_t *Kn = s0 + page < S ? K + (long)pages[s0 / page + 1] * page * ld : 0;   /* fetched ahead */
+        for (; G <= 8 && s + 1 < s_end; s += 2) {
+            for (long i = s; i < s + 2 && i + page < S && Kn; i++) prefetch_row(Kn + (i - s0) * ld, D);
+            score_keys(G, 2, D, Kp + (s - s0) * ld, ld, q, scale, p + s, stride, mx);
         }
-        for (int g = 0; g < G; g++) {
-            float x = _mm512_reduce_add_ps(acc[g]) * scale;
-            p[g * stride + s] = x;
-            mx[g] = fmaxf(mx[g], x);
+        for (; s < s_end; s++) {
+            if (Kn && s + page < S) prefetch_row(Kn + (s - s0) * ld, D);
+            score_keys(G, 1, D, Kp + (s - s0) * ld, ld, q, scale, p + s, stride, mx);
         }
     }
+    for (long s = 0; s < S && s < 2 * V_TILE; s++) prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
     for (int g = 0; g < G; g++) {                        /* softmax numerators */
         float *pg = p + g * stride;
         __m512 vsum = _mm512_setzero_ps();
@@ -99,35 +126,52 @@ static inline __attribute__((always_inline)) void attend_group(
         }
         inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
     }
-    for (int d0 = 0; d0 < D; d0 += PV_CHUNK) {          /* Σ_s p_s·v_s, 32 dims at a time in registers */
-        __m512 lo[MAX_GROUP], hi[MAX_GROUP];
-        __mmask16 mlo = lanes(D - d0), mhi = D - d0 > 16 ? lanes(D - d0 - 16) : 0;
-        int whole = D - d0 >= PV_CHUNK;
-        for (int g = 0; g < G; g++) lo[g] = hi[g] = _mm512_setzero_ps();
-        for (long s0 = 0; s0 < S; s0 += page)
-        for (long s = s0, s_end = S - s0 < page ? S : s0 + page; s < s_end; s++) {
-            const uint16_t *Vs = V + ((long)pages[s0 / page] * page + (s - s0)) * ld + d0;
-            __m512 vl = whole ? widen16(Vs) : load_bf16_16(Vs, mlo);
-            __m512 vh = whole ? widen16(Vs + 16) : load_bf16_16(Vs + 16, mhi);
-            for (int g = 0; g < G; g++) {
-                __m512 ps = _mm512_set1_ps(p[g * stride + s]);
-                lo[g] = _mm512_fmadd_ps(ps, vl, lo[g]);
-                hi[g] = _mm512_fmadd_ps(ps, vh, hi[g]);
-            }
-        }
-        for (int g = 0; g < G; g++) {                    /* normalised, rounded; × gate */
-            const uint16_t *gate = qg + (long)g * 2 * D + D + d0;
-            uint16_t *dst = out + (long)g * D + d0;
-            for (int half = 0; half < 2; half++) {
-                __mmask16 m = half ? mhi : mlo;
-                __m512 o = round_bf16_16(_mm512_mul_ps(half ? hi[g] : lo[g], _mm512_set1_ps(inv[g])));
-                __m512 gv = load_bf16_16(gate + 16 * half, m);
-                gv = round_bf16_16(_mm512_div_ps(_mm512_set1_ps(1.0f),
-                                                 _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-                store_bf16_16(dst + 16 * half, m, _mm512_mul_ps(o, gv));
+    /* Σ_s p_s·v_s in tiles of V_TILE keys, 32 output dims at a time in registers (their sums kept in
+     * `acc` between tiles): a tile's value rows come from L1 once per 32 dims, the rows two tiles on
+     * fetched meanwhile. Each output still adds its terms in key order. */
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
+    for (long s0 = 0; s0 < S; s0 += page) {
+        const uint16_t *Vp = V + (long)pages[s0 / page] * page * ld;
+        long n = S - s0 < page ? S - s0 : page;
+        for (long t0 = 0; t0 < n; t0 += V_TILE) {
+            long t1 = n - t0 < V_TILE ? n : t0 + V_TILE;
+            for (long s = s0 + t0 + 2 * V_TILE; s < s0 + t1 + 2 * V_TILE && s < S; s++)
+                prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
+            for (int d0 = 0; d0 < D; d0 += PV_CHUNK) {
+                __m512 lo[MAX_GROUP], hi[MAX_GROUP];
+                __mmask16 mlo = lanes(D - d0), mhi = D - d0 > 16 ? lanes(D - d0 - 16) : 0;
+                int whole = D - d0 >= PV_CHUNK;
+                for (int g = 0; g < G; g++) {
+                    lo[g] = _mm512_maskz_loadu_ps(mlo, acc[g] + d0);
+                    hi[g] = _mm512_maskz_loadu_ps(mhi, acc[g] + d0 + 16);
+                }
+                for (long i = t0; i < t1; i++) {
+                    const uint16_t *Vs = Vp + i * ld + d0;
+                    __m512 vl = whole ? widen16(Vs) : load_bf16_16(Vs, mlo);
+                    __m512 vh = whole ? widen16(Vs + 16) : load_bf16_16(Vs + 16, mhi);
+                    for (int g = 0; g < G; g++) {
+                        __m512 ps = _mm512_set1_ps(p[g * stride + s0 + i]);
+                        lo[g] = _mm512_fmadd_ps(ps, vl, lo[g]);
+                        hi[g] = _mm512_fmadd_ps(ps, vh, hi[g]);
+                    }
+                }
+                for (int g = 0; g < G; g++) {
+                    _mm512_mask_storeu_ps(acc[g] + d0, mlo, lo[g]);
+                    _mm512_mask_storeu_ps(acc[g] + d0 + 16, mhi, hi[g]);
+                }
             }
         }
     }
+    for (int g = 0; g < G; g++)                          /* normalised, rounded; × gate */
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __mmask16 m = lanes(D - d0);
+            __m512 o = round_bf16_16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc[g] + d0), _mm512_set1_ps(inv[g])));
+            __m512 gv = load_bf16_16(qg + (long)g * 2 * D + D + d0, m);
+            gv = round_bf16_16(_mm512_div_ps(_mm512_set1_ps(1.0f),
+                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+            store_bf16_16(out + (long)g * D + d0, m, _mm512_mul_ps(o, gv));
+        }
 }
 
 /* T tokens at positions start … start+T−1 of one sequence: the first P causal (token t sees keys
