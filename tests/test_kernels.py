@@ -361,18 +361,19 @@ def test_moe_block_kernel_matches_the_pytorch_module(variant):
 ATTENTION_CALLS = [(1, 0), (1, 0), (5, 0), (8, 8), (1, 1), (10, 6), (3, 0), (32, 32), (1, 0)]
 
 
-@pytest.mark.parametrize("variant", ["base", "tied_gqa4"])
-def test_attention_cached_kernel_matches_the_pytorch_path(variant):
+@pytest.mark.parametrize("variant, head_dim", [("base", None), ("tied_gqa4", None), ("base", 64), ("tied_gqa4", 32)])
+def test_attention_cached_kernel_matches_the_pytorch_path(variant, head_dim):
     """kernels/attention_cached.c against Attention's PyTorch path on a packed bf16 tiny model: decode
     tokens, commits, block steps and commit + block calls, two sequences at different positions, the
     cache growing past its capacity. The K/V written to the cache are bit-equal (same norm and rotary
     roundings) and the lengths agree; the gated output agrees to bf16 rounding (the attention itself
-    runs in fp32 in the kernel; PyTorch's kernel rounds probabilities to bf16 below 32 queries)."""
+    runs in fp32 in the kernel, or in bf16 pair products with bf16 probabilities for heads a multiple of
+    32 wide on CPUs with AVX-512 BF16; PyTorch's kernel rounds probabilities to bf16 below 32 queries)."""
     from clover.backend import reference_backend
     from clover.layers.packed import pack_for_cpu
     from tiny_models import layer_call, make_model
 
-    model = make_model(variant, seed=5, dtype=torch.bfloat16)
+    model = make_model(variant, seed=5, dtype=torch.bfloat16, **({} if head_dim is None else {"head_dim": head_dim}))
     assert pack_for_cpu(model) > 0
     index = next(i for i, layer in enumerate(model.model.layers) if layer.kind == "full_attention")
     attn = model.model.layers[index].self_attn

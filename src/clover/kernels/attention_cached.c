@@ -83,19 +83,32 @@ static inline __attribute__((always_inline)) void score_keys(
         }
 }
 
-/* One token's G query heads that share a K/V head (qg: the first head's query | gate, heads 2D apart):
- * q norm + rotary, scores over keys 0 … S−1 with each key row widened once for all G heads, softmax,
- * Σ p·v in tiles of keys, normalised, rounded, times the sigmoid gate, into out (heads D apart). p: G
- * rows of `stride` floats of scratch. Inlined with G constant (see the caller) so the accumulator
- * arrays live in registers. */
-static inline __attribute__((always_inline)) void attend_group(
-        const int G, int D, int R, long S, const uint16_t *qg, const float *q_scale, float eps, const uint16_t *cos,
-        const uint16_t *sin, const uint16_t *K, const uint16_t *V, const int32_t *pages, int page, long ld, float *p,
-        long stride, float scale, uint16_t *out) {
+/* The query rows one work item computes, all over the same keys: per row its query | gate (2D bf16),
+ * its token's rotary cos / sin and where its D outputs go. */
+typedef struct {
+    const uint16_t *q[MAX_GROUP], *cos[MAX_GROUP], *sin[MAX_GROUP];
+    uint16_t *out[MAX_GROUP];
+} Rows;
+
+/* 16 outputs o (fp32, normalised) rounded to bf16, times the sigmoid of their gate (rounded), to dst. */
+static inline void gate_out(__m512 o, const uint16_t *gate, uint16_t *dst, __mmask16 m) {
+    __m512 gv = load_bf16_16(gate, m);
+    gv = round_bf16_16(_mm512_div_ps(_mm512_set1_ps(1.0f),
+                                     _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+    store_bf16_16(dst, m, _mm512_mul_ps(round_bf16_16(o), gv));
+}
+
+/* G query rows that see the same keys 0 … S−1 of one K/V head (`Rows`): q norm + rotary, scores over the
+ * keys with each key row widened once for all G rows, softmax, Σ p·v in tiles of keys, normalised,
+ * rounded, times the sigmoid gate, all in fp32. p: G rows of `stride` floats of scratch. Inlined with G
+ * constant (see the caller) so the accumulator arrays live in registers. */
+static inline __attribute__((always_inline)) void attend_fp32(
+        const int G, int D, int R, long S, const Rows *rows, const float *q_scale, float eps, const uint16_t *K,
+        const uint16_t *V, const int32_t *pages, int page, long ld, float *p, long stride, float scale) {
     float q[MAX_GROUP][512], acc[MAX_GROUP][512], mx[MAX_GROUP], inv[MAX_GROUP];
     for (long i = 0; i < S && i < page; i++) prefetch_row(K + ((long)pages[0] * page + i) * ld, D);
     for (int g = 0; g < G; g++) {
-        norm_rope(qg + (long)g * 2 * D, D, R, q_scale, eps, cos, sin, q[g]);
+        norm_rope(rows->q[g], D, R, q_scale, eps, rows->cos[g], rows->sin[g], q[g]);
         mx[g] = -INFINITY;
     }
     /* keys page by page (one page-table lookup per page, rows `ld` apart inside it), two at a time
@@ -166,13 +179,202 @@ static inline __attribute__((always_inline)) void attend_group(
     for (int g = 0; g < G; g++)                          /* normalised, rounded; × gate */
         for (int d0 = 0; d0 < D; d0 += 16) {
             __mmask16 m = lanes(D - d0);
-            __m512 o = round_bf16_16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc[g] + d0), _mm512_set1_ps(inv[g])));
-            __m512 gv = load_bf16_16(qg + (long)g * 2 * D + D + d0, m);
-            gv = round_bf16_16(_mm512_div_ps(_mm512_set1_ps(1.0f),
-                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-            store_bf16_16(out + (long)g * D + d0, m, _mm512_mul_ps(o, gv));
+            gate_out(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc[g] + d0), _mm512_set1_ps(inv[g])),
+                     rows->q[g] + D + d0, rows->out[g] + d0, m);
         }
 }
+
+#ifdef __AVX512BF16__
+/* With AVX-512 BF16, a block's rows over heads a multiple of 32 wide take `vdpbf16ps`, two bf16
+ * products per fp32 lane, and no horizontal sums: a tile of up to 32 keys is transposed once into words
+ * of two dims, 16 keys a vector, for all the item's rows (up to 16); a row's 32 scores of the tile are
+ * then D/2 pair products with its query's words broadcast. The probabilities are rounded to bf16 for
+ * Σ p·v (as PyTorch's bf16 attention does), two keys a word, against two value rows interleaved by 16
+ * bits. Each row's sums run in a fixed order whatever the other rows of its item or the page size: a
+ * score over pairs of dims, the even and the odd pairs in two chains added at the end; Σ p·v over pairs
+ * of keys at even positions, in key order. */
+#define PAIR_TILE 32        /* keys per tile: two vectors of 16 */
+#define PAIR_ROWS 4         /* rows a pass of the scores: 4 × 2 vectors × 2 chains = 16 accumulators */
+#define PV_ROWS 8           /* rows a pass of Σ p·v: 8 × 2 vectors, one chain each */
+
+/* 16 rows of 16 32-bit words (`ld` words apart; rows from n on read as zero) transposed: out[j] holds
+ * word j of the 16 rows, row i in lane i. Unpacks by 32 and 64 bits, then two rounds of 128-bit moves. */
+static inline void transpose_words(const uint32_t *src, long ld, int n, __m512i *out) {
+    __m512i r[16], t[16];
+    if (n >= 16)
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * ld);
+    else
+        for (int i = 0; i < 16; i++) r[i] = i < n ? _mm512_loadu_si512(src + i * ld) : _mm512_setzero_si512();
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {             /* r[4i + c]: word 4L + c of rows 4i … 4i+3 in 128-bit lane L */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        out[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        out[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        out[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        out[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* Scores of NR rows (query words qw[r], D/2 each) against a transposed tile kt[2][D/2] (keys 0–15,
+ * 16–31) into p[r·stride + 0 … n−1]; mx[r] (16 lanes) keeps the running maximum. */
+static inline __attribute__((always_inline)) void score_tile(
+        const int NR, int D, const uint32_t (*qw)[256], const __m512i (*kt)[256], int n, float scale,
+        float *p, long stride, __m512 *mx) {
+    __m512 acc[PAIR_ROWS][2][2];
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) acc[r][h][0] = acc[r][h][1] = _mm512_setzero_ps();
+    for (int w = 0; w < D / 2; w += 2)
+        for (int e = 0; e < 2; e++)
+            for (int r = 0; r < NR; r++) {
+                __m512bh q = (__m512bh)_mm512_set1_epi32((int)qw[r][w + e]);
+                for (int h = 0; h < 2; h++) acc[r][h][e] = _mm512_dpbf16_ps(acc[r][h][e], (__m512bh)kt[h][w + e], q);
+            }
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) {
+            __mmask16 m = n > 16 * h ? lanes(n - 16 * h) : 0;
+            __m512 x = _mm512_mul_ps(_mm512_add_ps(acc[r][h][0], acc[r][h][1]), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(p + r * stride + 16 * h, m, x);
+            mx[r] = _mm512_mask_max_ps(mx[r], m, mx[r], x);
+        }
+}
+
+/* Σ p·v over a tile's n keys for NR rows, output dims d0 … d0+31: pb[r] holds each row's bf16
+ * probabilities of the tile (two keys a word, zero past n); the running sums (dims in the order of an
+ * unpack of 16-bit pairs) are kept between tiles in acc. */
+static inline __attribute__((always_inline)) void pv_tile(
+        const int NR, const uint32_t (*pb)[PAIR_TILE / 2], const uint16_t *Vt, long ld, int n, int d0, float (*acc)[512]) {
+    __m512 sum[PV_ROWS][2];
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) sum[r][h] = _mm512_loadu_ps(acc[r] + d0 + 16 * h);
+#define PAIR_STEP(i, second)                                                                                \
+    {                                                                                                       \
+        __m512i l0 = _mm512_loadu_si512((const void *)(Vt + 2L * (i) * ld + d0));                           \
+        __m512i l1 = (second) ? _mm512_loadu_si512((const void *)(Vt + (2L * (i) + 1) * ld + d0))            \
+                              : _mm512_setzero_si512();                                                     \
+        __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(l0, l1), hi = (__m512bh)_mm512_unpackhi_epi16(l0, l1); \
+        for (int r = 0; r < NR; r++) {                                                                      \
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)pb[r][i]);                                        \
+            sum[r][0] = _mm512_dpbf16_ps(sum[r][0], lo, b);                                                 \
+            sum[r][1] = _mm512_dpbf16_ps(sum[r][1], hi, b);                                                 \
+        }                                                                                                   \
+    }
+    if (n == PAIR_TILE)                          /* a whole tile: no key past its end */
+        for (int i = 0; i < PAIR_TILE / 2; i++) PAIR_STEP(i, 1)
+    else
+        for (int i = 0; 2 * i < n; i++) PAIR_STEP(i, 2 * i + 1 < n)
+#undef PAIR_STEP
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) _mm512_storeu_ps(acc[r] + d0 + 16 * h, sum[r][h]);
+}
+
+/* The dims of an unpack of 16-bit pairs back in order: of 32 dims, lanes of (lo, hi) */
+static const int32_t UNPACKED_LO[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+static const int32_t UNPACKED_HI[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+
+/* attend_fp32's computation through `vdpbf16ps` (see above) for any number G of rows; D a multiple of
+ * 32, the page size even (a pair of keys never straddles pages). */
+static void attend_pairs(int G, int D, int R, long S, const Rows *rows, const float *q_scale, float eps,
+                         const uint16_t *K, const uint16_t *V, const int32_t *pages, int page, long ld, float *p,
+                         long stride, float scale) {
+    uint32_t qw[MAX_GROUP][256];                 /* each row's query, two dims a word */
+    float sums[MAX_GROUP][512];                  /* Σ p·v */
+    __m512i kt[2][256];                          /* a tile's keys 0–15 and 16–31, transposed */
+    __m512 mx[MAX_GROUP];
+    float inv[MAX_GROUP];
+    for (long i = 0; i < S && i < page; i++) prefetch_row(K + ((long)pages[0] * page + i) * ld, D);
+    for (int g = 0; g < G; g++) {
+        float q[512];
+        norm_rope(rows->q[g], D, R, q_scale, eps, rows->cos[g], rows->sin[g], q);     /* bf16 values: exact */
+        for (int w = 0; w < D / 2; w++) qw[g][w] = f32_to_bf16(q[2 * w]) | (uint32_t)f32_to_bf16(q[2 * w + 1]) << 16;
+        mx[g] = _mm512_set1_ps(-INFINITY);
+    }
+    for (long s0 = 0; s0 < S; s0 += page) {
+        const uint16_t *Kp = K + (long)pages[s0 / page] * page * ld;
+        const uint16_t *Kn = s0 + page < S ? K + (long)pages[s0 / page + 1] * page * ld : 0;   /* fetched ahead */
+        long n = S - s0 < page ? S - s0 : page;
+        for (long t0 = 0; t0 < n; t0 += PAIR_TILE) {
+            int nt = n - t0 < PAIR_TILE ? (int)(n - t0) : PAIR_TILE;
+            for (int i = 0; Kn && i < nt && s0 + page + t0 + i < S; i++) prefetch_row(Kn + (t0 + i) * ld, D);
+            for (int h = 0; h < 2; h++)
+                for (int b = 0; b < D / 32; b++)
+                    transpose_words((const uint32_t *)(Kp + (t0 + 16 * h) * ld) + 16 * b, ld / 2, nt - 16 * h,
+                                    kt[h] + 16 * b);
+            float *pt = p + s0 + t0;
+            int g = 0;
+            for (; g + PAIR_ROWS <= G; g += PAIR_ROWS)
+                score_tile(PAIR_ROWS, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g);
+            switch (G - g) {
+            case 1: score_tile(1, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g); break;
+            case 2: score_tile(2, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g); break;
+            case 3: score_tile(3, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g); break;
+            }
+        }
+    }
+    for (long s = 0; s < S && s < 2 * PAIR_TILE; s++) prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
+    for (int g = 0; g < G; g++) {                        /* softmax numerators */
+        float *pg = p + g * stride, top = _mm512_reduce_max_ps(mx[g]);
+        __m512 vsum = _mm512_setzero_ps();
+        for (long s = 0; s < S; s += 16) {
+            __mmask16 m = lanes((int)(S - s < 16 ? S - s : 16));
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + s), _mm512_set1_ps(top))));
+            _mm512_mask_storeu_ps(pg + s, m, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
+        for (int d = 0; d < D; d++) sums[g][d] = 0.0f;
+    }
+    for (long s0 = 0; s0 < S; s0 += page) {
+        const uint16_t *Vp = V + (long)pages[s0 / page] * page * ld;
+        long n = S - s0 < page ? S - s0 : page;
+        for (long t0 = 0; t0 < n; t0 += PAIR_TILE) {
+            int nt = n - t0 < PAIR_TILE ? (int)(n - t0) : PAIR_TILE;
+            for (long s = s0 + t0 + PAIR_TILE; s < s0 + t0 + nt + PAIR_TILE && s < S; s++)
+                prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
+            uint32_t pb[MAX_GROUP][PAIR_TILE / 2];           /* the tile's probabilities in bf16, two keys a word */
+            for (int g = 0; g < G; g++) {
+                const float *pg = p + g * stride + s0 + t0;
+                __m512 lo = _mm512_maskz_loadu_ps(lanes(nt), pg), hi = _mm512_maskz_loadu_ps(nt > 16 ? lanes(nt - 16) : 0, pg + 16);
+                _mm512_storeu_si512((void *)pb[g], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                int g = 0;
+                for (; g + PV_ROWS <= G; g += PV_ROWS) pv_tile(PV_ROWS, pb + g, Vp + t0 * ld, ld, nt, d0, sums + g);
+                switch (G - g) {
+#define PV(nr) pv_tile(nr, pb + g, Vp + t0 * ld, ld, nt, d0, sums + g)
+                case 1: PV(1); break;
+                case 2: PV(2); break;
+                case 3: PV(3); break;
+                case 4: PV(4); break;
+                case 5: PV(5); break;
+                case 6: PV(6); break;
+                case 7: PV(7); break;
+#undef PV
+                }
+            }
+        }
+    }
+    const __m512i lo_idx = _mm512_loadu_si512((const void *)UNPACKED_LO), hi_idx = _mm512_loadu_si512((const void *)UNPACKED_HI);
+    for (int g = 0; g < G; g++)                          /* normalised, rounded; × gate */
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            __m512 lo = _mm512_loadu_ps(sums[g] + d0), hi = _mm512_loadu_ps(sums[g] + d0 + 16);
+            __m512 scale_g = _mm512_set1_ps(inv[g]);
+            gate_out(_mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), scale_g), rows->q[g] + D + d0,
+                     rows->out[g] + d0, 0xFFFF);
+            gate_out(_mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), scale_g), rows->q[g] + D + d0 + 16,
+                     rows->out[g] + d0 + 16, 0xFFFF);
+        }
+}
+#endif
 
 /* T tokens at positions start … start+T−1 of one sequence: the first P causal (token t sees keys
  * 0 … start+t), the rest a block (each sees keys 0 … start+T−1). qg [T, Hq·2D] (query | gate per
@@ -203,27 +405,51 @@ int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const 
         uint16_t *kd = Kc + row, *vd = Vc + row;
         for (int j = 0; j < D; j++) kd[j] = f32_to_bf16(kr[j]), vd[j] = v[t * ldv + (long)h * D + j];
     }
-    if (G * stride > score_floats) {
+#ifdef __AVX512BF16__
+    int pairs = D % 32 == 0 && page % 2 == 0;
+#else
+    int pairs = 0;
+#endif
+    /* Work items: (K/V head, causal token), then (K/V head, run of up to `per` block tokens, which all
+     * see keys 0 … start+T−1): a run's query rows share each key and value row read (and transposed).
+     * Block runs take the pair products where they can (compute-bound: up to 16 rows a key); a causal
+     * token's G rows take the fp32 path, whose transposes are not repaid by so few rows. */
+    int per = pairs ? MAX_GROUP / G : 1, runs = (T - P + per - 1) / per, rows_max = G * (T > P ? per : 1);
+    if (rows_max * stride > score_floats) {
         free(scores);
-        scores = aligned_alloc(64, sizeof(float) * (size_t)(G * stride));
-        score_floats = scores ? G * stride : 0;
+        scores = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * stride));
+        score_floats = scores ? rows_max * stride : 0;
     }
     float *p = scores;
     #pragma omp for schedule(static)
-    for (int item = 0; item < T * Hkv; item++) {
+    for (int item = 0; item < (P + runs) * Hkv; item++) {
         if (!p) { failed = 1; continue; }
-        int t = item / Hkv, kvh = item % Hkv;
-        long S = t < P ? start + t + 1 : S_max;
-        const uint16_t *qgt = qg + t * ldq + (long)kvh * G * 2 * D;
+        int u = item / Hkv, kvh = item % Hkv;
+        int t0 = u < P ? u : P + (u - P) * per, nt = u < P ? 1 : (T - t0 < per ? T - t0 : per);
+        long S = u < P ? start + t0 + 1 : S_max;
+        Rows rows;
+        for (int t = 0; t < nt; t++)
+            for (int g = 0; g < G; g++) {
+                rows.q[t * G + g] = qg + (t0 + t) * ldq + (long)(kvh * G + g) * 2 * D;
+                rows.cos[t * G + g] = cos + (long)(t0 + t) * R;
+                rows.sin[t * G + g] = sin + (long)(t0 + t) * R;
+                rows.out[t * G + g] = out + (t0 + t) * ldo + (long)(kvh * G + g) * D;
+            }
         const uint16_t *K = Kc + (long)kvh * D, *V = Vc + (long)kvh * D;
-        const uint16_t *ct = cos + (long)t * R, *st = sin + (long)t * R;
-        uint16_t *ot = out + t * ldo + (long)kvh * G * D;
+#ifdef __AVX512BF16__
+        if (pairs && u >= P) {          /* causal tokens stay in fp32: decode is bound by reading the cache */
+            attend_pairs(nt * G, D, R, S, &rows, q_scale, eps, K, V, pages, page, ld, p, stride, scale);
+            continue;
+        }
+#endif
         switch (G) {                    /* a constant group size keeps the accumulators in registers */
-        case 1: attend_group(1, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-        case 2: attend_group(2, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-        case 4: attend_group(4, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-        case 8: attend_group(8, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot); break;
-        default: attend_group(G, D, R, S, qgt, q_scale, eps, ct, st, K, V, pages, page, ld, p, stride, scale, ot);
+#define ATTEND(n) attend_fp32(n, D, R, S, &rows, q_scale, eps, K, V, pages, page, ld, p, stride, scale)
+        case 1: ATTEND(1); break;
+        case 2: ATTEND(2); break;
+        case 4: ATTEND(4); break;
+        case 8: ATTEND(8); break;
+        default: ATTEND(G);
+#undef ATTEND
         }
     }
     return failed ? -1 : 0;
