@@ -113,7 +113,9 @@ def test_padded_prefill_rows_equal_each_prompt_alone(model, prompts):
 def test_a_prompt_chunked_anywhere_gives_the_same_state(model, splits):
     """The kernels' causal passes do not depend on where a prompt is cut into chunks (the attention
     kernel takes 64 queries a call, each over its own keys; the GDN kernel is a per-token recurrence),
-    so a prefix-cache hit or a step budget that cuts a prompt elsewhere changes no bit of what follows."""
+    so a prefix-cache hit or a step budget that cuts a prompt elsewhere changes no bit of what follows.
+    Chunks of one token included: a prompt's tokens (`stepwise=False`, what the engine's prefill passes)
+    are not decoding steps."""
     if model.backend.name != "cpu":
         pytest.skip("the native CPU kernels are not available here")
     ids = torch.randint(10, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
@@ -122,7 +124,7 @@ def test_a_prompt_chunked_anywhere_gives_the_same_state(model, splits):
     def run_chunks(ends):
         cache, start = model.make_cache(), 0
         for end in ends + [300]:
-            last = model.step(ids[start:end][None], [cache], logits_at="last")
+            last = model.step(ids[start:end][None], [cache], logits_at="last", stepwise=False)   # a prompt's chunk
             start = end
         return last, model.step(torch.full((1, 32), mask), [cache], block=True)
 

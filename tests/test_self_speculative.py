@@ -314,7 +314,7 @@ def test_verification_and_rollback_are_bit_identical_to_autoregressive_steps():
         for keep in (0, 3, 8):
             _, cache = model.prefill(prompt)
             cache.begin_speculation()
-            verified = model.step(draft[None], [cache])
+            verified = model.step(draft[None], [cache], stepwise=True)     # as the decoder checks a draft
             assert torch.equal(verified, one_by_one)
             cache.rollback(len(prompt) + keep)
             _, ar = model.prefill(prompt)

@@ -43,7 +43,10 @@ class ForwardBatch:
     scratch). `commits[b]`: how many become state (T − block_len, or the row's own length when `padded`).
     `pages[b]`: its page table, covering starts[b] + T. `read_slots` / `write_slots`: the GDN slot a row
     reads / its committed state goes to (None: nothing committed). `records`: per row, per GDN layer, a list
-    receiving the committed inputs (an open speculation, see `SequenceState.rollback`), or None."""
+    receiving the committed inputs (an open speculation, see `SequenceState.rollback`), or None.
+    `stepwise`: the causal tokens must come out exactly as one-token steps compute them (autoregressive
+    decoding, and the speculative checks that must match it); otherwise a kernel may take a prompt's
+    tokens together (kernels/attention_cached.c)."""
 
     pool: "StatePool"
     starts: list[int]
@@ -54,6 +57,7 @@ class ForwardBatch:
     write_slots: list[int] | None
     records: list | None
     padded: bool = False
+    stepwise: bool = False
     _table: torch.Tensor | None = field(default=None, repr=False)
     _index: dict = field(default_factory=dict, repr=False)
 
@@ -62,7 +66,7 @@ class ForwardBatch:
         write = None if self.write_slots is None else [self.write_slots[b]]
         records = None if self.records is None else [self.records[b]]
         return ForwardBatch(self.pool, [self.starts[b]], [self.commits[b]], self.block_len, [self.pages[b]],
-                            [self.read_slots[b]], write, records)
+                            [self.read_slots[b]], write, records, stepwise=self.stepwise)
 
     def page_table(self) -> torch.Tensor:
         """The rows' page tables, int32 [B, max pages], zero-padded (made once per forward)."""
@@ -402,9 +406,11 @@ class StatePool:
         return page_rows(torch.tensor(run), torch.arange(stop), P)
 
     # ---- one forward -----------------------------------------------------------------------------
-    def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None) -> ForwardBatch:
+    def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None,
+                stepwise: bool = False) -> ForwardBatch:
         """Pages for T new tokens per row, fresh GDN slots where tokens are committed: the batch a forward
-        runs on. Call `finish(batch, seqs)` after the forward (or `abort` if it failed)."""
+        runs on (`stepwise`: see ForwardBatch). Call `finish(batch, seqs)` after the forward (or `abort` if
+        it failed)."""
         with self._lock:
             starts = [s.length for s in seqs]
             commits = [T - block_len] * len(seqs) if valid_lens is None else list(valid_lens)
@@ -427,7 +433,8 @@ class StatePool:
             if any(s._records is not None for s in seqs):
                 records = [s._records for s in seqs]
             return ForwardBatch(self, starts, commits, block_len, [list(s._held.pages) for s in seqs],
-                                [s._held.slot for s in seqs], write, records, padded=valid_lens is not None)
+                                [s._held.slot for s in seqs], write, records, padded=valid_lens is not None,
+                                stepwise=stepwise)
 
     def finish(self, batch: ForwardBatch, seqs: list["SequenceState"]) -> None:
         with self._lock:

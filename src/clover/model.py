@@ -107,7 +107,7 @@ class CloverForCausalLM(nn.Module):
     def prefill(self, ids, cache=None, logits_at: str = "last"):
         """One sequence's tokens [T] (or [1, T]) into `cache` (None: a new one); returns (logits, cache)."""
         cache = cache or self.make_cache()
-        return self.runner.step(ids.view(1, -1), [cache], logits_at=logits_at), cache
+        return self.runner.step(ids.view(1, -1), [cache], logits_at=logits_at, stepwise=False), cache
 
     def prefill_batch(self, prompts, caches, logits_at: str = "last"):
         """`ModelRunner.prefill_batch`: prompts of different lengths in one right-padded forward."""

@@ -116,7 +116,7 @@ class ModelRunner:
 
     # ---- cached forwards -------------------------------------------------------------------------
     def step(self, ids, caches, *, block: bool = False, block_len: int | None = None, block_top_p=None,
-             logits_at: str = "all", stats=None):
+             logits_at: str = "all", stats=None, stepwise: bool | None = None):
         """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row); returns logits.
 
         Causal (default): appends the tokens to the caches; logits predict the next tokens.
@@ -124,14 +124,18 @@ class ModelRunner:
         Fused (`block_len=L < T`): the first T−L tokens are committed and the last L are a block after them.
         `logits_at`: "all" [B, T, V], "last" [B, 1, V], "block" [B, L, V], "none" (None: no vocabulary
         projection), or a bool mask [B, L] over the block's positions (those rows, [N, V], row-major).
-        `stats`: a list that receives, per MoE layer, the block's distinct experts [B]."""
+        `stats`: a list that receives, per MoE layer, the block's distinct experts [B].
+        `stepwise`: the causal tokens exactly as one-token steps compute them (autoregressive decoding and
+        the speculative checks that must match it), or (False) as a prompt's, which kernels may take
+        together; default: a single token is a decoding step, several are a prompt."""
         B, T = ids.shape
         block_len = T if block else (block_len or 0)
+        stepwise = T == 1 if stepwise is None else stepwise
         if block_len == 0 and T > self.prefill_chunk:
-            return self._chunked_prefill(ids, caches, logits_at)
+            return self._chunked_prefill(ids, caches, logits_at, stepwise)
         self._check_positions(caches, T)
         top_p = self.block_top_p(block_top_p, B) if block_len else None
-        return self._forward_cached(ids, caches, block_len, top_p, logits_at, stats)
+        return self._forward_cached(ids, caches, block_len, top_p, logits_at, stats, stepwise=stepwise)
 
     def prefill_batch(self, prompts: list[list[int]], caches, logits_at: str = "last"):
         """Encode prompts of different lengths into `caches` in one right-padded causal forward; returns the
@@ -141,9 +145,9 @@ class ModelRunner:
         lens = [len(p) for p in prompts]
         T = max(lens)
         if min(lens) == T:                   # no padding needed (also the long, chunked case)
-            return self.step(torch.tensor(prompts, device=device), caches, logits_at=logits_at)
+            return self.step(torch.tensor(prompts, device=device), caches, logits_at=logits_at, stepwise=False)
         if T > self.prefill_chunk:           # padded rows and chunking do not mix: one prompt at a time
-            return torch.cat([self.step(torch.tensor([p], device=device), [c], logits_at=logits_at)
+            return torch.cat([self.step(torch.tensor([p], device=device), [c], logits_at=logits_at, stepwise=False)
                               for p, c in zip(prompts, caches)])
         ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
@@ -157,12 +161,13 @@ class ModelRunner:
             if c.length + T > limit:
                 raise ValueError(f"position {c.length + T} exceeds max_position_embeddings {limit}")
 
-    def _forward_cached(self, ids, caches, block_len, block_top_p, logits_at, stats, valid_lens=None):
+    def _forward_cached(self, ids, caches, block_len, block_top_p, logits_at, stats, valid_lens=None,
+                        stepwise: bool = False):
         """One forward over the rows' pool state, through the executor that fits it. A failed forward
         changes no sequence: `pool.finish` moves lengths and slots on only after success."""
         T = ids.shape[1]
         pool = caches[0].pool
-        batch = pool.prepare(caches, T, block_len, valid_lens)
+        batch = pool.prepare(caches, T, block_len, valid_lens, stepwise)
         try:
             ran, logits = False, None
             if T <= PLANNED_TOKENS:                  # the CPU's prepared kernel calls, where they fit
@@ -183,7 +188,7 @@ class ModelRunner:
         pool.finish(batch, caches)
         return logits
 
-    def _chunked_prefill(self, ids, caches, logits_at):
+    def _chunked_prefill(self, ids, caches, logits_at, stepwise: bool):
         """A long causal pass as consecutive causal steps over the caches (chunked prefill)."""
         outs = []
         T, chunk = ids.shape[1], self.prefill_chunk
@@ -194,7 +199,7 @@ class ModelRunner:
         for start in range(0, T, chunk):
             last = start + chunk >= T
             want = logits_at if (last or logits_at == "all") else "none"
-            out = self.step(ids[:, start : start + chunk], caches, logits_at=want)
+            out = self.step(ids[:, start : start + chunk], caches, logits_at=want, stepwise=stepwise)
             if out is not None:
                 outs.append(out)
         if torch.is_tensor(logits_at):

@@ -392,7 +392,8 @@ class Decoder:
                     if phase == "verify":
                         for s in rows:
                             s.cache.begin_speculation()
-                    return self.model.runner.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all")
+                    return self.model.runner.step(ids, [s.cache for s in rows], logits_at="last" if phase == "ar" else "all",
+                                                  stepwise=True)     # a check must compute what decoding does
                 ran = self._rows(chunk, forward)
                 for seq, _ in ran:
                     seq.stats.forwards += 1

@@ -88,6 +88,7 @@ static inline __attribute__((always_inline)) void score_keys(
 typedef struct {
     const uint16_t *q[MAX_GROUP], *cos[MAX_GROUP], *sin[MAX_GROUP];
     uint16_t *out[MAX_GROUP];
+    long keys[MAX_GROUP];           /* the keys a row sees, 0 … keys−1 (causal rows of a run: fewer than S) */
 } Rows;
 
 /* 16 outputs o (fp32, normalised) rounded to bf16, times the sigmoid of their gate (rounded), to dst. */
@@ -226,10 +227,11 @@ static inline void transpose_words(const uint32_t *src, long ld, int n, __m512i 
 }
 
 /* Scores of NR rows (query words qw[r], D/2 each) against a transposed tile kt[2][D/2] (keys 0–15,
- * 16–31) into p[r·stride + 0 … n−1]; mx[r] (16 lanes) keeps the running maximum. */
+ * 16–31 of n, the first at position `first`) into p[r·stride + 0 … n−1]; mx[r] (16 lanes) keeps the
+ * running maximum over the keys row r sees (below keys[r]). */
 static inline __attribute__((always_inline)) void score_tile(
-        const int NR, int D, const uint32_t (*qw)[256], const __m512i (*kt)[256], int n, float scale,
-        float *p, long stride, __m512 *mx) {
+        const int NR, int D, const uint32_t (*qw)[256], const __m512i (*kt)[256], int n, long first,
+        const long *keys, float scale, float *p, long stride, __m512 *mx) {
     __m512 acc[PAIR_ROWS][2][2];
     for (int r = 0; r < NR; r++)
         for (int h = 0; h < 2; h++) acc[r][h][0] = acc[r][h][1] = _mm512_setzero_ps();
@@ -241,7 +243,8 @@ static inline __attribute__((always_inline)) void score_tile(
             }
     for (int r = 0; r < NR; r++)
         for (int h = 0; h < 2; h++) {
-            __mmask16 m = n > 16 * h ? lanes(n - 16 * h) : 0;
+            long seen = keys[r] - first < n ? keys[r] - first : n;      /* the row's keys in the tile */
+            __mmask16 m = seen > 16 * h ? lanes((int)(seen - 16 * h)) : 0;
             __m512 x = _mm512_mul_ps(_mm512_add_ps(acc[r][h][0], acc[r][h][1]), _mm512_set1_ps(scale));
             _mm512_mask_storeu_ps(p + r * stride + 16 * h, m, x);
             mx[r] = _mm512_mask_max_ps(mx[r], m, mx[r], x);
@@ -312,22 +315,23 @@ static void attend_pairs(int G, int D, int R, long S, const Rows *rows, const fl
             float *pt = p + s0 + t0;
             int g = 0;
             for (; g + PAIR_ROWS <= G; g += PAIR_ROWS)
-                score_tile(PAIR_ROWS, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g);
+                score_tile(PAIR_ROWS, D, qw + g, kt, nt, s0 + t0, rows->keys + g, scale, pt + g * stride, stride, mx + g);
             switch (G - g) {
-            case 1: score_tile(1, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g); break;
-            case 2: score_tile(2, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g); break;
-            case 3: score_tile(3, D, qw + g, kt, nt, scale, pt + g * stride, stride, mx + g); break;
+            case 1: score_tile(1, D, qw + g, kt, nt, s0 + t0, rows->keys + g, scale, pt + g * stride, stride, mx + g); break;
+            case 2: score_tile(2, D, qw + g, kt, nt, s0 + t0, rows->keys + g, scale, pt + g * stride, stride, mx + g); break;
+            case 3: score_tile(3, D, qw + g, kt, nt, s0 + t0, rows->keys + g, scale, pt + g * stride, stride, mx + g); break;
             }
         }
     }
     for (long s = 0; s < S && s < 2 * PAIR_TILE; s++) prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
-    for (int g = 0; g < G; g++) {                        /* softmax numerators */
+    for (int g = 0; g < G; g++) {                        /* softmax numerators; 0 past the row's keys */
         float *pg = p + g * stride, top = _mm512_reduce_max_ps(mx[g]);
+        long seen = rows->keys[g];
         __m512 vsum = _mm512_setzero_ps();
         for (long s = 0; s < S; s += 16) {
-            __mmask16 m = lanes((int)(S - s < 16 ? S - s : 16));
+            __mmask16 m = s < seen ? lanes((int)(seen - s < 16 ? seen - s : 16)) : 0;
             __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + s), _mm512_set1_ps(top))));
-            _mm512_mask_storeu_ps(pg + s, m, e);
+            _mm512_mask_storeu_ps(pg + s, lanes((int)(S - s < 16 ? S - s : 16)), e);
             vsum = _mm512_add_ps(vsum, e);
         }
         inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
@@ -388,7 +392,8 @@ static void attend_pairs(int G, int D, int R, long S, const Rows *rows, const fl
 int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
                              const uint16_t *k, const uint16_t *v, long ldk, long ldv, const float *q_scale,
                              const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
-                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo) {
+                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
+                             int stepwise) {
     if (D > 512 || R > D || R % 2 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T < 1 || P < 0 || P > T
         || start < 0 || page < 1)
         return -2;
@@ -414,7 +419,8 @@ int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const 
      * see keys 0 … start+T−1): a run's query rows share each key and value row read (and transposed).
      * Block runs take the pair products where they can (compute-bound: up to 16 rows a key); a causal
      * token's G rows take the fp32 path, whose transposes are not repaid by so few rows. */
-    int per = pairs ? MAX_GROUP / G : 1, runs = (T - P + per - 1) / per, rows_max = G * (T > P ? per : 1);
+    int per = pairs ? MAX_GROUP / G : 1, cper = stepwise ? 1 : per;       /* tokens a run: block, causal */
+    int cruns = (P + cper - 1) / cper, runs = (T - P + per - 1) / per, rows_max = G * (T > 1 ? per : 1);
     if (rows_max * stride > score_floats) {
         free(scores);
         scores = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * stride));
@@ -422,11 +428,12 @@ int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const 
     }
     float *p = scores;
     #pragma omp for schedule(static)
-    for (int item = 0; item < (P + runs) * Hkv; item++) {
+    for (int item = 0; item < (cruns + runs) * Hkv; item++) {
         if (!p) { failed = 1; continue; }
         int u = item / Hkv, kvh = item % Hkv;
-        int t0 = u < P ? u : P + (u - P) * per, nt = u < P ? 1 : (T - t0 < per ? T - t0 : per);
-        long S = u < P ? start + t0 + 1 : S_max;
+        int causal = u < cruns, t0 = causal ? u * cper : P + (u - cruns) * per;
+        int nt = causal ? (P - t0 < cper ? P - t0 : cper) : (T - t0 < per ? T - t0 : per);
+        long S = causal ? start + t0 + nt : S_max;
         Rows rows;
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < G; g++) {
@@ -434,10 +441,11 @@ int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const 
                 rows.cos[t * G + g] = cos + (long)(t0 + t) * R;
                 rows.sin[t * G + g] = sin + (long)(t0 + t) * R;
                 rows.out[t * G + g] = out + (t0 + t) * ldo + (long)(kvh * G + g) * D;
+                rows.keys[t * G + g] = causal ? start + t0 + t + 1 : S_max;
             }
         const uint16_t *K = Kc + (long)kvh * D, *V = Vc + (long)kvh * D;
 #ifdef __AVX512BF16__
-        if (pairs && u >= P) {          /* causal tokens stay in fp32: decode is bound by reading the cache */
+        if (pairs && !(causal && stepwise)) {
             attend_pairs(nt * G, D, R, S, &rows, q_scale, eps, K, V, pages, page, ld, p, stride, scale);
             continue;
         }
@@ -459,10 +467,10 @@ int clover_attention_cached(int Hq, int Hkv, int D, int R, int T, int P, const u
                             const uint16_t *k, const uint16_t *v, long ldk, long ldv, const float *q_scale,
                             const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
-                            int threads) {
+                            int stepwise, int threads) {
     int status = 0;
     #pragma omp parallel num_threads(threads) reduction(min:status)
     status = team_min(status, attention_cached_in_team(Hq, Hkv, D, R, T, P, qg, ldq, k, v, ldk, ldv, q_scale, k_scale, eps,
-                                                       cos, sin, Kc, Vc, pages, page, start, out, ldo));
+                                                       cos, sin, Kc, Vc, pages, page, start, out, ldo, stepwise));
     return status;
 }

@@ -17,26 +17,28 @@ MAX_TOKENS = 64   # a call's tokens (kernels/ops.py runs a longer causal pass as
 
 
 # `clover_attention_cached`'s arguments that a step plan writes per step: the rotary width, then from
-# STEP_ARGS on cos, sin, the K and V pages, the page table, the page size and the start position
-ROTARY_ARG, STEP_ARGS = 3, 15
+# STEP_ARGS on cos, sin, the K and V pages, the page table, the page size and the start position; and
+# whether causal tokens go one by one (`ForwardBatch.stepwise`)
+ROTARY_ARG, STEP_ARGS, STEPWISE_ARG = 3, 15, 24
 
 
 def attention_args(attn, T: int, block_len: int, qg, k, v, rotary: int, cos, sin, k_pages, v_pages, table,
-                   page: int, start: int, out, threads: int) -> list:
+                   page: int, start: int, out, stepwise: bool, threads: int) -> list:
     """`clover_attention_cached`'s arguments (the face's and the step plans'): `qg`, `k`, `v` and `out`
     as (address, token stride) pairs, every other tensor as its address (None where a plan sets it per
     step)."""
     return [attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary, T, T - block_len, *qg, k[0], v[0], k[1],
             v[1], _scale(attn.q_norm).data_ptr(), _scale(attn.k_norm).data_ptr(), attn.q_norm.eps, cos, sin,
-            k_pages, v_pages, table, page, start, *out, threads]
+            k_pages, v_pages, table, page, start, *out, int(stepwise), threads]
 
 
 def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, start: int, block_len: int = 0,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, stepwise: bool = False) -> torch.Tensor:
     """`attn`'s projections qg, k, v of one sequence's T tokens (bf16 [T, ·], the last `block_len` a block)
     → the gated attention output [T, Hq·D], written into `out` when given (bf16, contiguous rows). The
     tokens' K/V go into `k_pages` / `v_pages` [pages, page_size, Hkv, D] (the layer's pages in the state
-    pool) at positions `start …`; `page_table`: the sequence's page ids (int32, covering 0 … start+T−1)."""
+    pool) at positions `start …`; `page_table`: the sequence's page ids (int32, covering 0 … start+T−1).
+    `stepwise`: the causal tokens exactly as one-token calls compute them (`ForwardBatch.stepwise`)."""
     Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     T, R = qg.shape[0], cos.shape[-1]
     if not 1 <= T <= MAX_TOKENS or not 0 <= block_len <= T:
@@ -62,6 +64,6 @@ def attention_cached(attn, qg, k, v, cos, sin, k_pages, v_pages, page_table, sta
     rows = lambda t: (t.data_ptr(), t.stride(0))  # noqa: E731
     status = library().clover_attention_cached(*attention_args(
         attn, T, block_len, rows(qg), rows(k), rows(v), R, cos.data_ptr(), sin.data_ptr(), k_pages.data_ptr(),
-        v_pages.data_ptr(), page_table.data_ptr(), page, start, rows(out), torch.get_num_threads()))
+        v_pages.data_ptr(), page_table.data_ptr(), page, start, rows(out), stepwise, torch.get_num_threads()))
     check_status(status, "attention_cached", f"unsupported sizes (head_dim {D}, rotary dims {R})")
     return out

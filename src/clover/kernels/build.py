@@ -64,7 +64,7 @@ SIGNATURES = {
     "clover_add_rmsnorm": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i32], None),
     "clover_moe_block": ([_i32, _i32, _i32, _ptr] + [_i32] * 8 + [_ptr] * 9 + [_i32], _i32),
     "clover_attention_cached": ([_i32] * 6 + [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr,
-                                                _ptr, _ptr, _i32, _i64, _ptr, _i64, _i32], _i32),
+                                                _ptr, _ptr, _i32, _i64, _ptr, _i64, _i32, _i32], _i32),
     # a list of the calls above run by one team of threads (steps.c): n, kinds, args, threads, failed op
     "clover_op_kind": ([ctypes.c_char_p], _i32),
     "clover_run_steps": ([_i32, _ptr, _ptr, _i32, _ptr], _i32),

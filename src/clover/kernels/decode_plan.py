@@ -32,7 +32,7 @@ from ..layers.file_embedding import FileEmbedding
 from ..layers.moe import SparseMoE
 from ..layers.packed import PackedLinear
 from ..quantization.modules import QuantizedEmbedding
-from .attention_cached import ROTARY_ARG, STEP_ARGS, attention_args
+from .attention_cached import ROTARY_ARG, STEP_ARGS, STEPWISE_ARG, attention_args
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .gdn_short import gdn_short_args
@@ -300,7 +300,7 @@ class _Plan:
         # the rotary width, tables, K/V pages, page table and start: written per step (see `run`)
         rows = [self._add("clover_attention_cached",
                           attention_args(attn, T, self.block_len, at(qg, r), at(k, r), at(v, r), 0, None, None, None,
-                                         None, None, 0, 0, at(out, r), 1))
+                                         None, None, 0, 0, at(out, r), False, 1))
                 for r in range(B)]
         self.attn.append((attn.layer_index, rows))
         self._gemm(out, _linear_weight(attn.o_proj), self.buf.mixed)
@@ -355,6 +355,7 @@ class _Plan:
                     self._set(args, ROTARY_ARG, R)
                     for i, value in enumerate((c, s, kp, vp, t + width * r, page, starts[r])):
                         self._set(args, STEP_ARGS + i, value)
+                    self._set(args, STEPWISE_ARG, int(batch.stepwise))
         if self.block_len:
             selecting = block_top_p is not None
             if selecting:

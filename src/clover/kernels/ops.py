@@ -58,10 +58,11 @@ def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
     else:
         table, starts = batch.page_table(), batch.starts
         kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
+    stepwise = batch is not None and batch.stepwise
     for r in range(B):
         for s, e in call_spans(T, block_len, ATTENTION_MAX_TOKENS):
             attention_cached(attn, qg[r, s:e], k[r, s:e], v[r, s:e], cos[r, s:e], sin[r, s:e], kp, vp, table[r],
-                             starts[r] + s, block_len if e == T else 0, out=out[r, s:e])
+                             starts[r] + s, block_len if e == T else 0, out=out[r, s:e], stepwise=stepwise)
     return out
 
 

@@ -47,7 +47,7 @@ static int op_attention_cached(Team *team, const Arg *a) {
     (void)team;
     return attention_cached_in_team(INT(0), INT(1), INT(2), INT(3), INT(4), INT(5), PTR(6), LONG(7), PTR(8), PTR(9),
                                     LONG(10), LONG(11), PTR(12), PTR(13), FLOAT(14), PTR(15), PTR(16), PTR(17), PTR(18),
-                                    PTR(19), INT(20), LONG(21), PTR(22), LONG(23));
+                                    PTR(19), INT(20), LONG(21), PTR(22), LONG(23), INT(24));
 }
 
 static int op_moe_block(Team *team, const Arg *a) {

@@ -63,7 +63,8 @@ int gdn_short_in_team(Team *team, int B, int T, int P, int Hk, int Hv, int dk, i
 int attention_cached_in_team(int Hq, int Hkv, int D, int R, int T, int P, const uint16_t *qg, long ldq,
                              const uint16_t *k, const uint16_t *v, long ldk, long ldv, const float *q_scale,
                              const float *k_scale, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *Kc,
-                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo);
+                             uint16_t *Vc, const int32_t *pages, int page, long start, uint16_t *out, long ldo,
+                             int stepwise);
 int moe_block_in_team(Team *team, int B, int T, int block_len, const float *top_p, int min_experts, int H, int E,
                       int e_first, int e_count, int k, int I, int Is, const uint16_t *x, const uint16_t *h,
                       const Weights *w_in, const Weights *shared_in, const Weights *gate_up, const Weights *down,
