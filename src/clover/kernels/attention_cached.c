@@ -9,8 +9,10 @@
  * the cache write, fp32 copies for the CPU flash kernel, the gate) around one scaled-dot-product call:
  * ~1 ms of dispatch beside ~1 ms of attention on the small bench model. Roundings follow the PyTorch
  * path (bf16 after the norms, each rotary product and sum, the gate) except inside the attention
- * itself, which runs in fp32 and rounds its output once (as PyTorch's fp32 path for 32 queries or
- * more does; for fewer it rounds the probabilities to bf16 before multiplying V). */
+ * itself: decoding tokens (`stepwise`) run it in fp32 and round the output once (as PyTorch's fp32 path
+ * for 32 queries or more does); a block's or a prompt's tokens, on AVX-512 BF16 with heads a multiple
+ * of 32 wide, in bf16 pair products with the probabilities rounded to bf16 (as PyTorch's bf16 path
+ * does below 32 queries). See attend_fp32 and attend_pairs. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -42,7 +44,7 @@ static void norm_rope(const uint16_t *x, int D, int R, const float *scale, float
 static __thread float *scores;
 static __thread long score_floats;
 
-#define MAX_GROUP 16        /* query heads per K/V head */
+#define MAX_GROUP 16        /* query heads per K/V head, and query rows a work item */
 #define PV_CHUNK 32         /* output dims per pass over a tile of keys: 2 vectors × group accumulators */
 #define V_TILE 8            /* keys per tile of the Σ p·v (8 value rows stay in L1 without conflicts) */
 
