@@ -3,6 +3,7 @@ batch and thread invariance, the grouped (experts) form — each with both bf16 
 `vdpbf16ps` pairs, whichever this CPU would choose) — bad input, and the build cache."""
 
 import importlib
+import itertools
 import os
 import subprocess
 import sys
@@ -452,10 +453,11 @@ def test_attention_cached_takes_k_and_v_with_their_own_token_strides():
 def test_attention_cached_reads_the_cache_wherever_its_pages_lie(heads, kv_heads, head_dim):
     """A 300-position cache read through a shuffled table of 16-row pages, among pages full of NaN that
     no position maps to, gives the same output and cache rows as the same positions in consecutive
-    32-row pages: decode tokens, a causal run, a block and a commit fused with a block; query groups of
-    2, 16 and 8 heads a K/V head (keys are scored two at a time for groups of up to 8), head sizes not a
-    multiple of 16. The kernel fetches rows ahead through the page table and sums values in tiles of
-    keys; neither may change a bit or read a row outside the sequence."""
+    32-row pages: decode tokens, a causal run, a block and a commit fused with a block, with causal
+    tokens stepwise (fp32) and as a prompt's; query groups of 2, 16 and 8 heads a K/V head, head sizes
+    32 (where AVX-512 BF16 takes pair products), 24 and 40. The kernel fetches rows ahead through the
+    page table, sums values in tiles and takes a block's or a prompt's rows in runs; none of it may
+    change a bit or read a row outside the sequence."""
     from clover.kernels.attention_cached import attention_cached
     from tiny_models import make_model
 
@@ -465,7 +467,8 @@ def test_attention_cached_reads_the_cache_wherever_its_pages_lie(heads, kv_heads
     g = torch.Generator().manual_seed(4)
     Hkv, D = kv_heads, head_dim
     cached = [torch.randn(400, Hkv, D, generator=g).bfloat16() for _ in range(2)]      # positions' K, V
-    for start, T, block_len in ((300, 1, 0), (257, 7, 0), (300, 9, 9), (291, 12, 4)):
+    for (start, T, block_len), stepwise in itertools.product(((300, 1, 0), (257, 7, 0), (300, 9, 9), (291, 12, 4)),
+                                                              (False, True)):
         qg = torch.randn(T, 2 * heads * D, generator=g).bfloat16()
         k, v = (torch.randn(T, Hkv * D, generator=g).bfloat16() for _ in range(2))
         cos, sin = model.model.rotary(start + torch.arange(T)[None], torch.bfloat16)
@@ -479,12 +482,13 @@ def test_attention_cached_reads_the_cache_wherever_its_pages_lie(heads, kv_heads
             for dst, src in zip(pages, cached):
                 dst.view(-1, Hkv, D)[rows] = src[:start]
             with torch.inference_mode():
-                out = attention_cached(attn, qg, k, v, cos[0], sin[0], *pages, table, start, block_len=block_len)
+                out = attention_cached(attn, qg, k, v, cos[0], sin[0], *pages, table, start, block_len=block_len,
+                                       stepwise=stepwise)
             pos = torch.arange(start + T)
             rows = table[pos // page].long() * page + pos % page
             outs.append((out, *(t.view(-1, Hkv, D)[rows] for t in pages)))
         (a, *kv_a), (b, *kv_b) = outs
-        assert not a.isnan().any() and torch.equal(a, b), (start, T, block_len)
+        assert not a.isnan().any() and torch.equal(a, b), (start, T, block_len, stepwise)
         assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b))
 
 
