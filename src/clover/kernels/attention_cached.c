@@ -101,6 +101,22 @@ static inline void gate_out(__m512 o, const uint16_t *gate, uint16_t *dst, __mma
     store_bf16_16(dst, m, _mm512_mul_ps(round_bf16_16(o), gv));
 }
 
+/* Softmax numerators in place over the scores p[g·stride + 0 … S−1] of G rows, row g's over its keys
+ * 0 … keys[g]−1 (exact zeros past them), less its maximum top[g]; inv[g] = 1 / their sum. */
+static void softmax_rows(int G, float *p, long stride, long S, const long *keys, const float *top, float *inv) {
+    for (int g = 0; g < G; g++) {
+        float *pg = p + g * stride;
+        __m512 vsum = _mm512_setzero_ps();
+        for (long s = 0; s < S; s += 16) {
+            __mmask16 m = s < keys[g] ? lanes((int)(keys[g] - s < 16 ? keys[g] - s : 16)) : 0;
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + s), _mm512_set1_ps(top[g]))));
+            _mm512_mask_storeu_ps(pg + s, lanes((int)(S - s < 16 ? S - s : 16)), e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+}
+
 /* G query rows that see the same keys 0 … S−1 of one K/V head (`Rows`): q norm + rotary, scores over the
  * keys with each key row widened once for all G rows, softmax, Σ p·v in tiles of keys, normalised,
  * rounded, times the sigmoid gate, all in fp32. p: G rows of `stride` floats of scratch. Inlined with G
@@ -131,17 +147,7 @@ static inline __attribute__((always_inline)) void attend_fp32(
         }
     }
     for (long s = 0; s < S && s < 2 * V_TILE; s++) prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
-    for (int g = 0; g < G; g++) {                        /* softmax numerators */
-        float *pg = p + g * stride;
-        __m512 vsum = _mm512_setzero_ps();
-        for (long s = 0; s < S; s += 16) {
-            __mmask16 m = lanes((int)(S - s < 16 ? S - s : 16));
-            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + s), _mm512_set1_ps(mx[g]))));
-            _mm512_mask_storeu_ps(pg + s, m, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
-    }
+    softmax_rows(G, p, stride, S, rows->keys, mx, inv);
     /* Σ_s p_s·v_s in tiles of V_TILE keys, 32 output dims at a time in registers (their sums kept in
      * `acc` between tiles): a tile's value rows come from L1 once per 32 dims, the rows two tiles on
      * fetched meanwhile. Each output still adds its terms in key order. */
@@ -326,19 +332,12 @@ static void attend_pairs(int G, int D, int R, long S, const Rows *rows, const fl
         }
     }
     for (long s = 0; s < S && s < 2 * PAIR_TILE; s++) prefetch_row(V + ((long)pages[s / page] * page + s % page) * ld, D);
-    for (int g = 0; g < G; g++) {                        /* softmax numerators; 0 past the row's keys */
-        float *pg = p + g * stride, top = _mm512_reduce_max_ps(mx[g]);
-        long seen = rows->keys[g];
-        __m512 vsum = _mm512_setzero_ps();
-        for (long s = 0; s < S; s += 16) {
-            __mmask16 m = s < seen ? lanes((int)(seen - s < 16 ? seen - s : 16)) : 0;
-            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + s), _mm512_set1_ps(top))));
-            _mm512_mask_storeu_ps(pg + s, lanes((int)(S - s < 16 ? S - s : 16)), e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(vsum);
+    float top[MAX_GROUP] = {0};
+    for (int g = 0; g < G; g++) {
+        top[g] = _mm512_reduce_max_ps(mx[g]);
         for (int d = 0; d < D; d++) sums[g][d] = 0.0f;
     }
+    softmax_rows(G, p, stride, S, rows->keys, top, inv);
     for (long s0 = 0; s0 < S; s0 += page) {
         const uint16_t *Vp = V + (long)pages[s0 / page] * page * ld;
         long n = S - s0 < page ? S - s0 : page;
