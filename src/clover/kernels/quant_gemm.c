@@ -137,7 +137,7 @@ static inline void group_scales(const QScales *q, int g, __m512 *s0, __m512 *s1)
 #define DEFINE_QKERNEL(R, BITS)                                                                       \
 static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_t *W, const QScales *S,  \
                                  const QScales *Mn, char *C, long ldc_bytes, int ncols, int c_fp32,       \
-                                 const Epilogue *ep, long row0) {                                         \
+                                 const Epilogue *ep, long row0, const char *pf, const char *pf_end) {    \
     int groups = K / group;                                                                               \
     const int32_t *words = (const int32_t *)blk;                                                          \
     const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
@@ -155,6 +155,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                 if (R > 1) {                                                                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS, _MM_HINT_T0);                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
+                    if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T1), pf += 64;                             \
                 }                                                                                         \
                 __m512i w0 = _mm512_loadu_si512((const void *)W), w1 = _mm512_loadu_si512((const void *)(W + 64)); \
                 W += 128;                                                                                 \
@@ -171,6 +172,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                     _mm_prefetch((const char *)W + AHEAD_ROWS, _MM_HINT_T0);                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
                     if (BITS != 4) _mm_prefetch((const char *)W + AHEAD_ROWS + 128, _MM_HINT_T0);         \
+                    if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T1), pf += 64;                             \
                 }                                                                                         \
                 __m512i v0 = _mm512_loadu_si512((const void *)W), v1 = _mm512_loadu_si512((const void *)(W + 64)); \
                 __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low); \
@@ -229,7 +231,7 @@ DEFINE_QKERNEL(1, 5) DEFINE_QKERNEL(2, 5) DEFINE_QKERNEL(3, 5) DEFINE_QKERNEL(4,
 DEFINE_QKERNEL(6, 5)
 
 typedef void (*qkernel_fn)(const char *, int, int, const uint8_t *, const QScales *, const QScales *, char *, long,
-                           int, int, const Epilogue *, long);
+                           int, int, const Epilogue *, long, const char *, const char *);
 static const qkernel_fn QKERNELS8[QKERNEL_VARIANTS + 1] = {0, qkernel_8_1, qkernel_8_2, qkernel_8_3, qkernel_8_4, qkernel_8_5,
                                                 qkernel_8_6};
 static const qkernel_fn QKERNELS4[QKERNEL_VARIANTS + 1] = {0, qkernel_4_1, qkernel_4_2, qkernel_4_3, qkernel_4_4, qkernel_4_5,
@@ -340,10 +342,19 @@ static void panel_scales(const Weights *w, int K, long e, int p, QScales *s, QSc
 
 static void run_panel(const qkernel_fn *kernels, const QBlock *blk, int first, int last, const char *buf,
                       const Weights *w, const uint8_t *W, const QScales *S, const QScales *Mn, int K, char *C,
-                      long ldc_bytes, int ncols, int c_fp32, const Epilogue *ep) {
-    for (int i = first; i < last; i++)
+                      long ldc_bytes, int ncols, int c_fp32, const Epilogue *ep, const uint8_t *next,
+                      long next_bytes) {
+    int n = last - first;
+    for (int i = first; i < last; i++) {
+        /* each block prefetches its share of the next panel into L2, a line per step of its k loop */
+        const char *pf = 0, *pf_end = 0;
+        if (next && n > 1) {
+            pf = (const char *)next + (next_bytes * (i - first) / n & ~63L);
+            pf_end = (const char *)next + next_bytes * (i - first + 1) / n;
+        }
         kernels[blk[i].rows](buf + blk[i].offset, K, w->group, W, S, Mn->values ? Mn : 0, C + (long)blk[i].row * ldc_bytes,
-                             ldc_bytes, ncols, c_fp32, ep, blk[i].row);
+                             ldc_bytes, ncols, c_fp32, ep, blk[i].row, pf, pf_end);
+    }
 }
 
 static int quant_gemm_in_team(Team *team, const Weights *w, const void *A, long lda, int a_bf16, int M, int K, int N,
@@ -390,7 +401,8 @@ static int quant_gemm_in_team(Team *team, const Weights *w, const void *A, long 
             QScales S, Mn;
             panel_scales(w, K, 0, p, &S, &Mn);
             run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, &S, &Mn, K, Cp, ldc_bytes,
-                      imin(PANEL, N - p * PANEL), c_fp32, 0);
+                      imin(PANEL, N - p * PANEL), c_fp32, 0, p + 1 < panels ? W + (p + 1) * panel_bytes : 0,
+                      panel_bytes);
         }
     }
     return failed ? -1 : 0;
@@ -440,8 +452,10 @@ static int quant_gemm_grouped_in_team(Team *team, const Weights *w, const void *
         QScales Se, Me;
         panel_scales(w, K, ids[g], p, &Se, &Me);
         char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
+        const uint8_t *next = item + 1 < G * panels
+                              ? W + ids[(item + 1) / panels] * w->stride + ((item + 1) % panels) * panel_bytes : 0;
         run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, &Se, &Me, K, Cp, ldc_bytes,
-                  imin(PANEL, N - p * PANEL), c_fp32, ep);
+                  imin(PANEL, N - p * PANEL), c_fp32, ep, next, panel_bytes);
     }
     return failed ? -1 : 0;
 }
