@@ -346,7 +346,8 @@ static void run_panel(const qkernel_fn *kernels, const QBlock *blk, int first, i
                       long next_bytes) {
     int n = last - first;
     for (int i = first; i < last; i++) {
-        /* each block prefetches its share of the next panel into L2, a line per step of its k loop */
+        /* each block prefetches its share of the next panel into L2, a line per step of its k loop
+         * (the next in this thread's chunk only: the one after is often the other thread's) */
         const char *pf = 0, *pf_end = 0;
         if (next && n > 1) {
             pf = (const char *)next + (next_bytes * (i - first) / n & ~63L);
@@ -400,9 +401,9 @@ static int quant_gemm_in_team(Team *team, const Weights *w, const void *A, long 
             char *Cp = (char *)C + (long)m0 * ldc_bytes + (long)p * PANEL * esize;
             QScales S, Mn;
             panel_scales(w, K, 0, p, &S, &Mn);
+            const uint8_t *next = (p + 1) % chunk && p + 1 < panels ? W + (p + 1) * panel_bytes : 0;
             run_panel(kernels, blk, 0, blocks, buf, w, W + p * panel_bytes, &S, &Mn, K, Cp, ldc_bytes,
-                      imin(PANEL, N - p * PANEL), c_fp32, 0, p + 1 < panels ? W + (p + 1) * panel_bytes : 0,
-                      panel_bytes);
+                      imin(PANEL, N - p * PANEL), c_fp32, 0, next, panel_bytes);
         }
     }
     return failed ? -1 : 0;
@@ -452,7 +453,7 @@ static int quant_gemm_grouped_in_team(Team *team, const Weights *w, const void *
         QScales Se, Me;
         panel_scales(w, K, ids[g], p, &Se, &Me);
         char *Cp = (char *)C + (long)p * (swiglu ? PANEL / 2 : PANEL) * esize;
-        const uint8_t *next = item + 1 < G * panels
+        const uint8_t *next = (item + 1) % chunk && item + 1 < G * panels       /* within this thread's chunk */
                               ? W + ids[(item + 1) / panels] * w->stride + ((item + 1) % panels) * panel_bytes : 0;
         run_panel(kernels, blk, first[g], first[g + 1], buf, w, We, &Se, &Me, K, Cp, ldc_bytes,
                   imin(PANEL, N - p * PANEL), c_fp32, ep, next, panel_bytes);
