@@ -49,7 +49,7 @@ def measure(model, ids, config) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare the working tree against")
-    ap.add_argument("--model", help="a model directory (default: the `small` bench checkpoint)")
+    ap.add_argument("--model", help="a model directory or GGUF file (default: the `small` bench checkpoint)")
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -59,10 +59,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or checkpoints.ensure_checkpoint("small")
-    config = checkpoints.load_config(path)
     with tempfile.TemporaryDirectory() as tmp:
         base = import_revision(args.base, Path(tmp))
         engines = {f"base ({args.base})": base.load(path), "working tree": clover.load(path)}
+        c = engines["working tree"].config           # a directory's or a GGUF file's
+        config = {"vocab_size": c.vocab_size, "mask_token_id": c.mask_token_id}
         results: dict = {}
         with torch.inference_mode():
             for L in (int(x) for x in args.lengths.split(",")):

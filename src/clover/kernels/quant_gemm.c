@@ -61,9 +61,7 @@ static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
 #else
 #define OR_WHERE(v, bits, x) clv_or_where(v, bits, x)
 #endif
-#define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2).
-                               One row (decode) streams from DRAM with no software prefetch: on AMD Zen 4
-                               the hardware prefetchers alone read faster (README, What makes it fast) */
+#define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2) */
 
 typedef struct { int row, rows; long offset; } QBlock;    /* offset: bytes into the packed inputs */
 
@@ -114,6 +112,13 @@ static void pack_block_q(const void *A, long lda, int a_bf16, int K, int group, 
     }
 }
 
+/* How far ahead a one-row product (decode) prefetches its panel, in bytes; 0: not at all, the hardware
+ * prefetchers alone. Set per process by the CPU (build.py): on AMD Zen 4 software prefetching 1–2 KB
+ * ahead read slower than none; on Zen 5, 4 KB ahead made int4 / Q4_K_M decode steps 14–24% faster. */
+static long one_row_ahead;
+
+void clover_quant_set_one_row_ahead(int bytes) { one_row_ahead = bytes > 0 ? bytes : 0; }
+
 static inline __m512 half_scales(const uint16_t *s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)); }
 
 /* A panel's scales (or mins): fp16 per group and column, or int8 codes with fp16 super-scales. */
@@ -139,6 +144,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                                  const QScales *Mn, char *C, long ldc_bytes, int ncols, int c_fp32,       \
                                  const Epilogue *ep, long row0, const char *pf, const char *pf_end) {    \
     int groups = K / group;                                                                               \
+    const long ahead = one_row_ahead;                                                                     \
     const int32_t *words = (const int32_t *)blk;                                                          \
     const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
     const float *alpha = (const float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;   \
@@ -152,6 +158,10 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
         const int32_t *wg = words + (long)g * (group / 4) * R;                                            \
         if (BITS == 8) {                                                                                  \
             for (int t = 0; t < group / 4; t++) {                                                         \
+                if (R == 1 && ahead) {                                                                    \
+                    _mm_prefetch((const char *)W + ahead, _MM_HINT_T0);                                   \
+                    _mm_prefetch((const char *)W + ahead + 64, _MM_HINT_T0);                              \
+                }                                                                                         \
                 if (R > 1) {                                                                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS, _MM_HINT_T0);                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
@@ -168,6 +178,11 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
             }                                                                                             \
         } else {                                                                                          \
             for (int o = 0; o < group / 8; o++) {                                                         \
+                if (R == 1 && ahead) {                                                                    \
+                    _mm_prefetch((const char *)W + ahead, _MM_HINT_T0);                                   \
+                    _mm_prefetch((const char *)W + ahead + 64, _MM_HINT_T0);                              \
+                    if (BITS != 4) _mm_prefetch((const char *)W + ahead + 128, _MM_HINT_T0);              \
+                }                                                                                         \
                 if (R > 1) {                                                                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS, _MM_HINT_T0);                              \
                     _mm_prefetch((const char *)W + AHEAD_ROWS + 64, _MM_HINT_T0);                         \
@@ -304,11 +319,12 @@ static inline int work_chunk(int items, int threads) {
     return chunk < 1 ? 1 : chunk;
 }
 
-/* One row (decode) reads each panel once, with no software prefetch: the hardware prefetchers find
- * a stream again after each jump to another chunk, which on a small matrix (16 chunks per thread of
- * a 1 MB map: 32 KB each) cost a fifth of the call. So a one-row chunk is at least 256 KB (at most
- * half a thread's share, so both threads still balance): int4 maps of 0.6–4.7 MB 10–26% faster, cold, old
- * and new builds alternating in one process (README, What makes it fast); larger maps unchanged. */
+/* One row (decode) reads each panel once, where the CPU wants it with no software prefetch (see
+ * one_row_ahead): the hardware prefetchers find a stream again after each jump to another chunk, which
+ * on a small matrix (16 chunks per thread of a 1 MB map: 32 KB each) cost a fifth of the call. So a
+ * one-row chunk is at least 256 KB (at most half a thread's share, so both threads still balance): int4
+ * maps of 0.6–4.7 MB 10–26% faster on Zen 4, cold, old and new builds alternating in one process
+ * (docs/performance.md); larger maps unchanged. */
 #define MIN_CHUNK_BYTES (256L << 10)
 static inline int one_row_chunk(int items, int threads, long panel_bytes) {
     int chunk = work_chunk(items, threads), cap = items / (2 * (threads > 0 ? threads : 1));
