@@ -138,7 +138,8 @@ static inline void group_scales(const QScales *q, int g, __m512 *s0, __m512 *s1)
                         half_scales(d + 16));
 }
 
-/* R rows times one panel of BITS-bit codes. */
+/* R rows times one panel of BITS-bit codes; with several rows, the lines pf … pf_end (of the panel to
+ * come) go to L2 meanwhile, one a k step. */
 #define DEFINE_QKERNEL(R, BITS)                                                                       \
 static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_t *W, const QScales *S,  \
                                  const QScales *Mn, char *C, long ldc_bytes, int ncols, int c_fp32,       \
