@@ -55,6 +55,27 @@ def test_linear_matches_fp64(M, N, K, bf16_kernels):
     assert ((y32.to(F64) - ref).abs() <= K * 2 ** -22 * F.linear(x.to(F64).abs(), w.to(F64).abs()) + 1e-30).all()
 
 
+def test_one_row_prefetch_changes_no_result(bf16_kernels):
+    """The two ways a one-row product may prefetch (the CPU picks one per process, kernels/build.py)
+    read the same weights in the same order: the same bits, dense and grouped, through many panels."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 200, 513, generator=g).bfloat16()
+    x = torch.randn(1, 513, generator=g).bfloat16()
+    dense, stack = PanelWeight(w[0]), PanelWeight(w)
+    offsets, ids = torch.tensor([0, 1, 2]), torch.tensor([2, 0])
+    lib = kernel_build.library()
+    out = {}
+    try:
+        for mode in ("ahead", "next-panel"):
+            kernel_build.set_one_row_prefetch(lib, mode)
+            out[mode] = (linear(x, dense), grouped_linear(x, stack, offsets, ids, same_row=True))
+    finally:
+        kernel_build.set_one_row_prefetch(lib, kernel_build.one_row_prefetch())
+    assert all(torch.equal(a, b) for a, b in zip(out["ahead"], out["next-panel"]))
+    ref, bound = _bound(x, w[0])
+    assert ((out["ahead"][0].to(F64) - ref).abs() <= bound).all()
+
+
 def test_linear_leading_dims_and_bias():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(40, 48, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()

@@ -99,15 +99,15 @@ def reference_linear(x: torch.Tensor, qweight, scales, mins, bits: int, super_sc
     return out.sum(-1)
 
 
-@pytest.fixture(params=[0, 4096], ids=["hardware-prefetch", "prefetch-4k"])
+@pytest.fixture(params=["ahead", "next-panel"])
 def one_row_ahead(request):
-    """Both ways a one-row product may read its panel (the CPU picks one per process): the results
+    """Both ways a one-row product may prefetch its weights (the CPU picks one per process): the results
     must not depend on it."""
-    from clover.kernels.build import library, one_row_prefetch
+    from clover.kernels.build import library, one_row_prefetch, set_one_row_prefetch
 
-    library().clover_quant_set_one_row_ahead(request.param)
+    set_one_row_prefetch(library(), request.param)
     yield request.param
-    library().clover_quant_set_one_row_ahead(one_row_prefetch())
+    set_one_row_prefetch(library(), one_row_prefetch())
 
 
 @needs_kernels

@@ -51,6 +51,7 @@ SIGNATURES = {
     "clover_panel_set_pairs": ([_i32], None),
     "clover_panel_pairs": ([], _i32),
     "clover_quant_set_one_row_ahead": ([_i32], None),
+    "clover_panel_set_one_row_next": ([_i32], None),
     "clover_weights_gemm": ([_ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _i64, _i32, _i32], _i32),
     "clover_weights_gemm_grouped": ([_ptr, _ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _ptr, _i64, _i32, _i32,
                                      _ptr, _i32], _i32),
@@ -210,17 +211,27 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, restype
     lib.clover_panel_set_pairs(int(pairs))
-    lib.clover_quant_set_one_row_ahead(one_row_prefetch())
+    set_one_row_prefetch(lib, one_row_prefetch())
     return lib
 
 
-def one_row_prefetch() -> int:
-    """Bytes ahead that one-row quantized products (decode) prefetch their weights: 4 KB on AMD Zen 5
-    and later (CPU family 26+), where it measured 14–24% faster int4 and K-quant decode steps; none
-    elsewhere (on Zen 4 the hardware prefetchers alone read faster). Only speed depends on it."""
+def one_row_prefetch() -> str:
+    """How one-row products (decode) prefetch the weights they stream, chosen by CPU: "ahead" on AMD
+    Zen 5 and later (CPU family 26+): each reads its own panel 4 KB ahead and nothing more (quantized
+    decode steps 14–24% faster, bf16 15% on one thread); "next-panel" elsewhere: quantized products
+    leave it to the hardware prefetchers and bf16 ones also fetch the next panel (each faster on Zen 4).
+    Only speed depends on it."""
     family = _cpuinfo_field("cpu family")
     zen5 = _cpuinfo_field("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26
-    return 4096 if zen5 else 0
+    return "ahead" if zen5 else "next-panel"
+
+
+def set_one_row_prefetch(lib, mode: str) -> None:
+    """Switch the loaded library's one-row prefetching (`one_row_prefetch`'s modes)."""
+    if mode not in ("ahead", "next-panel"):
+        raise ValueError(f"one-row prefetch is ahead or next-panel, not {mode!r}")
+    lib.clover_quant_set_one_row_ahead(4096 if mode == "ahead" else 0)
+    lib.clover_panel_set_one_row_next(int(mode == "next-panel"))
 
 
 def available() -> bool:
