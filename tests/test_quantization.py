@@ -100,7 +100,7 @@ def reference_linear(x: torch.Tensor, qweight, scales, mins, bits: int, super_sc
 
 
 @pytest.fixture(params=["ahead", "next-panel"])
-def one_row_ahead(request):
+def one_row_prefetch_mode(request):
     """Both ways a one-row product may prefetch its weights (the CPU picks one per process): the results
     must not depend on it."""
     from clover.kernels.build import library, one_row_prefetch, set_one_row_prefetch
@@ -114,7 +114,7 @@ def one_row_ahead(request):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group", [16, 32, 64])
 @pytest.mark.parametrize("offsets", [False, True])
-def test_quantized_linear_kernel_matches_reference(bits, group, offsets, one_row_ahead):
+def test_quantized_linear_kernel_matches_reference(bits, group, offsets, one_row_prefetch_mode):
     """quant_gemm.c against `reference_linear` (its arithmetic in float64: inputs rounded to int8 per group,
     exact integer dots, per-group fp32 scaling): equal to fp32 rounding for 1…13 rows, bf16 and fp32
     inputs, N not a multiple of the panel; and within the input rounding (~0.5%) of the weight-only product."""

@@ -214,6 +214,7 @@ static const kernel_fn PAIR_KERNELS[KERNEL_VARIANTS + 1] = {0, pair_kernel_1, pa
 static int bf16_pairs;
 
 void clover_panel_set_pairs(int on) { bf16_pairs = HAVE_PAIRS && on != 0; }
+int clover_panel_pairs(void) { return bf16_pairs; }
 
 /* Whether a one-row product also prefetches the next panel (into L2) while it streams one, besides
  * reading its own panel ahead. Set per process by the CPU (build.py): on Zen 4 and Intel it made
@@ -221,7 +222,6 @@ void clover_panel_set_pairs(int on) { bf16_pairs = HAVE_PAIRS && on != 0; }
 static int one_row_next_panel = 1;
 
 void clover_panel_set_one_row_next(int on) { one_row_next_panel = on != 0; }
-int clover_panel_pairs(void) { return bf16_pairs; }
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
@@ -345,10 +345,11 @@ static void run_blocks(const kernel_fn *kernels, const Block *blk, int first, in
                        const uint16_t *W, int K, const uint16_t *next, char *C, long ldc_bytes, int ncols, int c_fp32,
                        const Epilogue *ep) {
     int n = last - first;
-    for (int i = first; i < last; i++)
+    for (int i = first; i < last; i++) {
+        const uint16_t *pf = next && (blk[i].rows > 1 || one_row_next_panel) ? next + (long)(i - first) * PANEL : 0;
         kernels[blk[i].rows](packed + blk[i].offset, W, K, C + (long)blk[i].row * ldc_bytes, ldc_bytes, ncols,
-                             c_fp32, next && (blk[i].rows > 1 || one_row_next_panel) ? next + (long)(i - first) * PANEL : 0,
-                             n, ep, blk[i].row);
+                             c_fp32, pf, n, ep, blk[i].row);
+    }
 }
 
 /* Panels are handed out in chunks as threads ask for them (OpenMP dynamic schedule), not split in
