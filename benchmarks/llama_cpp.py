@@ -498,7 +498,12 @@ def headline(tables: str, thread_counts: list[int], argv: list[str]) -> str:
     """The tables as `--markdown-out` writes them: followed by the machine and the command that made them."""
     from benchmarks.common import machine_line
 
-    return f"{tables}\n\n{machine_line(max(thread_counts))} Command: `clover bench llama-cpp {shlex.join(argv)}`."
+    shown, skip = [], False
+    for arg in argv:            # where the JSON went is this machine's business, not the command's
+        if not skip and not arg.startswith("--json-out"):
+            shown.append(arg)
+        skip = arg == "--json-out"
+    return f"{tables}\n\n{machine_line(max(thread_counts))} Command: `clover bench llama-cpp {shlex.join(shown)}`."
 
 
 def _thread_counts(text: str) -> list[int]:

@@ -46,6 +46,13 @@ def test_the_headline_names_machine_and_command():
         assert cpu in machine_line(2)
 
 
+def test_the_headline_leaves_out_where_the_json_went():
+    """A page shows the command that measured, not a path on the machine that ran it."""
+    text = llama_cpp.headline("| t |", [1], ["--rounds", "5", "--json-out", "/tmp/x.json", "--markdown-out", "R.md",
+                                            "--json-out=/tmp/y.json"])
+    assert text.endswith("Command: `clover bench llama-cpp --rounds 5 --markdown-out R.md`.")
+
+
 def check_headline_block(page: str, engines: int = 6) -> None:
     """What the README's block must hold: the benchmark's table (at least six engines, each one the
     benchmark knows) and its machine line."""
