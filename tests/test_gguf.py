@@ -536,6 +536,8 @@ def test_k_quant_model(tmp_path):
     parts = []
     load_gguf(path, dtype=torch.float32, on_filled=lambda m, part: parts.append(part))
     assert parts == ["lm_head"] + [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    with pytest.raises(RuntimeError, match="packing lm_head kept the stored form of lm_head, which the next"):
+        load_gguf(path, on_filled=lambda m, part: None, repacks_parts=True)   # a part's scratch is reused
     embed = loaded.model.embed_tokens                       # the Q4_K token table stays quantized
     assert isinstance(embed, QuantizedEmbedding) and embed.super_group == 256
     rows = torch.tensor([[0, 5, 5], [17, 2, 0]])
@@ -579,6 +581,11 @@ def test_k_quant_model(tmp_path):
         assert isinstance(fast.model.embed_tokens, QuantizedFileEmbedding)     # the token table read from the file
         got, ref_logits = fast(ids).float(), lib(ids).float()
         assert ((got - ref_logits).norm() / ref_logits.norm()).item() < 0.05   # the inputs' int8 rounding
+        from clover.layers.packed import pack_for_cpu
+
+        plain = load_gguf(path, table_in_file=True)        # every stored form whole, then packed: the parts
+        pack_for_cpu(plain)                                # packed out of one reused scratch must equal it
+        assert torch.equal(fast(ids), plain(ids))
 
 
 @pytest.mark.gpu

@@ -4,6 +4,8 @@ shard → a model on its device with the fastest backend that agrees with the re
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 from pathlib import Path
 
@@ -17,6 +19,22 @@ DEMO_MODEL_DIR = Path(__file__).parent / "demo" / "model"
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 
 
+def _collection_paused(fn):
+    """Run `fn` with Python's cyclic garbage collector off: a load makes hundreds of thousands of objects
+    (a GGUF vocabulary, modules) and frees few, and the collections they trigger took ~10% of a load."""
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+    return paused
+
+
+@_collection_paused
 def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool | None = None,
          flush_denormal: bool = True, tensor_parallel=False, cuda_graphs: bool = True):
     """Load a Clover (or Qwen3.5-MoE) model directory, a GGUF file (llama.cpp's `qwen35moe` layout,
@@ -97,16 +115,15 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         from .gguf import load_gguf
 
         pack_as_filled = None
-        if packs:                          # each layer packed once filled: never all stored forms at once
+        if packs:         # each layer packed once filled, its stored forms in a scratch the next one reuses
             from .layers.packed import pack_part
-            from .layers.packed import packs as packs_model
 
             def pack_as_filled(model, part):
-                if packs_model(model):
-                    pack_part(model, part, consume=True)
+                pack_part(model, part)
 
         # packed for the CPU: an untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
-        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs)
+        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs,
+                          repacks_parts=packs)
     else:
         model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs)
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from .file import GGUFError, GGUFFile, find_gguf
 
 
-def load_gguf(path, dtype=None, device="cpu", on_filled=None, table_in_file=False):
-    """A `CloverForCausalLM` from a GGUF file (see loader.py)."""
+def load_gguf(path, **options):
+    """A `CloverForCausalLM` from a GGUF file (see loader.py for the options)."""
     from .loader import load_gguf as _load
 
-    return _load(path, dtype=dtype, device=device, on_filled=on_filled, table_in_file=table_in_file)
+    return _load(path, **options)
 
 
 def read_config(path):
