@@ -26,7 +26,10 @@ import torch
 
 import clover
 from benchmarks import checkpoints
+from clover.cache import PAGE_SIZE, StatePool
 from clover.engine import Engine, EngineOptions
+from clover.generation.decoder import reserved_tokens
+from clover.generation.settings import GenerationSettings
 
 
 def peak_rss_bytes() -> int:
@@ -46,10 +49,17 @@ def ids(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
 
 
-def concurrent(model, requests=16, prompt_len=8192, new=32) -> dict:
-    from clover.cache import StatePool
-    from clover.engine.budget import cache_bytes
+def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Bytes of K/V pages and GDN slots one request holds while it runs, computed from the config before
+    any tensor exists, as `Decoder` admission reserves them: the pages of `reserved_tokens` and two GDN
+    slots (a forward writes the new state into a fresh slot before it drops the old one)."""
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, block_size=block_size)
+    tokens = reserved_tokens(config, prompt_len, settings)
+    return (-(-tokens // PAGE_SIZE) * StatePool.bytes_per_page(config, dtype)
+            + 2 * StatePool.bytes_per_slot(config, dtype))               # 0 for a model without GDN layers
 
+
+def concurrent(model, requests=16, prompt_len=8192, new=32) -> dict:
     per = cache_bytes(model.config, model.dtype, prompt_len, new, 32)
     budget = requests * per + StatePool.slots_for(requests) * StatePool.bytes_per_slot(model.config, model.dtype)
     rss0 = peak_rss_bytes()

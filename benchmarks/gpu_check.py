@@ -444,6 +444,17 @@ def time_dequantize(weight, device, args) -> dict:
     return res
 
 
+def paged_attention_status() -> dict:
+    """What the paged path (clover/gpu/paged_attention.py) did in this process: its mode, how many shapes
+    it compiled, and why it stopped if it did."""
+    from clover.gpu import paged_attention
+    from clover.options import current as runtime_options
+
+    state = paged_attention._state
+    return {"mode": runtime_options().paged_attention, "compiled_shapes": len(state["shapes"]),
+            "broken": state["broken"]}
+
+
 def check_paged_attention(config, args, device, report):
     """Attention over the pool's pages in place (clover/gpu/paged_attention.py) against the same keys
     gathered out of the pages (gpu/attention.py), one layer at the real head shapes: `rows` rows of
@@ -484,7 +495,7 @@ def check_paged_attention(config, args, device, report):
                                       device, 2, args.iters),
                 }
         del k_pool, v_pool
-    res["status"] = paged_attention.status()
+    res["status"] = paged_attention_status()
     report["paged_attention"] = res
     report["paged_ok"] = all(r.get("rel", 0.0) < args.tolerance for k, r in res.items() if k != "status")
 
@@ -658,8 +669,7 @@ def main(argv=None) -> int:
         section(report, "nccl", check_nccl, config, device, report)
     if device.type == "cuda":
         report["memory_peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-    from clover.gpu import paged_attention
-    report["paged_attention_after_all"] = paged_attention.status()   # did the model's steps keep it?
+    report["paged_attention_after_all"] = paged_attention_status()   # did the model's steps keep it?
     from clover.quantization import compiled
     report["fused_dequant_after_all"] = compiled.status()
     report["total_s"] = round(time.perf_counter() - t0, 1)

@@ -14,9 +14,9 @@ import clover
 from clover.generation import generate_batch
 from clover.generation.api import resolve_settings
 from clover.generation.constrained import BlockConstraint
-from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
 from clover.tokenization import CloverTokenizer
+from tiny_models import resolve
 
 pytest.importorskip("llguidance")
 from clover.grammar import Grammars  # noqa: E402

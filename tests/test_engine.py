@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from clover.engine import Engine, EngineClosed, EngineMetrics, EngineOptions, QueueFull, RequestTooLarge, cache_bytes
+from clover.engine import Engine, EngineClosed, EngineMetrics, EngineOptions, QueueFull, RequestTooLarge
 from clover.generation import GenerationSettingsError, generate_batch
 from tiny_models import make_model
 
@@ -113,6 +113,7 @@ def test_queue_is_bounded(model):
 def test_cache_budget_limits_the_batch(model):
     """A state pool sized to hold two of these requests (one K/V page each, by hand: 4 + (16/4 + 1)·4 =
     24 positions ≤ 32) runs at most two at once; a request longer than the whole pool is refused."""
+    from benchmarks.engine_core import cache_bytes
     from clover.cache import StatePool
 
     assert cache_bytes(model.config, model.dtype, 4, 16, 4) > 0

@@ -18,7 +18,7 @@ from torch import nn
 
 from clover.layers.delta_rule import (chunked_gated_delta_rule, gated_delta_rule, gated_delta_rule_step,
                                      recurrent_gated_delta_rule)
-from tiny_models import layer_call, VARIANTS, make_model
+from tiny_models import layer_call, set_gdn_state, VARIANTS, make_model
 
 torch.set_num_threads(1)   # tiny tensors: thread hand-offs cost more than they save on shared CPUs
 
@@ -453,9 +453,9 @@ def test_block_mode_with_clover_params_off_is_causal_gdn():
                 conv, rec = st.gdn_state(0)
                 conv = torch.randn(conv.shape, generator=g, dtype=F64)
                 rec = torch.randn(rec.shape, generator=g, dtype=F64) * 0.3
-                st.set_gdn_state(0, conv, rec)
+                set_gdn_state(st, 0, conv, rec)
                 twin = model.make_cache()
-                twin.set_gdn_state(0, conv, rec)
+                set_gdn_state(twin, 0, conv, rec)
                 states_c.append(st)
                 states_b.append(twin)
             xb = x[:, :7]

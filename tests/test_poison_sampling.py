@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from clover.generation import GenerationSettings, generate_batch
-from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
 from clover.generation.settings import GenerationSettingsError
 from reference_generation import CONTROLS_OFF
-from tiny_models import make_model
+from tiny_models import make_model, resolve
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
+from clover.kernels.panels import PANEL
 from clover.quantization import QuantSpec, dequantize, quantize, quantize_model
 from clover.quantization.convert import QuantizeError, quantize_checkpoint
-from clover.quantization.format import ZERO_POINT, codes, group_scales
+from clover.quantization.format import ZERO_POINT, codes, group_scales, unpack_nibbles, unpack_wide
 from tiny_models import make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -245,13 +246,67 @@ def test_every_stored_form_on_the_kernels(bits, two_level, offsets):
     assert rel(act[:, :I], torch.nn.functional.silu(bf[:, :I]) * bf[:, I:]) < 0.02
 
 
+# ---- the panel layout in PyTorch: what the native packers are compared with -----------------------
+HALF = PANEL // 2
+
+
+def _codes_u8(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Stored codes [..., N, K'] → unsigned codes [..., N, K] uint8 (int8 weights offset by 128)."""
+    if bits == 8:
+        return qweight.view(torch.uint8) ^ 0x80                # q + 128 for two's-complement int8
+    return unpack_nibbles(qweight) if bits == 4 else unpack_wide(qweight, bits)
+
+
+def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [c, N, K] (N a multiple of 32) → panel bytes [c, N/32, K·32·bits/8] (quant_gemm.c's layout)."""
+    c, N, K = u.shape
+    P = N // PANEL
+    if bits == 8:
+        return u.view(c, P, 2, HALF, K // 4, 4).permute(0, 1, 4, 2, 3, 5).reshape(c, P, -1)
+    v = u.view(c, P, 2, HALF, K // 8, 2, 4)
+    low = v & 0xF
+    byte = low[..., 0, :] | (low[..., 1, :] << 4)              # [c, P, 2, 16, K/8, 4]
+    nibbles = byte.permute(0, 1, 4, 2, 3, 5)                    # [c, P, K/8, 2, 16, 4]
+    if bits == 4:
+        return nibbles.reshape(c, P, -1)
+    if bits == 5:     # per vector T = 2·half + set a 64-bit mask: bit b for its byte b = 4·column + input
+        fifth = (v >> 4).permute(0, 1, 4, 2, 5, 3, 6).reshape(c, P, K // 8, 4, 8, 8).to(torch.int32)
+        fifths = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+        fifths = fifths.reshape(c, P, K // 8, 32)
+        return torch.cat([nibbles.reshape(c, P, K // 8, 128), fifths], dim=-1).reshape(c, P, -1)
+    top = (v >> 4).permute(0, 1, 4, 3, 6, 2, 5)                # [c, P, K/8, 16, 4, half, set]
+    crumbs = top[..., 0, 0] | (top[..., 0, 1] << 2) | (top[..., 1, 0] << 4) | (top[..., 1, 1] << 6)
+    return torch.cat([nibbles.reshape(c, P, K // 8, 128), crumbs.reshape(c, P, K // 8, 64)], dim=-1).reshape(c, P, -1)
+
+
+def _panel_scales(s: torch.Tensor) -> torch.Tensor:
+    """[c, N, K/G] (N a multiple of 32) → [c, N/32, K/G, 32]."""
+    c, N, groups = s.shape
+    return s.view(c, N // PANEL, PANEL, groups).transpose(2, 3)
+
+
+def _torch_pack_codes(q: torch.Tensor, order: torch.Tensor, bits: int) -> torch.Tensor:
+    """Stored codes [c, N, K'] → panel bytes [c, P, K·32·bits/8], `order` int64 [P·32] the stored row of
+    each packed row (−1: padding, which gets the zero code)."""
+    u = _codes_u8(q[:, order.clamp(min=0)], bits)
+    u[:, order < 0] = 128 if bits == 8 else 0
+    return _panel_bytes(u, bits)
+
+
+def _torch_pack_scales(s: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Per-row values [c, N, width] → [c, P, width, 32] in `order` (as `_torch_pack_codes`')."""
+    picked = s[:, order.clamp(min=0)]
+    picked[:, order < 0] = 0                      # padding rows: zero scale
+    return _panel_scales(picked)
+
+
 @needs_kernels
 @pytest.mark.parametrize("bits", [8, 6, 5, 4])
 def test_native_panel_packing_equals_the_pytorch_one(bits):
     """`clover_quant_pack_panels` and `clover_quant_pack_scales` (one pass in C, what loading uses) write
     the same panel bytes as the PyTorch reordering that defines the layout: a stack, N not a multiple of
     the panel, the SwiGLU row order with its padding rows, fp16 scales, two-level scales with mins."""
-    from clover.kernels.quant_panels import PANEL, QuantPanelWeight, swiglu_rows
+    from clover.kernels.quant_panels import QuantPanelWeight, swiglu_rows
 
     g = torch.Generator().manual_seed(bits)
     for offsets, two_level in ((False, False), (True, True)):
@@ -261,14 +316,10 @@ def test_native_panel_packing_equals_the_pytorch_one(bits):
             P = native.data.shape[-2]
             order = torch.arange(70) if rows is None else rows
             order = torch.cat([order, order.new_full((P * PANEL - len(order),), -1)])
-            reference = QuantPanelWeight(**stored, rows=rows)
-            reference.data.zero_()
-            reference._pack_codes(stored["qweight"], order, 0, 3, 0, P, native=False)
-            assert torch.equal(native.data, reference.data)
+            assert torch.equal(native.data, _torch_pack_codes(stored["qweight"], order, bits))
             for key in ("scales", "mins", "super_scales", "super_mins"):       # clover_quant_pack_scales
                 if stored[key] is not None:
-                    want = getattr(reference, key).view(3, P, -1, PANEL).zero_()
-                    reference._pack_scales(stored[key], want, order, 0, 0, P, native=False)
+                    want = _torch_pack_scales(stored[key], order)
                     assert torch.equal(getattr(native, key).view(3, P, -1, PANEL), want), key
 
 
@@ -305,8 +356,7 @@ def test_consuming_packing_of_one_large_matrix_releases_it_band_by_band(monkeypa
     from clover.kernels import quant_panels
     from clover.kernels.quant_panels import QuantPanelWeight
 
-    monkeypatch.setattr(quant_panels, "STEP_CODES_NATIVE", 32 * 2048 * 8)   # bands of 8 panels: 256 rows
-    monkeypatch.setattr(quant_panels, "STEP_CODES", 32 * 2048 * 8)
+    monkeypatch.setattr(quant_panels, "STEP_CODES", 32 * 2048 * 8)   # bands of 8 panels: 256 rows
     for bits, two_level in ((6, True), (4, False)):
         shape = (4096, 2048)
         stored = _stored_codes(shape, bits, 16 if two_level else 32, True, two_level, torch.Generator().manual_seed(5))

@@ -7,7 +7,7 @@ import torch
 
 from clover.generation import readback
 from clover.generation.api import generate_batch, resolve_settings
-from tiny_models import make_model
+from tiny_models import make_model, resolve
 
 
 def _decision(log, name, tensor, fail=False):
@@ -35,7 +35,7 @@ def test_decide_rows_reads_every_row_back_at_once(monkeypatch):
 
 def test_resolve_drives_one_decision_alone():
     log = []
-    assert readback.resolve(_decision(log, "x", torch.tensor([1, 2]))) == [1, 2]
+    assert resolve(_decision(log, "x", torch.tensor([1, 2]))) == [1, 2]
 
 
 @pytest.mark.parametrize("settings", [dict(block_size=8, threshold=0.5, block_expert_top_p=0.7),
@@ -123,10 +123,10 @@ def test_batched_fills_equal_each_rows_own_denoise(controls, on, chunk_rows, mon
     logits[3][2, :] = float("-inf")
     alone = copy.deepcopy(seqs)
     for s, x in zip(alone, logits):
-        readback.resolve(s.denoise_steps(x))
+        resolve(s.denoise_steps(x))
     fills = batched_fills(seqs, logits)
     for s, x, f in zip(seqs, logits, fills):
-        readback.resolve(s.denoise_steps(x, f))
+        resolve(s.denoise_steps(x, f))
     for a, b in zip(alone, seqs):
         assert a.block == b.block and a.draft_steps_done == b.draft_steps_done and a.phase == b.phase
     if controls.get("do_sample"):                   # the generators moved on alike
@@ -152,7 +152,7 @@ def test_batched_predictions_equal_each_rows_own(controls, chunk_rows, monkeypat
     seen = [0, 1, 0, 1]
     alone = copy.deepcopy(seqs)
     got = [t.tolist() for t in batched_predictions(seqs, logits, extras, seen)]
-    assert got == [readback.resolve(s.predict_next_steps(x, e, f)) for s, x, e, f in zip(alone, logits, extras, seen)]
+    assert got == [resolve(s.predict_next_steps(x, e, f)) for s, x, e, f in zip(alone, logits, extras, seen)]
 
 
 @pytest.mark.parametrize("controls", [{}, STRONG])

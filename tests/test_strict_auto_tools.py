@@ -18,12 +18,12 @@ import torch
 import clover
 from clover.config import CloverConfig
 from clover.generation import GenerationSettings
-from clover.generation.readback import resolve
 from clover.generation.sequence import Sequence
 from clover.server.structured import auto_lark, call_lark
 from clover.server.tool_calls import parse_tool_calls
 from clover.tokenization import CloverTokenizer
 from reference_generation import CONTROLS_OFF
+from tiny_models import resolve
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from clover.decoding import unmasking
-from clover.decoding.unmasking import candidates, first_argmax, positions_to_fill, positions_to_fill_batched
+from clover.decoding.unmasking import candidates, first_argmax, positions_to_fill_batched
 
 
 def log(p):
@@ -206,6 +206,16 @@ def test_empty_rows():
 
 
 # ---------------------------------------------------------------- positions to fill
+
+
+def positions_to_fill(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bool[M]: the entries of ``confidence`` [M] above ``threshold``, or if none the most confident one
+    (ties → lowest index): `positions_to_fill_batched` on one row, every entry masked (the per-row
+    reference of the batched tests below)."""
+    if confidence.dim() != 1:
+        raise ValueError(f"confidence must be 1-D, got shape {tuple(confidence.shape)}")
+    every = torch.ones_like(confidence, dtype=torch.bool)
+    return positions_to_fill_batched(confidence[None], every[None], threshold)[0]
 
 
 def test_fill_all_above_threshold():

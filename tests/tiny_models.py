@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from clover.config import CloverConfig
+from clover.generation import readback
+from clover.generation.readback import Decision
 from clover.model import CloverForCausalLM
 
 BASE = dict(
@@ -99,6 +101,32 @@ def layer_call(module, x, seqs, block_len, *before, backend=None):
     out = module(x, *before, batch, block_len, backend)
     pool.finish(batch, seqs)
     return out
+
+
+def set_gdn_state(seq, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+    """Give `seq`'s GDN layer `layer` this state: into a fresh slot shared by no one (a slot is never
+    written after the forward that fills it, so a shared one or slot 0 is left alone)."""
+    pool = seq.pool
+    with pool._lock:
+        if pool.slot_ids.refs[seq._held.slot] > 1 or seq._held.slot == 0:
+            fresh = pool._seq_take_slot(seq._held)
+            for i in pool.conv:
+                pool.conv[i][fresh].copy_(pool.conv[i][seq._held.slot])
+                pool.recurrent[i][fresh].copy_(pool.recurrent[i][seq._held.slot])
+            pool._seq_set_slot(seq._held, fresh, taken=True)
+        pool.conv[layer][seq._held.slot].copy_(conv)
+        pool.recurrent[layer][seq._held.slot].copy_(recurrent)
+
+
+def resolve(decision: Decision):
+    """Run one decision (generation/readback.py) to its end, reading back what it asks for on its own
+    (the decoder reads a batch's rows back at once, `decide_rows`); returns its result."""
+    try:
+        wanted = next(decision)
+        while True:
+            wanted = decision.send(readback.read_back(list(wanted)))
+    except StopIteration as stop:
+        return stop.value
 
 
 def slow_steps(monkeypatch, model, seconds: float) -> None:

@@ -70,10 +70,6 @@ class Backend:
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 
-    def implements(self, name: str) -> bool:
-        """Whether this backend has its own implementation of op `name` (else every call is the reference)."""
-        return name in self._own
-
 
 def _bind(op: str, ref: Callable, own: tuple | None, backend: str) -> Callable:
     fast, qualifies, takes_padded = own or (None, lambda *args: False, False)

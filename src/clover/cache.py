@@ -508,19 +508,6 @@ class SequenceState:
         k, v = self.pool.k[layer], self.pool.v[layer]
         return k.view(-1, *k.shape[2:])[rows], v.view(-1, *v.shape[2:])[rows]
 
-    def set_gdn_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Give GDN layer `layer` this state (tests, imports): into a fresh slot shared by no one."""
-        pool = self.pool
-        with pool._lock:
-            if pool.slot_ids.refs[self._held.slot] > 1 or self._held.slot == 0:
-                fresh = pool._seq_take_slot(self._held)
-                for i in pool.conv:
-                    pool.conv[i][fresh].copy_(pool.conv[i][self._held.slot])
-                    pool.recurrent[i][fresh].copy_(pool.recurrent[i][self._held.slot])
-                pool._seq_set_slot(self._held, fresh, taken=True)
-            pool.conv[layer][self._held.slot].copy_(conv)
-            pool.recurrent[layer][self._held.slot].copy_(recurrent)
-
     def fork(self) -> "SequenceState":
         """An independent copy at the same length: the pages and the GDN slot are shared (a page is
         copied when either side writes into it; slots are never written), so forking costs no copy."""

@@ -12,7 +12,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["candidates", "sampling_logits", "draw", "positions_to_fill", "positions_to_fill_batched", "first_argmax"]
+__all__ = ["candidates", "sampling_logits", "draw", "positions_to_fill_batched", "first_argmax"]
 
 
 ARGMAX_CHUNK = 1 << 20     # entries per step of first_argmax on the CPU: its index temporary stays ~8 MB
@@ -223,15 +223,6 @@ def _avoid(tokens: Tensor, scores: Tensor, dist: Tensor, exclude: Optional[int])
         others[:, exclude] = float("-inf")
         tokens = torch.where(tokens == exclude, first_argmax(others, dim=-1), tokens)
     return tokens, dist.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def positions_to_fill(confidence: Tensor, threshold: float) -> Tensor:
-    """Bool[M]: the entries of ``confidence`` [M] above ``threshold``, or if none the most confident one
-    (ties → lowest index): :func:`positions_to_fill_batched` on one row, every entry masked."""
-    if confidence.dim() != 1:
-        raise ValueError(f"confidence must be 1-D, got shape {tuple(confidence.shape)}")
-    every = torch.ones_like(confidence, dtype=torch.bool)
-    return positions_to_fill_batched(confidence[None], every[None], threshold)[0]
 
 
 def positions_to_fill_batched(

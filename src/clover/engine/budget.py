@@ -1,9 +1,5 @@
-"""What one request reserves in the state pool, computed from the config before any tensor exists.
-
-Mirrors `Decoder` admission (generation/decoder.py `reserved_tokens`): pages of K/V for the prompt,
-every block of the answer and the next block's scratch rows, and two GDN state slots (a forward writes
-the new state into a fresh slot before it drops the old one). Activations of a forward are transient
-and not counted.
+"""The engine's state-pool size when none is given: on one GPU most of its free memory (what a request
+reserves is `generation.decoder.reserved_tokens`).
 """
 
 from __future__ import annotations
@@ -12,10 +8,6 @@ import logging
 
 import torch
 
-from ..cache import PAGE_SIZE, StatePool
-from ..generation.decoder import reserved_tokens
-from ..generation.settings import GenerationSettings
-
 log = logging.getLogger(__name__)
 
 # On a GPU the state pool takes this share of the device memory free once the weights are in, less
@@ -23,14 +15,6 @@ log = logging.getLogger(__name__)
 # block step) and their decisions' float32 temporaries, step graphs (≤ 2 GB), fla's workspaces.
 CUDA_CACHE_FRACTION = 0.9
 CUDA_RESERVE_BYTES = 6 << 30
-
-
-def cache_bytes(config, dtype, prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Bytes of K/V pages and GDN slots one request holds while it runs."""
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, block_size=block_size)
-    tokens = reserved_tokens(config, prompt_len, settings)
-    return (-(-tokens // PAGE_SIZE) * StatePool.bytes_per_page(config, dtype)
-            + 2 * StatePool.bytes_per_slot(config, dtype))               # 0 for a model without GDN layers
 
 
 def device_cache_bytes(free_bytes: int, needed_bytes: int, device) -> int:

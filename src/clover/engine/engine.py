@@ -180,7 +180,7 @@ class Engine:
             prompt = self.validate(prompt, settings)
         sequence = Sequence(prompt.prompt_ids, prompt.settings, self.config, grammar)
         if step_events:
-            sequence.trace_steps()
+            sequence.step_events = []
         handle = RequestHandle(self, sequence, buffer_tokens, client)
         with self._lock:
             if not self.accepting:

@@ -3,8 +3,8 @@
 A row's decision (sampling, unmasking, acceptance, expert statistics) is a generator: it queues its device
 work, yields the device tensors it needs on the host (a tuple), receives their values (one flat list each)
 and does its host work. `decide_rows` advances every row to its yield and reads all their tensors back in
-one transfer (on a GPU one sync per batch, not per row); `resolve` drives one alone. The values are the
-same either way; only when they are read changes.
+one transfer (on a GPU one sync per batch, not per row). The values are those a row read alone would get;
+only when they are read changes.
 """
 
 from __future__ import annotations
@@ -27,16 +27,6 @@ def read_back(tensors: list[torch.Tensor]) -> list[list[int]]:
         out.append(flat[start:start + t.numel()])
         start += t.numel()
     return out
-
-
-def resolve(decision: Decision):
-    """Run one decision to its end, reading back what it asks for on its own; returns its result."""
-    try:
-        wanted = next(decision)
-        while True:
-            wanted = decision.send(read_back(list(wanted)))
-    except StopIteration as stop:
-        return stop.value
 
 
 def decide_rows(work: Iterable[tuple[object, Decision]], on_error: Callable[[object, Exception], None]) -> None:

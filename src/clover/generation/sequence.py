@@ -99,14 +99,9 @@ class Sequence:
         self.constraint = None
         if grammar is not None:
             self.constraint = BlockConstraint(grammar, self.mask_id)
-        # Opt-in (`trace_steps()`): what each denoising forward filled, for a viewer; None costs nothing.
+        # Opt-in (the engine sets `[]`): what each denoising forward filled (`_record_step`); None costs nothing.
         self.step_events: list[dict] | None = None
         self.blocks_started = 0
-
-    def trace_steps(self) -> None:
-        """Record every denoising step's newly filled block positions in `step_events` (see
-        `_record_step`); the engine hands them to the request's consumer and empties the list."""
-        self.step_events = []
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     @property

@@ -154,9 +154,3 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, id
         return None
     _state["shapes"].add(shape)
     return out[:B, :, :T].to(dtype)
-
-
-def status() -> dict:
-    """What the paged path did in this process (for the GPU check's report)."""
-    return {"mode": runtime_options().paged_attention, "compiled_shapes": len(_state["shapes"]),
-            "broken": _state["broken"]}

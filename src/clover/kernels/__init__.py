@@ -3,7 +3,6 @@
 `vdpbf16ps` pairs); `panels.py` is the Python face of `panel_gemm.c` (bf16-weight matrix products
 summed in fp32)."""
 
-from .build import BF16_KERNELS, available, bf16_kernels, build, cache_dir, cpu_supported, isa, library, set_bf16_kernels
+from .build import BF16_KERNELS, available, bf16_kernels, build, cache_dir, cpu_supported, isa, library
 
-__all__ = ["BF16_KERNELS", "available", "bf16_kernels", "build", "cache_dir", "cpu_supported", "isa", "library",
-           "set_bf16_kernels"]
+__all__ = ["BF16_KERNELS", "available", "bf16_kernels", "build", "cache_dir", "cpu_supported", "isa", "library"]

@@ -13,7 +13,7 @@ from .build import library
 from .panels import check_status
 from .rmsnorm import _scale
 
-MAX_TOKENS = 64   # a call's tokens (kernels/ops.py runs a longer causal pass as consecutive calls)
+MAX_TOKENS = 64   # a call's tokens here and in gdn_short (ops.py runs a longer causal pass as consecutive calls)
 
 
 # `clover_attention_cached`'s arguments that a step plan writes per step: the rotary width, then from

@@ -143,21 +143,6 @@ def bf16_kernels() -> str:
     return choice
 
 
-def set_bf16_kernels(choice: str) -> str:
-    """Switch the loaded library's bf16 kernels ("fma" | "pairs"); returns the previous choice. For
-    tests and benchmarks: a running model's results change with it."""
-    if choice not in BF16_KERNELS:
-        raise ValueError(f"bf16 kernels are fma or pairs, not {choice!r}")
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the native kernels are not available here")
-    if choice == "pairs" and isa() != "avx512":
-        raise RuntimeError(f"the {isa()} build has no bf16 pair kernels (vdpbf16ps needs AVX-512 BF16)")
-    previous = BF16_KERNELS[lib.clover_panel_pairs()]
-    lib.clover_panel_set_pairs(int(choice == "pairs"))
-    return previous
-
-
 def _compiler() -> str | None:
     return shutil.which(runtime_options().cc) or shutil.which("gcc")
 

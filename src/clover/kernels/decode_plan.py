@@ -32,7 +32,7 @@ from ..layers.file_embedding import FileEmbedding
 from ..layers.moe import SparseMoE
 from ..layers.packed import PackedLinear
 from ..quantization.modules import QuantizedEmbedding
-from .attention_cached import ROTARY_ARG, STEP_ARGS, STEPWISE_ARG, attention_args
+from .attention_cached import MAX_TOKENS, ROTARY_ARG, STEP_ARGS, STEPWISE_ARG, attention_args
 from .build import SIGNATURES, library
 from .gdn_short import _constants as gdn_constants
 from .gdn_short import gdn_short_args
@@ -43,7 +43,6 @@ from .rmsnorm import _scale, add_rmsnorm_args, versions
 log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
 MAX_PLANS = 8          # step shapes kept prepared (an engine's batch size moves between a few values)
-MAX_TOKENS = 64        # tokens a planned step takes: the kernels' limit for a block (gdn_short, attention_cached)
 ENABLED = True         # off: every step runs the layers (benchmarks.breakdown times each call's wrapper)
 ONE_REGION = True      # off: a plan's calls run one by one, each its own parallel region
 
@@ -407,7 +406,6 @@ class DecodePlans:
         self.sources, self.version = [], 0      # what the plans' constants are made from (set by each new plan)
         self.plans: OrderedDict = OrderedDict()
         self.rotary = RotaryTable(model.model.rotary) if self.ok else None
-        self.has_gdn = any(layer.kind == "linear_attention" for layer in model.model.layers)
         self.lock = threading.Lock()
 
     def step(self, model, ids, batch, block_len=0, block_top_p=None, logits_at="last", stats=None):
@@ -416,7 +414,7 @@ class DecodePlans:
         (False, None) when no plan applies (the runner then runs the layers)."""
         B, T = ids.shape
         if (not ENABLED or not self.ok or not 0 < T <= MAX_TOKENS or batch.padded
-                or (batch.write_slots is None and self.has_gdn and T > block_len) or torch.is_grad_enabled()
+                or (batch.write_slots is None and batch.pool.has_gdn and T > block_len) or torch.is_grad_enabled()
                 or ids.dtype != torch.long or ids.device.type != "cpu"):
             return False, None
         if not self.lock.acquire(blocking=False):     # another thread is stepping this model

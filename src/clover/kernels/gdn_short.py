@@ -12,11 +12,10 @@ import ctypes
 
 import torch
 
+from .attention_cached import MAX_TOKENS
 from .build import library
 from .panels import check_status
 from .rmsnorm import kernel_constants
-
-MAX_TOKENS = 64
 
 
 def call_spans(T: int, block_len: int, limit: int = MAX_TOKENS) -> list[tuple[int, int]]:

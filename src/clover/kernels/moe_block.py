@@ -49,14 +49,12 @@ def moe_block_args(moe, B: int, T: int, H: int, block_len: int, top_p, x, h, out
             distinct, threads]
 
 
-def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: torch.Tensor | None = None):
+def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None):
     """x (normalised): bf16 [B, T, H]; the last `block_len` tokens of each row are a noisy block,
     `block_top_p` None or float32 [B] (1.0: selection off for that row, as `SparseMoE.forward`).
-    Returns (the block's output [B, T, H] — plus `h` when given, the residual added in the same pass —,
-    distinct experts of each row's block [B] or None)."""
-    if x.dim() != 3 or x.dtype != torch.bfloat16 or (h is not None and (h.shape != x.shape or h.dtype != x.dtype)):
-        raise ValueError(f"moe_block takes bf16 x (and h) of one [B, T, H] shape, got {tuple(x.shape)} {x.dtype}"
-                         + ("" if h is None else f" and {tuple(h.shape)} {h.dtype}"))
+    Returns (the block's output [B, T, H], distinct experts of each row's block [B] or None)."""
+    if x.dim() != 3 or x.dtype != torch.bfloat16:
+        raise ValueError(f"moe_block takes bf16 x of one [B, T, H] shape, got {tuple(x.shape)} {x.dtype}")
     B, T, H = x.shape
     if not 0 <= block_len <= T:
         raise ValueError(f"block_len {block_len} outside 0..{T}")
@@ -64,11 +62,10 @@ def moe_block(moe, x: torch.Tensor, block_len: int = 0, block_top_p=None, h: tor
     if block_len and block_top_p is not None:
         top_p = torch.as_tensor(block_top_p, dtype=torch.float32).reshape(-1).expand(B).contiguous()
     x = x.contiguous()
-    h = None if h is None else h.contiguous()
     out = torch.empty_like(x)
     distinct = torch.empty(B, dtype=torch.int64) if block_len else None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    status = library().clover_moe_block(*moe_block_args(moe, B, T, H, block_len, ptr(top_p), x.data_ptr(), ptr(h),
+    status = library().clover_moe_block(*moe_block_args(moe, B, T, H, block_len, ptr(top_p), x.data_ptr(), None,
                                                          out.data_ptr(), ptr(distinct), torch.get_num_threads()))
     if status == -1:
         raise MemoryError("moe_block: a matrix product failed (out of memory, or a shape the kernels refuse)")

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import PAGE_SIZE
-from .attention_cached import MAX_TOKENS as ATTENTION_MAX_TOKENS
-from .attention_cached import attention_cached
-from .gdn_short import MAX_TOKENS as GDN_MAX_TOKENS
+from .attention_cached import MAX_TOKENS, attention_cached
 from .gdn_short import call_spans, gdn_short
 from .moe_block import moe_block, packed_for_kernels
 from .rmsnorm import add_rmsnorm
@@ -36,11 +34,11 @@ def _add_rmsnorm_qualifies(h, delta, norm) -> bool:
 
 
 def _gdn_qualifies(mixer, u, z, b, a, batch, block_len) -> bool:
-    return block_len <= GDN_MAX_TOKENS and _plain_bf16(u, z, b, a)
+    return block_len <= MAX_TOKENS and _plain_bf16(u, z, b, a)
 
 
 def _attention_qualifies(attn, qg, k, v, cos, sin, batch, block_len) -> bool:
-    return (block_len <= ATTENTION_MAX_TOKENS
+    return (block_len <= MAX_TOKENS
             and attn.head_dim <= 512 and attn.num_heads // attn.num_kv_heads <= 16 and _plain_bf16(qg, k, v))
 
 
@@ -60,7 +58,7 @@ def attention_cpu(attn, qg, k, v, cos, sin, batch, block_len):
         kp, vp = batch.pool.k[attn.layer_index], batch.pool.v[attn.layer_index]
     stepwise = batch is not None and batch.stepwise
     for r in range(B):
-        for s, e in call_spans(T, block_len, ATTENTION_MAX_TOKENS):
+        for s, e in call_spans(T, block_len, MAX_TOKENS):
             attention_cached(attn, qg[r, s:e], k[r, s:e], v[r, s:e], cos[r, s:e], sin[r, s:e], kp, vp, table[r],
                              starts[r] + s, block_len if e == T else 0, out=out[r, s:e], stepwise=stepwise)
     return out

@@ -12,7 +12,7 @@
  * The integer part is exact; each group's term is added to an fp32 accumulator. The scales s (and m)
  * are fp16 per group, or with two-level scales (GGUF's K-quants held as loaded) an int8 code per group
  * times an fp16 super-scale per `super_group` inputs, multiplied here (exact in fp32).
- * clover/kernels/quant_panels.py has the reference (the same arithmetic in PyTorch) and the layout.
+ * tests/test_quantization.py has the reference (the same arithmetic in PyTorch) and the layout in PyTorch.
  *
  * Panel layout (32 output columns, two halves of 16; per group, in input order):
  *   int8: per 4 inputs 128 bytes: half h, column j, input i at byte 64h + 4j + i;
@@ -643,7 +643,7 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
 
 /* Per-row scales (or mins, super-scales: `width` values of `elem` bytes a row, row stride srow bytes)
  * into panel order [panels, width, 32]: out[p][g][c] = s[rows[32p + c]][g], zero for a padding row
- * (−1). The PyTorch gather-and-transpose it replaces (quant_panels._panel_scales) took as long as
+ * (−1). The PyTorch gather-and-transpose it replaced (now tests/test_quantization.py's) took as long as
  * packing the codes. One thread: 1/16 of the codes' bytes, less work than a parallel region costs. */
 int clover_quant_pack_scales(const uint8_t *s, long srow, long sentry, int entries, int elem, int width,
                              const int64_t *rows, int panels, uint8_t *out, long oentry) {

@@ -4,7 +4,7 @@
 panels; `panels.linear` and `panels.grouped_linear` are its products. The kernels round their inputs
 too (int8 per weight group, absmax, round to nearest even) and take integer dot products (quant_gemm.c
 says why); tests/test_quantization.py's `reference_linear` is that arithmetic in PyTorch, the
-definition the kernels are compared with.
+definition the kernels are compared with, and its `_torch_pack_*` the PyTorch definition of the layout.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..quantization.format import CODE_BYTES, unpack_nibbles, unpack_wide
+from ..quantization.format import CODE_BYTES
 from ..runtime import discard_pages
 from .build import library
 from .panels import PANEL, Weights, check_status, weight_buffer
@@ -21,45 +21,7 @@ from .panels import PANEL, Weights, check_status, weight_buffer
 HALF = PANEL // 2
 
 
-def _codes_u8(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Stored codes [..., N, K'] → unsigned codes [..., N, K] uint8 (int8 weights offset by 128)."""
-    if bits == 8:
-        return qweight.view(torch.uint8) ^ 0x80                # q + 128 for two's-complement int8
-    return unpack_nibbles(qweight) if bits == 4 else unpack_wide(qweight, bits)
-
-
-def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes [c, N, K] (N a multiple of 32) → panel bytes [c, N/32, K·32·bits/8] (quant_gemm.c's layout)."""
-    c, N, K = u.shape
-    P = N // PANEL
-    if bits == 8:
-        return u.view(c, P, 2, HALF, K // 4, 4).permute(0, 1, 4, 2, 3, 5).reshape(c, P, -1)
-    v = u.view(c, P, 2, HALF, K // 8, 2, 4)
-    low = v & 0xF
-    byte = low[..., 0, :] | (low[..., 1, :] << 4)              # [c, P, 2, 16, K/8, 4]
-    nibbles = byte.permute(0, 1, 4, 2, 3, 5)                    # [c, P, K/8, 2, 16, 4]
-    if bits == 4:
-        return nibbles.reshape(c, P, -1)
-    if bits == 5:     # per vector T = 2·half + set a 64-bit mask: bit b for its byte b = 4·column + input
-        fifth = (v >> 4).permute(0, 1, 4, 2, 5, 3, 6).reshape(c, P, K // 8, 4, 8, 8).to(torch.int32)
-        fifths = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
-        fifths = fifths.reshape(c, P, K // 8, 32)
-        return torch.cat([nibbles.reshape(c, P, K // 8, 128), fifths], dim=-1).reshape(c, P, -1)
-    top = (v >> 4).permute(0, 1, 4, 3, 6, 2, 5)                # [c, P, K/8, 16, 4, half, set]
-    crumbs = top[..., 0, 0] | (top[..., 0, 1] << 2) | (top[..., 1, 0] << 4) | (top[..., 1, 1] << 6)
-    return torch.cat([nibbles.reshape(c, P, K // 8, 128), crumbs.reshape(c, P, K // 8, 64)], dim=-1).reshape(c, P, -1)
-
-
-def _panel_scales(s: torch.Tensor) -> torch.Tensor:
-    """[c, N, K/G] (N a multiple of 32) → [c, N/32, K/G, 32]."""
-    c, N, groups = s.shape
-    return s.view(c, N // PANEL, PANEL, groups).transpose(2, 3)
-
-
-STEP_CODES = 1 << 24        # codes reordered per step: bounds packing's temporaries (~16 MB each)
-# the native packers make no temporaries: larger steps, fewer parallel regions (on a busy machine each
-# costs more than its work); still small beside a layer for `consume`
-STEP_CODES_NATIVE = 1 << 26
+STEP_CODES = 1 << 26        # codes packed per step (the native packers make no temporaries)
 
 
 class QuantPanelWeight:
@@ -68,8 +30,8 @@ class QuantPanelWeight:
     [..., ceil(N/32), K/S, 32]: two-level scales). `rows`: an optional order of the output rows (the
     SwiGLU interleave of the experts' gate/up; −1 for a padding row, which gets zero scale).
 
-    Packing goes a slab at a time (several experts, or a band of panels of one large matrix), so its
-    temporaries stay ~16 MB however large the matrix. `consume=True` hands each slab's stored pages back
+    Packing goes a slab at a time (several experts, or a band of panels of one large matrix), at most
+    `STEP_CODES` codes whatever the matrix's size. `consume=True` hands each slab's stored pages back
     to the OS once packed (the stored tensors read as zeros afterwards), so a stored matrix never sits
     whole beside its packed copy."""
 
@@ -94,10 +56,9 @@ class QuantPanelWeight:
         given = dict(zip(self.SCALES, (scales, mins, super_scales, super_mins)))
         stored = {name: t.reshape(stack, N, t.shape[-1]) for name, t in given.items() if t is not None}
         packed = {name: torch.empty(stack, P, t.shape[-1], PANEL, dtype=t.dtype) for name, t in stored.items()}
-        step = STEP_CODES_NATIVE if library() is not None else STEP_CODES
-        band = max(1, step // (PANEL * K))                        # panels per step of one entry
+        band = max(1, STEP_CODES // (PANEL * K))                        # panels per step of one entry
         if band >= P:
-            entries, band = max(1, step // (P * PANEL * K)), P
+            entries, band = max(1, STEP_CODES // (P * PANEL * K)), P
         else:
             entries = 1
         # a large matrix in stored order: each band's stored rows go at once
@@ -123,39 +84,25 @@ class QuantPanelWeight:
         self._struct = None
 
     @staticmethod
-    def _pack_scales(s, dst, order, e0, p0, p1, native: bool = True):
+    def _pack_scales(s, dst, order, e0, p0, p1):
         """Per-row values s [c, N, width] of entries e0:e0+c (scales, mins or super-scales) into panels
         p0:p1 of `dst` [stack, P, width, 32], `order` int64 [P·32] the stored row of each packed row (−1:
-        padding): by `clover_quant_pack_scales`, or (no kernels, or `native=False`) by the PyTorch gather
-        that defines it."""
-        lib = library() if native else None
+        padding), by `clover_quant_pack_scales`; the PyTorch definition is in tests/test_quantization.py."""
         order = order[p0 * PANEL:p1 * PANEL]
-        if lib is None:
-            picked = s[:, order.clamp(min=0)]
-            picked[:, order < 0] = 0                      # padding rows: zero scale
-            dst[e0:e0 + len(s), p0:p1].copy_(_panel_scales(picked))
-            return
         s, out, size = s.contiguous(), dst[e0:e0 + len(s), p0:p1], s.element_size()
-        check_status(lib.clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s), size,
-                                                  s.shape[-1], order.data_ptr(), p1 - p0, out.data_ptr(),
-                                                  out.stride(0) * out.element_size()), "packing quantized scales")
+        check_status(library().clover_quant_pack_scales(s.data_ptr(), s.stride(1) * size, s.stride(0) * size, len(s),
+                                                        size, s.shape[-1], order.data_ptr(), p1 - p0, out.data_ptr(),
+                                                        out.stride(0) * out.element_size()), "packing quantized scales")
 
-    def _pack_codes(self, q, order, e0, e1, p0, p1, native: bool = True):
-        """The codes of entries e0:e1, panels p0:p1 (`order` as `_pack_scales`'), into `data`: by
-        `clover_quant_pack_panels` in one pass, or (no kernels, or `native=False`: the definition tests
-        compare it with) in PyTorch."""
+    def _pack_codes(self, q, order, e0, e1, p0, p1):
+        """The codes of entries e0:e1, panels p0:p1 (`order` as `_pack_scales`'), into `data` in one pass by
+        `clover_quant_pack_panels`; the PyTorch definition is in tests/test_quantization.py."""
         order = order[p0 * PANEL:p1 * PANEL]
-        lib = library() if native else None
-        if lib is not None:
-            q, dst, size = q.contiguous(), self.data[e0:e1, p0:p1], q.element_size()
-            check_status(lib.clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0,
-                                                      self.bits, self.in_features, order.data_ptr(), p1 - p0,
-                                                      dst.data_ptr(), dst.stride(0), torch.get_num_threads()),
-                         "packing quantized panels")
-            return
-        u = _codes_u8(q[:, order.clamp(min=0)], self.bits)
-        u[:, order < 0] = 128 if self.bits == 8 else 0
-        self.data[e0:e1, p0:p1].copy_(_panel_bytes(u, self.bits))
+        q, dst, size = q.contiguous(), self.data[e0:e1, p0:p1], q.element_size()
+        check_status(library().clover_quant_pack_panels(q.data_ptr(), q.stride(1) * size, q.stride(0) * size, e1 - e0,
+                                                        self.bits, self.in_features, order.data_ptr(), p1 - p0,
+                                                        dst.data_ptr(), dst.stride(0), torch.get_num_threads()),
+                     "packing quantized panels")
 
     def struct(self) -> Weights:
         """The C descriptor (weights.h); built once (the tensors never move)."""
