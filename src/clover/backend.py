@@ -2,9 +2,8 @@
 
 An op's reference is PyTorch, next to its module in layers/ (the definition). A backend's package ("cpu":
 kernels/ops.py, "cuda": gpu/ops.py) exports faster implementations, each with a `qualifies(*args)` test beside its
-kernel; a call that does not qualify runs the reference. A model holds one `Backend` (`model.runner.backend`);
-layers call `backend.<op>(...)` and never import this module. A fused op never adds the residual (the next
-`add_rmsnorm` does), so an all-reduce or a dequantisation can go between an op and the add.
+kernel; a call that does not qualify runs the reference. A fused op never adds the residual (the next
+`add_rmsnorm` does; why, and how a backend plugs in: docs/ARCHITECTURE.md).
 
   add_rmsnorm(h, delta, norm) → (h + delta, norm(h + delta))        delta may be None
   gdn_core(mixer, u, z, b, a, batch, block_len) → gated-norm output [B, T, Hv·dv] (before out_proj)

@@ -1,12 +1,10 @@
-"""The state pool: every sequence's K/V and GDN state, in tensors allocated once per layer on its device.
+"""The state pool: every sequence's K/V pages and GDN slots, in tensors allocated once per layer on its device
+(docs/ARCHITECTURE.md, "Engine core" and "Rules the code keeps").
 
-Attention K/V live in pages of `page_size` (32) token rows, `[pages, page_size, Hkv, D]`; position p of a page
-table is row `p % page_size` of page `table[p // page_size]`. Pages are refcounted, shared read-only (prefix cache,
-forks) and copied before a write. GDN conv tails `[slots, C, K−1]` and recurrent states `[slots, Hv, dk, dv]` live
-in slots. Invariant: a slot is never written after the forward that fills it (a commit writes a fresh slot and drops
-the old), so snapshots, forks, rollback points and prefix entries are references, not copies; slot 0 is the zero
-state. Block forwards change no sequence: their K/V are scratch rows past its length, and they write no slot.
-Layers see only a `ForwardBatch`; `SequenceState` is the handle the generation loop holds.
+Position p of a page table is row `p % page_size` of page `table[p // page_size]`. Pages are refcounted, shared
+read-only (prefix cache, forks) and copied before a write. A slot is never written after the forward that fills
+it (slot 0: the zero state). Block forwards change no sequence: their K/V are scratch rows past its length, and
+they write no slot. Layers see only a `ForwardBatch`; `SequenceState` is the handle the generation loop holds.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ class ForwardBatch:
     `pages[b]`: its page table, covering starts[b] + T. `read_slots` / `write_slots`: the GDN slot a row
     reads / its committed state goes to (None: nothing committed). `records`: per row, per GDN layer, a list
     receiving the committed inputs (an open speculation, see `SequenceState.rollback`), or None.
-    `stepwise`: the causal tokens must come out exactly as one-token steps compute them (autoregressive
-    decoding, and the speculative checks that must match it); otherwise a kernel may take a prompt's
-    tokens together (kernels/attention_cached.c)."""
+    `stepwise`: the causal tokens must come out exactly as one-token steps compute them, else a kernel may
+    take a prompt's tokens together (which forwards are which: docs/ARCHITECTURE.md, "Rules the code keeps")."""
 
     pool: "StatePool"
     starts: list[int]
@@ -217,7 +214,6 @@ class StatePool:
                 self.k[i] = torch.empty(shape, dtype=self.dtype, device=dev(i))
                 self.v[i] = torch.empty(shape, dtype=self.dtype, device=dev(i))
 
-    # ---- sizing ----------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_page(config, dtype, page_size: int = PAGE_SIZE) -> int:
         e = dtype.itemsize
@@ -258,7 +254,6 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.conv, self.recurrent) for t in d.values())
 
-    # ---- pages -----------------------------------------------------------------------------------
     @property
     def free_pages(self) -> int:
         return len(self.page_ids.free)
@@ -286,7 +281,6 @@ class StatePool:
                 raise PoolFull(f"the state pool's {what} are all in use")
         return ids.take()
 
-    # ---- scratch ---------------------------------------------------------------------------------
     def take_scratch(self, tokens: int) -> tuple[list[int], int]:
         """Pages for `tokens` positions and one GDN slot (0 without GDN layers) that no sequence owns:
         where padded rows of a fixed-shape forward (the step graphs') write. PoolFull if not there."""
@@ -304,7 +298,6 @@ class StatePool:
             if self.has_gdn:
                 self.slot_ids.drop(slot)
 
-    # ---- sequences -------------------------------------------------------------------------------
     def new_sequence(self, reserve_tokens: int = 0) -> "SequenceState":
         """A new, empty sequence. `reserve_tokens`: pages (and two GDN slots) set aside so that it can
         always grow to that length (what admission control promises); PoolFull if they are not there."""
@@ -405,7 +398,6 @@ class StatePool:
             return slice(run[0] * P, run[0] * P + stop)
         return page_rows(torch.tensor(run), torch.arange(stop), P)
 
-    # ---- one forward -----------------------------------------------------------------------------
     def prepare(self, seqs: list["SequenceState"], T: int, block_len: int, valid_lens=None,
                 stepwise: bool = False) -> ForwardBatch:
         """Pages for T new tokens per row, fresh GDN slots where tokens are committed: the batch a forward
@@ -465,12 +457,9 @@ class CacheSnapshot:
 
 
 class SequenceState:
-    """One sequence's place in the pool: its length, page table and GDN slot.
-
-    snapshot() / restore(): a slot reference and a length (K/V roll back by length). truncate(n): drop
-    positions ≥ n (with GDN layers, only inside an open speculation). begin_speculation() keeps the slot and
-    records each GDN layer's projected inputs (`u, z, b, a`) from then on; rollback(n) replays the accepted
-    ones through the GDN op from the kept slot — nothing else re-runs, no per-position state is stored."""
+    """One sequence's place in the pool: its length, page table and GDN slot. It moves back by `snapshot` /
+    `restore` (a slot reference and a length: K/V roll back by length), `truncate`, or an open speculation
+    (`begin_speculation` / `rollback`: only the accepted GDN inputs re-run, no per-position state is stored)."""
 
     def __init__(self, pool: StatePool, held: _Holdings):
         self.pool = pool
@@ -482,7 +471,6 @@ class SequenceState:
         self._records: dict | None = None
         self._finalizer = weakref.finalize(self, pool._release, held)
 
-    # ---- bookkeeping -----------------------------------------------------------------------------
     @property
     def pages(self) -> list[int]:
         return list(self._held.pages)
@@ -526,7 +514,6 @@ class SequenceState:
     def __deepcopy__(self, memo) -> "SequenceState":
         return self.fork()
 
-    # ---- plain snapshot / restore / truncate -----------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
         with self.pool._lock:
             self.pool.slot_ids.ref(self._held.slot)
@@ -559,7 +546,6 @@ class SequenceState:
             return
         self.length = n
 
-    # ---- speculation -----------------------------------------------------------------------------
     def begin_speculation(self) -> None:
         """Mark the current length as a rollback point and start recording GDN inputs."""
         with self.pool._lock:

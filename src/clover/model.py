@@ -1,9 +1,7 @@
 """The Clover model: Qwen3.5-MoE causal mode (SPEC §2) plus the bidirectional block mode (SPEC §4).
 
 Parameter names equal checkpoint keys (`model.layers.{i}.linear_attn.in_proj_qkv.weight`, …), so the loader
-needs almost no remapping. `run` is the one forward every executor runs; `forward(ids, block_len)` runs
-`[prefix | block]` from scratch; `step` / `prefill` run new tokens over cached state through `model.runner`
-(runner.py), which owns the backend and the state pool. The model never samples and never tokenizes.
+needs almost no remapping. Its forwards over cached state run through `model.runner` (runner.py).
 """
 
 from __future__ import annotations
@@ -90,7 +88,6 @@ class CloverForCausalLM(nn.Module):
             return embed.qweight.device
         return embed.weight.device if hasattr(embed, "weight") else embed.device   # (or one left in its file)
 
-    # ---- running (runner.py) ----------------------------------------------------------------------
     @property
     def backend(self):
         """The fused ops' implementations (backend.py), held by the runner."""
@@ -117,7 +114,6 @@ class CloverForCausalLM(nn.Module):
         """A new empty sequence in the state pool (`capacity`: tokens to reserve, 0 = none)."""
         return self.runner.state_pool().new_sequence(reserve_tokens=capacity)
 
-    # ---- forwards ------------------------------------------------------------------------------
     def run(self, ids, positions, batch, block_len, block_top_p, logits_at, stats):
         """The one forward every executor runs: `ids` [B, T] at `positions` [B, T] over the pool state of
         `batch` (a `ForwardBatch`; None: from scratch), the last `block_len` tokens a block; `block_top_p`

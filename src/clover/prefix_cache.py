@@ -1,12 +1,10 @@
-"""Prompt-prefix reuse: K/V pages and GDN state kept at page boundaries (every `page_size`, 32, tokens).
+"""Prompt-prefix reuse: K/V pages and GDN state kept at page boundaries where prefill chunks end (GDN state exists
+only where a forward ended; where the decoder ends a chunk: docs/ARCHITECTURE.md, "Engine core").
 
 An entry is a token prefix of whole pages with references to its pages and to the slot holding the GDN state after
 it (slots are never rewritten, cache.py, so an entry copies nothing). A request whose prompt starts with an entry
 shares those (a partly shared page is copied before a write, `StatePool._make_writable`) and prefills the rest.
-GDN state exists only where a forward ended, so the scheduler inserts entries at prefill chunk ends on a page
-boundary, and ends a chunk at the last boundary before a prompt's final token: the next turn of a chat reuses the
-whole earlier prompt. Eviction: least recently used first, when a page or slot is needed and none is free, and
-when entries would hold more than a third of the pool's slots.
+Least recently used entries go first, when a page or slot is needed and none is free, and past a third of the slots.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    # ---- insert / lookup -------------------------------------------------------------------------
     def insert(self, tokens, seq) -> bool:
         """Keep `seq`'s state after `tokens` (its first len(tokens) tokens; its length must equal that
         and be a multiple of the page size). Returns whether an entry was added."""
@@ -88,7 +85,6 @@ class PrefixCache:
             seq.length = len(entry.tokens)
         return len(entry.tokens)
 
-    # ---- eviction --------------------------------------------------------------------------------
     def evict_one(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
         with self.pool._lock:

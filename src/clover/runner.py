@@ -1,10 +1,7 @@
-"""The model runner (`model.runner`): how a model's forwards over cached state run, decided in one place.
-
-It owns the backend (backend.py), the state pool (cache.py), sized once, and the executor of each cached forward,
-chosen in `_forward_cached` and nowhere else: the CPU's prepared kernel calls for a step of up to 64 tokens where
-the model is packed for them (kernels/decode_plan.py), step graphs where on (gpu/graphs.py), else `model.run`
-eagerly. All three compute the same numbers (tests/test_decode_plan.py, tests/test_step_graphs.py). It also runs
-chunked and right-padded prefill. A copy of a model gets its own runner with the same settings and its own pool.
+"""The model runner (`model.runner`): the backend, the state pool and the executor of each cached forward, chosen
+in `_forward_cached` alone (docs/ARCHITECTURE.md): the CPU's step plans (kernels/decode_plan.py), step graphs
+(gpu/graphs.py) or `model.run`, all the same numbers (tests/test_decode_plan.py, tests/test_step_graphs.py).
+It also runs chunked and right-padded prefill.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    # The library's default pool size (the engine sizes its own): a ceiling on what caches may take, not
-    # memory spent at load, since untouched pool memory stays virtual.
+    # the library's default pool size (the engine sizes its own); untouched pool memory stays virtual
     default_pool_bytes = 2 << 30
     default_pool_sequences = 16
     prefill_chunk = 1024   # long causal passes run in chunks: exact, and activations stay bounded
@@ -50,7 +46,6 @@ class ModelRunner:
     def __repr__(self) -> str:
         return f"ModelRunner(backend={self.backend.name!r}, graphs={self.graph_replay!r})"
 
-    # ---- backend and executors -------------------------------------------------------------------
     def use_graphs(self, replay: str | None = "cuda") -> None:
         """Turn step graphs on (`replay="cuda"`: captured CUDA graphs; "eager": the same static-buffer
         forwards uncaptured, for CPU tests) or off (None: the current pool's graphs closed)."""
@@ -83,7 +78,6 @@ class ModelRunner:
         """Confirm the processes running this model decided the same in step `what` (one process: nothing
         to confirm; distributed/runner.py compares the ranks' `digest()`)."""
 
-    # ---- state -----------------------------------------------------------------------------------
     def state_pool(self) -> StatePool:
         """The model's one state pool (K/V pages, GDN slots, prefix cache), made on first use."""
         return self._pool if self._pool is not None else self.configure_pool()
@@ -114,7 +108,6 @@ class ModelRunner:
         slots = StatePool.slots_for(max_sequences, prefix_slots)
         return slots * StatePool.bytes_per_slot(config, dtype) + pages * StatePool.bytes_per_page(config, dtype)
 
-    # ---- cached forwards -------------------------------------------------------------------------
     def step(self, ids, caches, *, block: bool = False, block_len: int | None = None, block_top_p=None,
              logits_at: str = "all", stats=None, stepwise: bool | None = None):
         """Run new tokens `ids` [B, T] over each row's cached prefix (`caches`, one per row); returns logits.

@@ -1,6 +1,5 @@
 """Generation controls (SPEC §7): logit biases applied to every prediction, greedy or sampled.
 
-Order: repetition penalty, then length penalty on EOS ids, then the think-end push on ``</think>``.
 Everything here is a pure function of tensors so that generation, self-speculative decoding and the
 batched engine apply exactly the same arithmetic (float32, vectorised, no host syncs).
 """
@@ -144,8 +143,7 @@ def apply_controls(
     ``dllm_repetition_window`` count; each distinct id once; ids outside ``[0, V)`` are ignored.
     ``response_offsets[N]``: ``i`` = position − prompt length (needed when the length control is on).
     ``think_distance[N]``: ``j``, the distance from the governing ``<think>`` (−1 = not thinking;
-    ``Sequence._think_distance``); ``None`` skips the think-end control. Controls that are switched
-    off (penalty 1, strength 0) cost nothing.
+    ``Sequence._think_distance``); ``None`` skips the think-end control.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")

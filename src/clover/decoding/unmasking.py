@@ -154,11 +154,10 @@ def _filtered_draw(probs: Tensor, uniforms: Tensor, top_k: Optional[int], top_p:
     """Top-k / top-p filtering in sorted order and one draw per row → (tokens [M], confidences [M],
     [(rows, order, kept probabilities)] from which each row's filtered distribution is rebuilt).
 
-    A full sort of a large vocabulary dominates a sampled decision on the CPU, and a nucleus is usually
-    small: on the host a row first sorts only its top HEAD_RANKS + 1 entries (in the full sort's order:
-    value descending, lower id first) and keeps that when what the filters keep ends inside them above the
-    first entry left out, so nothing outside could belong or tie. Other rows, and every row on a device
-    (the check would be a host sync), sort whole."""
+    On the host a row first sorts only its top HEAD_RANKS + 1 entries (in the full sort's order: value
+    descending, lower id first) and keeps that when what the filters keep ends inside them above the first
+    entry left out, so nothing outside could belong or tie. Other rows, and every row on a device, sort
+    whole (why: docs/performance.md, "Decisions and sampling")."""
     M, V = probs.shape
     head = HEAD_RANKS if top_k is None else max(HEAD_RANKS, top_k)
     tokens = torch.empty(M, dtype=torch.long, device=probs.device)

@@ -10,8 +10,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# On a GPU the state pool takes this share of the device memory free once the weights are in, less
-# CUDA_RESERVE_BYTES kept for what a step allocates: activations, logits ([rows × 32, 248k] bf16 for a
+# CUDA_RESERVE_BYTES is kept for what a step allocates: activations, logits ([rows × 32, 248k] bf16 for a
 # block step) and their decisions' float32 temporaries, step graphs (≤ 2 GB), fla's workspaces.
 CUDA_CACHE_FRACTION = 0.9
 CUDA_RESERVE_BYTES = 6 << 30
@@ -37,8 +36,7 @@ def device_cache_bytes(free_bytes: int, needed_bytes: int, device) -> int:
 
 def default_cache_bytes(model, max_sequences: int) -> int | None:
     """The engine's state-pool size when none is given: on one CUDA device, most of its free memory
-    (`device_cache_bytes`); elsewhere None (the model's own default: on the CPU, untouched pool memory
-    stays virtual, so the pool is a ceiling rather than memory spent). Under tensor parallelism also
+    (`device_cache_bytes`); elsewhere None (the model's own default). Under tensor parallelism also
     None: the other ranks replay the leader's admissions, so every rank's pool must be the same size
     (`--max-cache-gb` sets it)."""
     if model.runner.ranks > 1:

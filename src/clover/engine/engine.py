@@ -1,12 +1,9 @@
-"""The serving engine: one thread drives one `Decoder`, and so the model; other threads only `submit`,
-`score` and `cancel`. It works in token ids: text belongs to the server.
+"""The serving engine: one thread drives one `Decoder`, and so the model (scoring jobs too, between steps);
+other threads only `submit`, `score` and `cancel`. It works in token ids: text belongs to the server.
 
-Admission: at most `max_sequences` requests are in the decoder and `max_queue` more wait, FIFO (one more
-raises `QueueFull`); the decoder starts each once the state pool can reserve its whole length. `validate`
-checks a request once: settings, ids, and a length the whole pool can hold (`RequestTooLarge`).
-Backpressure: a handle made with `buffer_tokens` is not stepped while that many of its tokens are unread.
-A step that raises fails the requests it was running, and the loop goes on with a fresh decoder.
-Scoring jobs run on the same thread between steps: the model is only ever driven by one thread.
+At most `max_sequences` requests are in the decoder and `max_queue` more wait, FIFO; the decoder starts each
+once the state pool can reserve its whole length. `validate` checks a request once. A step that raises fails
+the requests it was running, and the loop goes on with a fresh decoder.
 """
 
 from __future__ import annotations
@@ -119,7 +116,6 @@ class Engine:
     def _new_decoder(self) -> Decoder:
         return self.options.decoder(self.model)
 
-    # ---- properties --------------------------------------------------------------------------
     @property
     def context_limit(self) -> int:
         return self.config.max_position_embeddings
@@ -145,7 +141,6 @@ class Engine:
     def accepting(self) -> bool:
         return self._state == "running" and self._thread.is_alive()
 
-    # ---- requests ----------------------------------------------------------------------------
     def settings(self, **overrides) -> GenerationSettings:
         """Defaults of the model's generation_config.json ← `overrides` (GenerationSettingsError if bad)."""
         return resolve_settings(self.model, **overrides)
@@ -166,8 +161,7 @@ class Engine:
                buffer_tokens: int | None = None, client=None, step_events: bool = False,
                **overrides) -> RequestHandle:
         """Queue a request: prompt ids, validated here with `settings` (default: the model's) ← `overrides`,
-        or a `ValidatedRequest` from `validate`, queued as it is. Raises GenerationSettingsError (invalid),
-        QueueFull, EngineClosed.
+        or a `ValidatedRequest` from `validate`. Raises GenerationSettingsError (invalid), QueueFull, EngineClosed.
         `grammar`: a `clover.grammar.GrammarMatcher` the response follows (constrained decoding).
         `buffer_tokens`: pause the request while this many of its tokens wait for the consumer.
         `client`: who sent it (an address, a key): turns are shared fairly between clients.
@@ -240,7 +234,6 @@ class Engine:
         if queued:
             self._finish(handle, "cancelled")
 
-    # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
         with self._lock:
             if self._state != "new":
@@ -277,7 +270,6 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown(graceful=exc[0] is None)
 
-    # ---- the engine thread -------------------------------------------------------------------
     def _admit_locked(self) -> None:
         """Move queued requests into the batch, FIFO, while slots allow (the decoder waits for pool room)."""
         while self._waiting and self._slots < self.max_sequences:

@@ -67,7 +67,6 @@ class RequestHandle:
         """Stop this request (thread-safe, idempotent): its slot frees before the next forward."""
         self._engine.cancel(self)
 
-    # ---- engine side -------------------------------------------------------------------------
     def _push(self, event: EngineEvent) -> None:
         with self._cond:
             if self.finished:
@@ -91,7 +90,6 @@ class RequestHandle:
             except RuntimeError:       # the consumer's loop is closed: nobody is listening
                 pass
 
-    # ---- consumer side -----------------------------------------------------------------------
     async def events(self):
         """Async iterator over events, ending after the finished one. One consumer per handle."""
         with self._cond:

@@ -150,7 +150,6 @@ class Decoder:
             self._served[seq.id] = self.steps
         return ready
 
-    # ---- admission and the step budget ---------------------------------------------------------
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
@@ -222,7 +221,6 @@ class Decoder:
         seq.error = f"{type(exc).__name__}: {exc}"
         seq.finish("error")
 
-    # ---- phases --------------------------------------------------------------------------------
     def _prefill(self, seqs: list[Sequence], budget: int) -> None:
         """The next prompt chunk of each prefilling sequence within `budget` tokens (see Budget); several
         per forward (right-padded, similar lengths together)."""

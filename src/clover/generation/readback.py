@@ -1,10 +1,8 @@
-"""Decisions that read the device back once per batched forward, not once per row.
+"""Decisions that read the device back once per batched forward, not once per row (docs/gpu.md).
 
 A row's decision (sampling, unmasking, acceptance, expert statistics) is a generator: it queues its device
 work, yields the device tensors it needs on the host (a tuple), receives their values (one flat list each)
-and does its host work. `decide_rows` advances every row to its yield and reads all their tensors back in
-one transfer (on a GPU one sync per batch, not per row). The values are those a row read alone would get;
-only when they are read changes.
+and does its host work. The values are those a row read alone would get; only when they are read changes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Teacher-forced causal log-probabilities of a token sequence: what `logprobs` and `echo` report.
-
-Every decoding mode's output is scored the same way after it is written: causal forwards over [prompt |
-completion] through a fresh pool sequence, `chunk` tokens each (exact: a chunked prefill equals one pass),
-so only one chunk's logits exist at a time, not T × V. The numbers are log p(ids[i] | ids[:i]) before
-temperature, top-k/p and the dllm_* controls: for autoregressive and self-speculative output the
-distribution each token was chosen from, for LowConfidence output how likely the causal mode finds it.
-No decoding state is read or changed.
+"""Teacher-forced causal log-probabilities of a token sequence: what `logprobs` and `echo` report, for every
+decoding mode (what they mean: docs/serving.md, "Log-probabilities"). Causal forwards run `chunk` tokens at a
+time (exact: a chunked prefill equals one pass), so only one chunk's logits exist at a time. No decoding state
+is read or changed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One request's decoding state and the per-position arithmetic of SPEC §5, §7 and §8.
 
-A `Sequence` owns its cache, its response so far, its current block and its statistics. The methods
-here turn a row of model logits into decisions (fill these positions, accept this draft prefix) using
-the pure functions of `clover.decoding`; they never run the model — `Decoder` does that, batched.
-The batched helpers below give every row exactly what it gets alone (tests/test_readback.py).
+A `Sequence` turns a row of model logits into decisions (fill these positions, accept this draft prefix) using
+the pure functions of `clover.decoding`; it never runs the model — `Decoder` does that, batched.
 """
 
 from __future__ import annotations
@@ -103,7 +101,6 @@ class Sequence:
         self.step_events: list[dict] | None = None
         self.blocks_started = 0
 
-    # ---- bookkeeping ---------------------------------------------------------------------------
     @property
     def position(self) -> int:
         """Absolute position of the next uncommitted token."""
@@ -182,7 +179,6 @@ class Sequence:
             return [self.mask_id] * L
         return self.constraint.upcoming(L, self.remaining - len(self.block))
 
-    # ---- controls ------------------------------------------------------------------------------
     def _think_distance(self, query_pos: int, extra: list[int]) -> int:
         """j of SPEC §7 for a prediction at `query_pos`, given uncommitted `extra` tokens from `self.position`:
         if the last marker before `query_pos` is `<think>` at p, query_pos − p − 1, else −1 (a mask id,
@@ -223,7 +219,6 @@ class Sequence:
             self.generator.manual_seed(self.sampling_seed)
         return self.generator
 
-    # ---- decisions -----------------------------------------------------------------------------
     def masked_positions(self) -> list[int]:
         """Positions still to decide (a draft's seed is decided even when it is the mask id)."""
         start = 1 if self._seed_is_mask else 0
@@ -272,11 +267,8 @@ class Sequence:
                 self.constraint.shape_draft(self.block, controlled, masked)
 
     def _record_step(self, before: list[int], forced: bool = False) -> None:
-        """Append one denoising step to `step_events`: the block (number, first response position, size),
-        the forward count, each changed position as [offset, token or None where a grammar masked it
-        again], the MoE layers' mean distinct experts (None without statistics). `forced`: what a grammar
-        wrote into a new block before any forward. Replaying a block's events over masks gives the block
-        as committed."""
+        """Append one denoising step to `step_events` (its fields: docs/serving.md, "The `step_events` stream
+        extension"). `forced`: what a grammar wrote into a new block before any forward."""
         distinct = [layer[-1] for layer in self.stats.distinct_experts if layer]
         event = {"block": self.blocks_started - 1, "start": len(self.response), "size": len(self.block),
                  "forward": self.stats.forwards,
@@ -297,11 +289,10 @@ class Sequence:
 
     def predict_next_steps(self, logits: torch.Tensor, extra: list[int], seen_first: int,
                            tokens: torch.Tensor | None = None):
-        """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`,
-        having seen `extra[: seen_first + k]`. A decision (readback.py) returning the tokens. Under a
-        grammar each is the grammar's choice (consumed), stopping at the first that differs from `extra`,
-        and it reads the device itself (the grammar walks the choices one by one). `tokens`: this row's
-        share of `batched_predictions` (the logits then go unused)."""
+        """Causal predictions: row k of `logits` [n, V] predicts position `position + seen_first + k`, having
+        seen `extra[: seen_first + k]`. A decision (readback.py) returning the tokens. Under a grammar each is
+        the grammar's choice (consumed), stopping at the first that differs from `extra`, and it reads the
+        device itself. `tokens`: this row's share of `batched_predictions` (the logits then go unused)."""
         if tokens is None and self.constraint is not None:
             x, _ = _controlled_predictions([self], [logits], [extra], [seen_first])
             return self.constraint.choose_run(x, lambda row: int(batched_candidates([self], row, [1])[0][0]),

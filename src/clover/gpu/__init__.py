@@ -1,10 +1,7 @@
-"""The "cuda" backend: the backend ops (clover/backend.py) as batched, host-sync-free PyTorch plus
-kernels from maintained libraries (fla-core's gated delta rule, FlexAttention, grouped GEMMs), for a
-GPU; `ops.py` lists them with their `qualifies` tests, each module says what it owns.
-
-Every piece is device-agnostic PyTorch around the library calls, so the same code runs on CPU (tests:
-`Backend("cuda")` on a CPU model runs these paths with the PyTorch fallbacks, and fla's Triton kernels
-under `TRITON_INTERPRET=1`).
+"""The "cuda" backend (docs/gpu.md): the backend ops (clover/backend.py) as batched, host-sync-free PyTorch
+around fla-core's gated delta rule, FlexAttention and grouped GEMMs (`ops.py` lists them; each module says what
+it owns). Every piece is device-agnostic, so the same code runs on CPU (tests: `Backend("cuda")` on a CPU model,
+fla's Triton kernels under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The "cuda" backend's `attention`: the reference (layers/attention.py) with all rows attending at once.
-
-Short forwards on CUDA attend over the pages in place (gpu/paged_attention.py). Otherwise (prefill
-chunks, or where the paged path does not run) each row's keys 0 … S−1 (S: the longest row's end) are
-gathered with one index for one SDPA call: unmasked when every query sees every key of its row (decode,
-block steps of equal-length rows: the flash kernels), else under `visible_keys`' mask.
+"""The "cuda" backend's `attention`: the reference (layers/attention.py) with all rows attending at once, over
+the pages in place where gpu/paged_attention.py runs, else over keys gathered for one SDPA call (docs/gpu.md):
+unmasked when every query sees every key of its row (decode, block steps of equal-length rows: the flash kernels).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The "cuda" backend's routed experts: two grouped GEMMs over all experts (`grouped_mm`), no host read.
-
-Token-slots are sorted by expert (stably, as the reference); `offs`, the cumulative row counts of all E
-experts, tells the GEMM where each expert's rows end, and each token's k products are summed in a fixed
-order (deterministic on a GPU). Without `grouped_mm`, or for other dtypes than bf16, the experts run one
-by one (`Experts.forward`). Quantized experts are dequantized on the device at each call: each slot's
-own expert when there are fewer slots than experts (decode), else every expert once. An `ExpertShard`
-(expert parallel) takes the global routing remapped to its own experts.
+"""The "cuda" backend's routed experts: two grouped GEMMs over all experts (`grouped_mm`), no host read
+(docs/gpu.md). Token-slots are sorted by expert (stably, as the reference), and each token's k products are
+summed in a fixed order. Without `grouped_mm`, or for other dtypes than bf16, the experts run one by one
+(`Experts.forward`); quantized ones are dequantized on the device at each call. An `ExpertShard` (expert
+parallel) takes the global routing remapped to its own experts.
 """
 
 from __future__ import annotations
@@ -85,9 +82,8 @@ def _grouped_gemm(experts, x, token, expert, weight) -> torch.Tensor:
     hidden = F.silu(gate) * up
     ys = GROUPED_MM(hidden, _float(experts.down_proj, x.dtype).transpose(-2, -1), offs=offs)          # [N·k, H]
     ys = ys * weight[:, None].to(x.dtype)
-    # Back to token order without atomics (CUDA's index_add_ adds in a varying order, so repeated runs
-    # could round differently): each token's k products, in expert order, summed in one reduction
-    # (fp32 accumulation for bf16, rounded once, as the reference's sum of a token's experts).
+    # Back to token order without atomics (docs/gpu.md): each token's k products, in expert order, summed in
+    # one reduction (fp32 accumulation for bf16, rounded once, as the reference's sum of a token's experts).
     rows = torch.argsort(token, stable=True).view(x.shape[0], -1)          # [N, k]: ys rows, expert order
     return ys[rows].sum(1)
 

@@ -1,10 +1,7 @@
-"""The GDN mixer's two replaceable parts (`layers.gated_deltanet.gdn_mix`) through fla-core on a GPU.
-
+"""The GDN mixer's two replaceable parts (`layers.gated_deltanet.gdn_mix`) through fla-core on a GPU: its
+`causal_conv1d` and gated delta rule (which kernel when, and the fallback to the reference's parts: docs/gpu.md).
 fla's layouts are the mixer's (states `[N, Hv, dk, dv]` fp32, the pool's slots), and q, k go in
-un-normalised (`use_qk_l2norm_in_kernel`: normalised in fp32 with Clover's ε). The conv is fla's
-`causal_conv1d`; the delta rule fla's chunked kernel for causal parts longer than `CHUNKED_MIN_TOKENS`,
-its fused recurrent one otherwise; right-padded prefill rows run as packed variable-length sequences.
-Where fla cannot run (no `clover[gpu]`, an unsupported device) the reference's parts run instead.
+un-normalised (`use_qk_l2norm_in_kernel`: normalised in fp32 with Clover's ε).
 """
 
 from __future__ import annotations

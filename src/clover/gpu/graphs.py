@@ -1,16 +1,8 @@
-"""CUDA graphs of the short cached forwards (decode steps, block steps, fused commits), per batch bucket.
-
-A graph replays fixed kernels on fixed addresses, so each captured forward runs on static buffers:
-  - rows padded up to a batch bucket; a padding row reads the zero GDN state (slot 0) and writes to a
-    scratch slot and scratch pages this runner holds out of the pool, never to a sequence's state;
-  - keys over a fixed window (the longest row's end rounded up to a power of two ≥ `MIN_WINDOW`),
-    always masked at each row's own end;
-  - each step's index goes to the device in one copy; key rows, positions and masks are computed from
-    it inside the graph.
-Graphs are captured on first use into one memory pool and dropped least recently used past `MAX_GRAPHS`
-or `MAX_GRAPHS_BYTES`. Forwards they do not cover (long or padded chunks, open speculations, too many
-rows, too large logits) and keys whose capture failed (logged once) run eagerly. Outputs are copied
-out of the static buffers. `replay="eager"` runs the same static forward uncaptured: the tests on CPU.
+"""CUDA graphs of the short cached forwards (decode steps, block steps, fused commits), per batch bucket; what
+they cover and their limits: docs/gpu.md ("CUDA graphs"). A graph replays fixed kernels on fixed addresses, so
+each runs on static buffers: rows padded to a bucket (a padding row reads slot 0, the zero GDN state, and writes
+only this runner's scratch pages and slot), keys over a power-of-two window masked at each row's own end, one
+copy of the step's index to the device. `replay="eager"` runs the same forwards uncaptured (the CPU tests).
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ MIN_WINDOW = 256
 MAX_TOKENS = 64          # tokens per row a graph covers: decode, block steps and fused commits of blocks ≤ 32
 MAX_GRAPHS = 64          # captured graphs kept (least recently used dropped first) …
 MAX_GRAPHS_BYTES = 2 << 30  # … and their static outputs' bytes, together
-# A graph's logits are static memory of their own: a block step's [rows, 32, 248k] bf16 logits are
-# 16 MB a row, so graphs are kept to the forwards whose logits fit this (larger ones run eagerly).
+# a graph's logits are static memory of their own (a block step's [rows, 32, 248k] bf16: 16 MB a row)
 MAX_GRAPH_LOGITS_BYTES = 256 << 20
 
 

@@ -1,8 +1,5 @@
-"""The "cuda" backend's implementations of the backend ops (clover/backend.py), with their limits:
-  - gdn_core: any forward; fla's kernels where they run (gpu/gdn.py), else the PyTorch delta rule;
-  - attention: any forward (batched over rows; see gpu/attention.py);
-  - moe: experts as plain or quantized stacks (not packed for the CPU kernels);
-  - add_rmsnorm: the reference (one fused `F.rms_norm`).
+"""The "cuda" backend's implementations of the backend ops (clover/backend.py), with the calls each takes
+(`add_rmsnorm`, not listed, runs the reference); what each runs: docs/gpu.md and each module's docstring.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Attention that reads K/V from the state pool's pages in place (FlexAttention), for short forwards.
-
-The gathered path (gpu/attention.py) first copies every row's keys out of the pages: at long contexts
-most of a decode step's memory traffic. Here one FlexAttention call attends over the whole pool viewed
-as `[1, Hkv, pages · page_size, D]`, under a block mask with one block per page (a row's page table).
-Pages wholly before a row's first new token are "full" blocks; the ≤ 3 pages holding its new tokens are
-masked per position by `visible_keys`' rule (layers/attention.py), through a map from a page to its
-place in the row's table.
-
-Runs on CUDA for forwards of at most `MAX_TOKENS` tokens a row, compiled over rows and tokens padded
-to buckets; past `MAX_COMPILED_SHAPES` or after a failed compile the gathered path runs (logged once).
-`CLOVER_PAGED_ATTENTION`: `0` off, `1` also on CPU (uncompiled: the tests' semantics check), `auto`.
+"""Attention that reads K/V from the state pool's pages in place (FlexAttention), for forwards of at most
+`MAX_TOKENS` tokens a row; why, and the fallback to the gathered path (gpu/attention.py): docs/gpu.md.
+The pool is one key sequence `[1, Hkv, pages · page_size, D]` under a block mask of one block per page: pages
+wholly before a row's first new token are "full" blocks; the ≤ 3 pages holding its new tokens are masked per
+position by `visible_keys`' rule (layers/attention.py). Compiled over rows and tokens padded to buckets, at most
+`MAX_COMPILED_SHAPES`. `CLOVER_PAGED_ATTENTION`: `0` off, `1` also on CPU (uncompiled: the tests), `auto`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Python face of `attention_cached.c`: up to 64 tokens of one sequence through gated attention over its
 K/V pages (decode tokens, block steps, commits, speculation checks; kernels/ops.py calls it per row).
-
-`attention_args` is the call's argument list, which the step plans bind too. The PyTorch path in
-`Attention.forward` is the reference (tests/test_kernels.py).
+The PyTorch path in `Attention.forward` is the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations

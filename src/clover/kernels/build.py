@@ -1,12 +1,10 @@
 """Building the native kernels (`*.c` here) with the system C compiler, caching and loading the library.
 
-`library()` compiles the sources once per source/compiler/flags into a cache directory and returns the
-loaded library, or None (callers run the PyTorch reference) where the CPU lacks both instruction sets,
-no compiler is found, the build fails or `CLOVER_KERNELS=0`. Two builds of the same sources (`isa()`):
-"avx512" and "avx2", where `avx2_compat.h` carries each 512-bit vector as two halves with the same
-arithmetic — bit-identical results, but no `vdpbf16ps` pair kernels. bf16 products take the fp32-FMA
-or the pair kernels (`bf16_kernels()`), chosen once per process, never per call, so a row's result never
-depends on its batch. Why compile at all: docs/performance.md ("What changed").
+`library()` is the loaded library, or None (callers run the PyTorch reference) where the CPU has neither
+instruction set (`isa()`: "avx512", or "avx2" through `avx2_compat.h`), no compiler is found, the build fails
+or `CLOVER_KERNELS=0`. Choices by CPU (`isa`, `bf16_kernels`, `one_row_prefetch`) are made once per process,
+never per call, so a row's result never depends on its batch. Why compile at all: docs/performance.md ("What
+changed"); the AVX2 build and its same results: "Kernels on AVX2 CPUs" there.
 """
 
 from __future__ import annotations
@@ -128,8 +126,7 @@ BF16_KERNELS = ("fma", "pairs")
 def bf16_kernels() -> str:
     """Which kernels multiply bf16 inputs by bf16 weights in this process: "fma" (widened to fp32, one
     FMA per input) or "pairs" (`vdpbf16ps`, two inputs per instruction), from `CLOVER_BF16_DOT` = auto
-    (pairs on AMD, where `vdpbf16ps` is the faster, FMA elsewhere) | fma | pairs. Both sum fp32 products
-    of the same bf16 values; they differ in rounding order only."""
+    | fma | pairs. Both sum fp32 products of the same bf16 values; they differ in rounding order only."""
     choice = runtime_options().bf16_dot
     if choice not in ("auto", *BF16_KERNELS):
         raise ValueError(f"CLOVER_BF16_DOT must be auto, fma or pairs, not {choice!r}")
@@ -202,10 +199,8 @@ def library() -> ctypes.CDLL | None:
 
 def one_row_prefetch() -> str:
     """How one-row products (decode) prefetch the weights they stream, chosen by CPU: "ahead" on AMD
-    Zen 5 and later (CPU family 26+): each reads its own panel 4 KB ahead and nothing more (quantized
-    decode steps 14–24% faster, bf16 15% on one thread); "next-panel" elsewhere: quantized products
-    leave it to the hardware prefetchers and bf16 ones also fetch the next panel (each faster on Zen 4).
-    Only speed depends on it."""
+    Zen 5 and later (CPU family 26+), "next-panel" elsewhere; what each does and what it gained:
+    docs/performance.md ("Quantized kernels"). Only speed depends on it."""
     family = _cpuinfo_field("cpu family")
     zen5 = _cpuinfo_field("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26
     return "ahead" if zen5 else "next-panel"

@@ -1,19 +1,13 @@
-"""Steps of up to 64 tokens (decode, block steps, commits) as a prepared list of kernel calls.
+"""Steps of up to 64 tokens (decode, block steps, commits) as a prepared list of kernel calls, run as one
+native call (`ONE_REGION`: steps.c); why, and what it saved: docs/performance.md.
 
-A plan binds, once per model and step shape (rows × tokens × block length), the calls and arguments the
-wrappers in kernels/*.py would make for that step, intermediates in buffers it owns; a step writes only
-what changes (GDN slot addresses, page tables, positions, rotary rows, the block's top-p) and runs the
-list as one native call (`ONE_REGION`: steps.c, one team of `torch.get_num_threads()` threads, a barrier
-between kernels). A one-token causal step binds the lm head as its last call. It takes a model packed for
-the kernels, no tensor-parallel shard, no autograd, no right-padded batch (`refusal`, `DecodePlans.step`);
-everything else runs the layers. Why, and what it saved: docs/performance.md.
+A `_Plan` binds, once per step shape, the calls the wrappers in kernels/*.py would make; a step writes only what
+changes (GDN slot addresses, page tables, positions, rotary rows, the block's top-p). `refusal` and
+`DecodePlans.step` say which models and steps qualify; everything else runs the layers.
 
-Invariants (tests/test_decode_plan.py): results bit-identical to the layers' path and to the calls run
-one by one; the logits and expert statistics a step returns are new, buffers are per step shape; one step
-at a time per model (a second thread takes the layers' path); a plan keeps alive what its pointers point
-into, is rebuilt when a parameter its fp32 constants come from is rewritten and dropped (by the runner)
-when `model.backend` is another (modules swapped in otherwise are not seen); an open speculation's GDN
-inputs are recorded as the layers record them.
+Invariants (tests/test_decode_plan.py): results bit-identical to the layers' path and to the calls run one by
+one; one step at a time per model; a plan is rebuilt when a parameter its fp32 constants come from is rewritten
+and dropped (by the runner) when `model.backend` is another (modules swapped in otherwise are not seen).
 """
 
 from __future__ import annotations
@@ -241,7 +235,6 @@ class _Plan:
         args[index] = value
         self.slots[id(args)][index] = value or 0
 
-    # ---- binding (what the wrappers in kernels/*.py pass for these shapes) ------------------------
     def _constants(self, module, constants):
         """A module's kernel constants (rmsnorm.kernel_constants), kept alive with the plan."""
         self.keep.append(constants)
@@ -312,7 +305,6 @@ class _Plan:
             moe, self.B, self.T, self.buf.x.shape[-1], self.block_len, None, self.buf.x.data_ptr(), None,
             self.buf.moe.data_ptr(), distinct.data_ptr() if self.block_len else None, 1)))
 
-    # ---- one step ----------------------------------------------------------------------------------
     def run(self, model, ids, batch, rotary: RotaryTable, block_top_p=None, logits_at="last", stats=None):
         buf, pool, B, T = self.buf, batch.pool, self.B, self.T
         threads = torch.get_num_threads()

@@ -1,9 +1,7 @@
 """Python face of `gdn_short.c`: a Gated DeltaNet mixer after its input projections, 64 tokens a call.
 
-`gdn_short` is the "cpu" backend's `gdn_core` (backend.py); `gdn_short_args` is the call's argument list,
-which the step plans bind too. Causal tokens write each row's new state to its write slot and leave the
-read slot as it was (snapshots and cached prefixes keep it). The PyTorch path in `GatedDeltaNet.forward`
-is the reference (tests/test_kernels.py).
+Causal tokens write each row's new state to its write slot and leave the read slot as it was (snapshots and
+cached prefixes keep it). The PyTorch path in `GatedDeltaNet.forward` is the reference (tests/test_kernels.py).
 """
 
 from __future__ import annotations

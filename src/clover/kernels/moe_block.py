@@ -1,8 +1,7 @@
 """Python face of `moe_block.c`: rows through a packed sparse MoE block, routing and selection included.
 
-`moe_block(moe, x, block_len, block_top_p)` returns what `moe(x, block_len, block_top_p)` does (the
-block's output and each row's distinct experts) for a `SparseMoE` packed by `pack_for_cpu`: the "cpu"
-backend's `moe`. On a tensor-parallel shard (`ShardedMoE`, a run of the router's experts) it is the
+`moe_block` is the "cpu" backend's `moe`: what `moe(x, block_len, block_top_p)` returns, for a `SparseMoE`
+packed by `pack_for_cpu`. On a tensor-parallel shard (`ShardedMoE`, a run of the router's experts) it is the
 shard's partial sum, before the all-reduce. The PyTorch module is the reference (tests/test_kernels.py).
 """
 
@@ -18,10 +17,8 @@ from .rmsnorm import kernel_constants
 
 
 def _moe_constants(moe):
-    """The C descriptors of the packed matrices the kernel reads, built once (a packed model is
-    inference-only): the input maps (one stack, or the bf16 router part and the quantized shared
-    expert part: None where there is one), the experts' stacks and the shared expert's down
-    projection; and the sizes I, Is."""
+    """The C descriptors of the packed matrices the kernel reads (the second input map None where the
+    maps are one stack) and the sizes I, Is, built once (a packed model is inference-only)."""
     def make():
         if not packed_for_kernels(moe):
             raise ValueError("moe_block needs a SparseMoE packed by pack_for_cpu, its router and "

@@ -1,8 +1,6 @@
-"""The native CPU kernels as the "cpu" backend's implementations of the ops (clover/backend.py), each with
-the test of which calls it takes: bf16 CPU tensors without autograd, a block of at most 64 tokens (any
-number of causal tokens, 64 a call, then the block: `call_spans`), attention heads ≤ 512 wide with ≤ 16
-query heads per K/V head, a MoE block packed by `pack_for_cpu`. A call that does not qualify runs the op's
-PyTorch reference; the kernels refuse anything else with an error.
+"""The native CPU kernels as the "cpu" backend's implementations of the ops (clover/backend.py); each
+`_*_qualifies` says which calls it takes. A call that does not qualify runs the op's PyTorch reference; the
+kernels refuse anything else with an error.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Weights in 32-column panels and the native kernels' products over them, for every stored form.
 
-`PanelWeight` holds a bf16 [N, K] matrix (or an [E, N, K] stack) reordered once for `panel_gemm.c`;
-`QuantPanelWeight` (quant_panels.py) holds quantized codes the same way. Each describes itself to C as
-one `Weights` descriptor (weights.h), so `linear` and `grouped_linear` (row spans of one input through
-different entries of a stack: the routed experts) are one function for every form. Each output is an
-fp32 sum in a fixed order per row, rounded once to x's dtype: a row's result does not depend on its
+`PanelWeight` (bf16, for `panel_gemm.c`) and `QuantPanelWeight` (quant_panels.py) each describe themselves to C
+as one `Weights` descriptor (weights.h), so `linear` and `grouped_linear` are one function for every form. Each
+output is an fp32 sum in a fixed order per row, rounded once to x's dtype: a row's result does not depend on its
 batch. The reference is `F.linear` in fp64 (tests/test_kernels.py).
 """
 

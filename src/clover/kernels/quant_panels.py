@@ -1,10 +1,6 @@
-"""Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c`.
-
-`QuantPanelWeight` reorders one stored matrix or expert stack (quantization/format.py) into 32-column
-panels; `panels.linear` and `panels.grouped_linear` are its products. The kernels round their inputs
-too (int8 per weight group, absmax, round to nearest even) and take integer dot products (quant_gemm.c
-says why); tests/test_quantization.py's `reference_linear` is that arithmetic in PyTorch, the
-definition the kernels are compared with, and its `_torch_pack_*` the PyTorch definition of the layout.
+"""Quantized weights in the kernels' panel layout, multiplied by `quant_gemm.c` through `panels.linear` and
+`panels.grouped_linear` (the kernels round their inputs too; their arithmetic, why, and its PyTorch reference:
+docs/performance.md, "Quantized kernels").
 """
 
 from __future__ import annotations

@@ -38,9 +38,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch=None, block_len: int = 0, backend=None):
         """x [B, T, H] is `[causal part | block]`, the block its last `block_len` tokens → [B, T, H].
-        `batch`: a cached forward's `ForwardBatch` (cache.py: each row also sees its cached prefix, and
-        its new K/V are written to its pages), None from scratch. `backend`: whose `attention` op runs
-        (default: the reference)."""
+        `batch`: a cached forward's `ForwardBatch` (cache.py), None from scratch. `backend`: whose
+        `attention` op runs (default: the reference)."""
         qg, k, v = project(self, x)
         attend = backend.attention if backend is not None else attention_reference
         return self.o_proj(attend(self, qg, k, v, cos, sin, batch, block_len))

@@ -2,8 +2,7 @@
 
 A block keeps only the experts that carry most of its top-k router mass, so a forward touches fewer
 experts' weights. Ties, in mass and in top-k, go to the lower expert index on every backend: a stable
-descending sort's order, which ``torch.topk`` does not promise (``top_k_lowest_index_first`` gets it
-from ``torch.topk`` on keys that cannot tie; docs/performance.md).
+descending sort's order (``top_k_lowest_index_first``; docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""A token embedding left in its checkpoint file, its rows read as they are looked up (docs/weights.md).
-
-A lookup reads a few rows, yet loading would hold the whole table in memory; here the OS page cache
-keeps the rows in use. Rows are read with `pread`, not through a memory map: a file cut or rewritten
-under a running model gives an error naming it (each lookup checks its size and modification time),
-never a SIGBUS; a file replaced by a rename leaves the model reading the old one. `clover.load` uses it
-for an untied table of a model packed for the CPU. This class reads float rows (safetensors);
-`gguf/embedding.py` decodes quantized ones.
+"""A token embedding left in its checkpoint file, its rows read with `pread` as they are looked up (why, and
+when `clover.load` uses it: docs/weights.md). Not a memory map: a file cut or rewritten under a running model
+is an error naming it, never a SIGBUS; a file replaced by a rename leaves the model reading the old one.
+This class reads float rows (safetensors); `gguf/embedding.py` decodes quantized ones.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Packed weights for CPU inference: a transform on a built model (`pack_for_cpu`, `pack_part`).
 
-Every bf16 `nn.Linear`, quantized map and routed-expert stack becomes a copy in the native kernels'
-panels (`clover.kernels`), the original freed as it goes, so memory does not grow; the maps a module
-lists in `input_projections` (they read one input) are first stacked into one `FusedProjection`. The
-model then gets the "cpu" backend. Where the kernels cannot be built nothing is packed. The unpacked
-model is the reference (tests compare the two). Inference only: packed weights carry no gradients,
-and `save_checkpoint` refuses a packed model.
+Every bf16 `nn.Linear`, quantized map and routed-expert stack becomes a copy in the native kernels' panels,
+the original freed as it goes, so memory does not grow; the maps a module lists in `input_projections` are
+first stacked into one `FusedProjection`. The unpacked model is the reference (tests compare the two).
+Inference only: packed weights carry no gradients, and `save_checkpoint` refuses a packed model.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ class FusedProjection(nn.Module):
     shared expert beside the bf16 router) form consecutive parts. `consume`: a lone quantized map's
     stored codes may be handed back as they are packed.
 
-    The packed tensors are registered buffers (`load_state_dict()` refills them in place); moving or
-    casting them would break the kernels' layout, so `.to()`, `.cuda()`, `.half()`… raise."""
+    The packed tensors are registered buffers (`load_state_dict()` refills them in place; moving or casting raises)."""
 
     def __init__(self, linears: list, consume: bool = False):
         super().__init__()
@@ -134,9 +131,8 @@ class PackedLinear(FusedProjection):
 
 def pack_for_cpu(model, consume: bool = False) -> int:
     """Pack a bf16 CPU `model` in place and give it the "cpu" backend → how many matrices were packed
-    (0, a no-op, for other dtypes and devices or where the kernels cannot be built). A tied output
-    embedding stays unpacked (the table needs the plain tensor); matrices already packed stay as they
-    are. `consume`: as `pack_part`'s, only for a model nothing else references (clover.load's)."""
+    (0, a no-op, where `packs` says no). A tied output embedding stays unpacked (the table needs the plain
+    tensor); matrices already packed stay as they are. `consume`: as `pack_part`'s (clover.load's model)."""
     if not packs(model):
         return 0
     count = pack_part(model, "", consume)
@@ -191,8 +187,7 @@ def _fuse_input_projections(model, inside) -> int:
     """Stack the `input_projections` of each module whose name passes `inside` into its `fused_input`,
     dropping the separate maps → how many were stacked."""
     count = 0
-    # Only the owning modules are listed: a list of all modules would keep every replaced linear (and
-    # its weight) alive until the loop ends.
+    # only the owning modules are listed, not all of them (why: the names collected in `pack_part`)
     owners = [m for name, m in model.named_modules() if getattr(m, "input_projections", None) and inside(name)]
     for module in owners:
         names = module.input_projections
