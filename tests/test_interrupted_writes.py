@@ -86,6 +86,17 @@ def _writer(kind: str, dst: Path, sources) -> int:
     return pid
 
 
+def _started_writing(dst: Path, pid: int, timeout: float = 30.0) -> None:
+    """Wait until writer `pid` has begun its first write (its staging folder appeared): the kill's random
+    delay then counts from inside its loop of writes, not from the fork (once, under a loaded CI machine,
+    20 kills in a row landed before a forked child had reached one)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(name.startswith(f".{dst.name}.partial-{pid}-") for name in leftovers(dst)):
+            return
+        time.sleep(0.0005)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_killed_write_leaves_the_old_output_or_the_new(tmp_path, sources, kind):
     refs = []
@@ -100,7 +111,8 @@ def test_a_killed_write_leaves_the_old_output_or_the_new(tmp_path, sources, kind
     while len(killed) < KILLS or (killed_mid_write < 2 and len(killed) < MAX_KILLS):
         pid = _writer(kind, dst, sources)
         killed.append(pid)
-        time.sleep(rng.uniform(0.02, 0.5))
+        _started_writing(dst, pid)                   # a busy machine can take longer than any delay to get there
+        time.sleep(rng.uniform(0.0, 0.5))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "the writer died on its own"
