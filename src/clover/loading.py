@@ -114,16 +114,12 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     elif gguf is not None:
         from .gguf import load_gguf
 
-        pack_as_filled = None
-        if packs:         # each layer packed once filled, its stored forms in a scratch the next one reuses
-            from .layers.packed import pack_part
+        from .layers.packed import pack_part
 
-            def pack_as_filled(model, part):
-                pack_part(model, part)
-
-        # packed for the CPU: an untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
-        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_as_filled, table_in_file=packs,
-                          repacks_parts=packs)
+        # packed for the CPU: each layer once filled, its stored forms in a scratch the next one reuses; an
+        # untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
+        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_part if packs else None,
+                          table_in_file=packs, repacks_parts=packs)
     else:
         model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs)
 

@@ -279,8 +279,9 @@ class PartScratch:
     def __init__(self, quantized: dict, device):
         sizes = {}
         for param, module in quantized.items():
-            if _part(param) is not None:
-                sizes[_part(param)] = sizes.get(_part(param), 0) + sum(map(self._size, self._stored(module)))
+            part = _part(param)
+            if part is not None:
+                sizes[part] = sizes.get(part, 0) + sum(map(self._size, self._stored(module)))
         self.buffer = torch.empty(max(sizes.values(), default=0), dtype=torch.uint8, device=device)
         self.used = 0
 
