@@ -130,3 +130,25 @@ def test_a_model_built_under_inference_mode_runs_the_kernels():
         assert torch.equal(inside(ids), outside(ids))
         a, b = inside.make_cache(), outside.make_cache()
         assert torch.equal(inside.step(ids, [a]), outside.step(ids, [b]))
+
+
+@pytest.mark.parametrize("variant,bits", [("base", None), ("tied_gqa4", None), ("base", 4), ("base", 8)])
+def test_loading_packs_each_part_as_it_is_filled(tmp_path, variant, bits):
+    """`clover.load` packs each layer as soon as it is read, the tensors packing replaces read into one
+    scratch every layer reuses (checkpoint.PartScratch): the model must equal one read whole and packed
+    afterwards, bit for bit, in bf16 and quantized checkpoints, tied and untied."""
+    import clover
+    from clover.checkpoint import load_model, save_checkpoint
+    from clover.quantization.convert import quantize_checkpoint
+
+    model = make_model(variant, dtype=torch.bfloat16)
+    path = tmp_path / "bf16"
+    save_checkpoint(model, model.config, path)
+    if bits is not None:
+        path = quantize_checkpoint(path, tmp_path / f"int{bits}", bits=bits, progress=False)
+    loaded = clover.load(path)
+    whole = load_model(path, dtype=torch.bfloat16, table_in_file=True)
+    pack_for_cpu(whole)
+    assert loaded.packed == whole.packed == "clover-kernels"
+    ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(ids), whole(ids))

@@ -356,10 +356,11 @@ def planned_nbytes(plan: CheckpointPlan, dtype: torch.dtype) -> int:
     return total
 
 
-def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu", staged: bool | None = None):
+def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu", staged: bool | None = None, room=None):
     """Yield (name, tensor) for every tensor of a planned checkpoint, one at a time, floating-point ones in
     `dtype` and quantized codes and scales as stored. Memory-mapped, converted chunk by chunk; to a GPU
-    through pinned staging buffers (`transfer.StagedCopy`; `staged` forces it either way)."""
+    through pinned staging buffers (`transfer.StagedCopy`; `staged` forces it either way). `room(name,
+    shape, dtype)`, if given, may return the (empty) tensor to read a tensor into, else None."""
     readers = {}
     if staged is None:
         staged = torch.device(device).type == "cuda"
@@ -371,9 +372,10 @@ def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu", staged:
             if source[0] == "default":
                 tensor = _clover_default(name, plan.expected[name], dtype).to(device)
             else:
-                quant = name in plan.quant_buffers and name.endswith(QUANT_SUFFIXES)
-                target = plan.quant_buffers[name].dtype if quant else dtype
-                tensor = torch.empty(plan.expected[name], dtype=target, device=device)
+                target = _read_dtype(plan, name, dtype)
+                tensor = room and room(name, plan.expected[name], target)
+                if tensor is None:
+                    tensor = torch.empty(plan.expected[name], dtype=target, device=device)
                 if source[0] == "per_expert":
                     _merge_experts(tensor, source[1], plan.stored, readers, stager)
                 else:
@@ -387,11 +389,19 @@ def read_tensors(plan: CheckpointPlan, dtype: torch.dtype, device="cpu", staged:
             r.close()
 
 
+def _read_dtype(plan: CheckpointPlan, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `read_tensors` gives tensor `name`: quantized codes and scales as stored, others `dtype`."""
+    quant = name in plan.quant_buffers and name.endswith(QUANT_SUFFIXES)
+    return plan.quant_buffers[name].dtype if quant else dtype
+
+
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", config: CloverConfig | None = None,
-               table_in_file: bool = False):
+               table_in_file: bool = False, pack_part=None):
     """Build a `CloverForCausalLM` from a model directory. `dtype=None` keeps the stored dtype.
     `table_in_file` (on the CPU): an untied token embedding stored whole in one file stays there, its
-    rows read on lookup (layers/file_embedding.py)."""
+    rows read on lookup (layers/file_embedding.py). `pack_part(model, part)` (layers/packed.py, on a
+    bf16 CPU load): each part — "lm_head", "model.layers.N" — is packed as soon as it is filled, the
+    tensors packing replaces read into one `PartScratch` every part reuses."""
     path = Path(path)
     config = config or CloverConfig.from_file(path)
     check_load_dtype(dtype)
@@ -403,9 +413,25 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     from .runtime import check_memory
 
     check_memory(planned_nbytes(plan, dtype), str(path), device)
-    for name, tensor in progress(read_tensors(plan, dtype, device), total=len(plan.sources), desc=f"loading {path.name}",
-                                 unit="tensor"):
+    scratch = None
+    if pack_part is not None:
+        from .layers.packed import replaced_by_packing
+
+        placed = {name: (shape, _read_dtype(plan, name, dtype)) for name, shape in plan.expected.items()
+                  if plan.sources[name][0] != "default" and replaced_by_packing(model, name)}
+        scratch = PartScratch(placed, device)
+        order = {}                                       # each part's tensors together, parts in first-seen order
+        for name in plan.sources:
+            order.setdefault(part_of(name), []).append(name)
+        plan = plan._replace(sources={name: plan.sources[name] for names in order.values() for name in names})
+    names = list(plan.sources)
+    tensors = read_tensors(plan, dtype, device, room=scratch and scratch.room)
+    for k, (name, tensor) in enumerate(progress(tensors, total=len(names), desc=f"loading {path.name}", unit="tensor")):
         _assign(model, name, tensor)
+        part = part_of(name)
+        if scratch is not None and part is not None and (k + 1 == len(names) or part_of(names[k + 1]) != part):
+            pack_part(model, part)
+            scratch.reuse(model, part)
     if quant_buffers:
         from .quantization.modules import QuantizedWeight
 
@@ -419,6 +445,57 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
 def check_load_dtype(dtype) -> None:
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or torch.float64, got {dtype}")
+
+
+def part_of(name: str) -> str | None:
+    """The packing unit a parameter belongs to ("lm_head", "model.layers.N"), None for the others."""
+    if name.startswith("lm_head."):
+        return "lm_head"
+    if name.startswith("model.layers."):
+        return ".".join(name.split(".")[:3])
+    return None
+
+
+class PartScratch:
+    """One buffer holding a part's tensors that packing replaces, reused part after part by a load that
+    packs each part once filled. Read into fresh memory instead, each part's stored bytes land in pages
+    never written before, and first writes to fresh pages (the kernel zeroes each one; on a VM the host
+    maps it too) run at 1–4 GB/s where rewriting runs at ~30: half a GGUF load's time went there.
+    `tensors`: name → (shape, dtype) of every tensor `room` will be asked for."""
+
+    ALIGN = 64
+
+    def __init__(self, tensors: dict, device):
+        sizes = {}
+        for name, (shape, dtype) in tensors.items():
+            part = part_of(name)
+            if part is not None:
+                sizes[part] = sizes.get(part, 0) + self._size(shape, dtype)
+        self.names = {name for name in tensors if part_of(name) is not None}
+        self.buffer = torch.empty(max(sizes.values(), default=0), dtype=torch.uint8, device=device)
+        self.used = 0
+
+    def _size(self, shape, dtype) -> int:
+        return -(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN
+
+    def room(self, name: str, shape, dtype) -> torch.Tensor | None:
+        """An empty tensor for `name` in the buffer (None for a tensor not planned here)."""
+        if name not in self.names:
+            return None
+        nbytes = math.prod(shape) * dtype.itemsize
+        out = self.buffer[self.used:self.used + nbytes].view(dtype).view(shape)
+        self.used += self._size(shape, dtype)
+        return out
+
+    def reuse(self, model, part: str) -> None:
+        """The part is packed: its room is free for the next. Raises if anything still holds a tensor there."""
+        storage = self.buffer.untyped_storage().data_ptr()
+        module = model.get_submodule(part)
+        kept = [".".join(filter(None, (part, name))) for name, t in (*module.named_parameters(), *module.named_buffers())
+                if t is not None and t.device.type != "meta" and t.untyped_storage().data_ptr() == storage]
+        if kept:
+            raise RuntimeError(f"packing {part} kept {', '.join(kept)}, which the next part would overwrite")
+        self.used = 0
 
 
 def model_on_meta(config: CloverConfig, transform=None):

@@ -121,7 +121,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_part if packs else None,
                           table_in_file=packs, repacks_parts=packs)
     else:
-        model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs)
+        from .layers.packed import pack_part
+
+        model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs,
+                           pack_part=pack_part if packs else None)
 
     # 2. transformed once for where it runs: packed for the CPU kernels, or the "cuda" backend
     if packs:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import _clover_default, check_load_dtype, finish_loaded, model_on_meta
+from ..checkpoint import PartScratch, _clover_default, check_load_dtype, finish_loaded, model_on_meta, part_of
 from ..progress import progress
 from ..quantization.format import QuantSpec, codes, pack_codes
 from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -61,9 +61,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
         from ..runtime import check_memory
 
         check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path), device)
-        scratch = PartScratch(quantized, device) if repacks_parts and on_filled is not None else None
+        scratch = None
+        if repacks_parts and on_filled is not None:
+            scratch = PartScratch({name: (t.shape, t.dtype) for param, module in quantized.items()
+                                   for name, t in _stored(param, module)}, device)
         for param, module in quantized.items():
-            if scratch is None or _part(param) is None:
+            if scratch is None or part_of(param) is None:
                 _allocate(module, device)
         specs, count = set(), len(quantized)
         ahead = _read_ahead_at(f, entries)
@@ -77,8 +80,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
                 _check_quantized(f, entry, in_file[entry.param])
             elif entry.param in quantized:
                 module = quantized.pop(entry.param)      # (no reference left once on_filled repacks it)
-                if scratch is not None and _part(entry.param) is not None:
-                    scratch.place(module)
+                if scratch is not None and part_of(entry.param) is not None:
+                    for name, t in _stored(entry.param, module):
+                        module._buffers[name.rpartition(".")[2]] = scratch.room(name, t.shape, t.dtype)
                 _fill_quantized(f, entry, module)
                 specs.add(module.spec)
                 del module
@@ -86,8 +90,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
                 tensor = torch.empty(entry.layout.shape, dtype=dtype, device=device)
                 _fill_float(f, entry, tensor)
                 _assign(model, entry.param, tensor)
-            part = _part(entry.param)
-            if on_filled is not None and part is not None and (k + 1 == len(entries) or _part(entries[k + 1].param) != part):
+            part = part_of(entry.param)
+            if on_filled is not None and part is not None and (k + 1 == len(entries) or part_of(entries[k + 1].param) != part):
                 on_filled(model, part)
                 if scratch is not None:
                     scratch.reuse(model, part)
@@ -101,20 +105,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
     return model
 
 
-def _part(param: str) -> str | None:
-    """The packing unit a parameter belongs to ("lm_head", "model.layers.N"), None for the others."""
-    if param.startswith("lm_head."):
-        return "lm_head"
-    if param.startswith("model.layers."):
-        return ".".join(param.split(".")[:3])
-    return None
-
-
 def _read_ahead_at(f: GGUFFile, entries: list[Entry]) -> dict[int, list[TensorInfo]]:
     """Entry index → the stored tensors to start reading from disk there: as each part begins, the next
     part's (at the first entry, the first part's too), so a part is read while the one before it is
     converted and packed; page-cached bytes ahead stay within about two parts."""
-    parts = [list(g) for _, g in itertools.groupby(range(len(entries)), lambda k: _part(entries[k].param))]
+    parts = [list(g) for _, g in itertools.groupby(range(len(entries)), lambda k: part_of(entries[k].param))]
     tensors = [[f.tensors[s.name] for k in part for s in entries[k].sources if s.name in f.tensors] for part in parts]
     ahead = {part[0]: tensors[i + 1] if i + 1 < len(parts) else [] for i, part in enumerate(parts)}
     ahead[0] = tensors[0] + ahead[0]
@@ -267,48 +262,9 @@ def _allocate(module: QuantizedWeight, device) -> None:
             module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
-class PartScratch:
-    """One buffer holding the stored forms of one part's quantized matrices, reused part after part by a
-    load that repacks each part once filled. Each part's stored bytes would otherwise land in memory
-    never written before, and first writes to fresh pages (the kernel zeroes each one; on a VM the host
-    maps it too) run at 1–4 GB/s where rewriting run at ~30: half a GGUF load's time went there."""
-
-    ALIGN = 64
-    STORED = ("qweight", "scales", "mins", "super_scales", "super_mins")
-
-    def __init__(self, quantized: dict, device):
-        sizes = {}
-        for param, module in quantized.items():
-            part = _part(param)
-            if part is not None:
-                sizes[part] = sizes.get(part, 0) + sum(map(self._size, self._stored(module)))
-        self.buffer = torch.empty(max(sizes.values(), default=0), dtype=torch.uint8, device=device)
-        self.used = 0
-
-    @staticmethod
-    def _stored(module) -> list[torch.Tensor]:
-        return [module._buffers[name] for name in PartScratch.STORED if module._buffers.get(name) is not None]
-
-    def _size(self, t: torch.Tensor) -> int:
-        return -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-
-    def place(self, module) -> None:
-        """Give `module`'s stored tensors (still on meta) their room in the buffer."""
-        for name in self.STORED:
-            t = module._buffers.get(name)
-            if t is not None:
-                room = self.buffer[self.used:self.used + t.numel() * t.element_size()]
-                module._buffers[name] = room.view(t.dtype).view(t.shape)
-                self.used += self._size(t)
-
-    def reuse(self, model, part: str) -> None:
-        """The part is packed: its room is free for the next. Raises if any stored form was kept."""
-        kept = [".".join(filter(None, (part, name))) for name, m in model.get_submodule(part).named_modules()
-                if isinstance(m, QuantizedWeight)]
-        if kept:
-            raise RuntimeError(f"packing {part} kept the stored form of {', '.join(kept)}, which the next part "
-                               "would overwrite")
-        self.used = 0
+def _stored(param: str, module: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a quantized module's stored codes and scales (not its bias)."""
+    return [(f"{param}.{name}", t) for name, t in module._buffers.items() if t is not None and name != "bias"]
 
 
 def _leave_table_in_file(model, f: GGUFFile, entries: list[Entry], quantized: dict, dtype) -> dict[str, tuple]:

@@ -37,6 +37,8 @@ class QuantPanelWeight:
     def __init__(self, qweight, scales, mins, bits: int, rows: torch.Tensor | None = None,
                  super_scales: torch.Tensor | None = None, super_mins: torch.Tensor | None = None,
                  consume: bool = False):
+        if qweight.device.type != "cpu":                 # (a meta tensor: a part packed before it was filled)
+            raise ValueError(f"quantized panels are for CPU inference, not {qweight.device} tensors")
         *lead, N, _ = qweight.shape
         K = round(qweight.shape[-1] / CODE_BYTES[bits])
         self.bits, self.group, self.in_features = bits, K // scales.shape[-1], K

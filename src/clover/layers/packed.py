@@ -148,6 +148,19 @@ def packs(model) -> bool:
     return packing_available()
 
 
+def replaced_by_packing(model, name: str) -> bool:
+    """Whether packing a bf16 model replaces the module holding parameter or buffer `name` (a map's
+    weight or stored codes, an expert stack), so that nothing reads the tensor once its part is packed:
+    a loader may put it in memory the next part reuses (checkpoint.PartScratch, which checks)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if isinstance(owner, QuantizedLinear) or owner_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return attr != "bias"                    # (a stacked map's bias is copied, but kept simple: not here)
+    if isinstance(owner, nn.Linear):
+        return attr == "weight" and not (owner_name == "lm_head" and model.config.tie_word_embeddings)
+    return attr in ("gate_up_proj", "down_proj") and hasattr(owner, "num_experts")
+
+
 def pack_part(model, prefix: str, consume: bool = False) -> int:
     """Pack the matrices of submodule `prefix` of `model` ("" for all of it) → how many: `pack_for_cpu`
     a part at a time, so a loader can pack each layer as it is filled. `consume`: quantized expert stacks
