@@ -132,6 +132,14 @@ def test_bf16_round_trip(tmp_path, variant):
         assert torch.allclose(got, want, rtol=2**-8, atol=1e-6), (name, max_diff(got, want))
     if variant == "kv13_tied":
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    from clover.kernels import available
+
+    if available():              # packed as each layer is filled, through one reused scratch: the same model
+        from clover.layers.packed import pack_for_cpu
+
+        whole = load_gguf(path, table_in_file=True)
+        pack_for_cpu(whole)
+        assert torch.equal(clover.load(path)(inputs(model)), whole(inputs(model)))
 
     exact = load_gguf(path, dtype=torch.float32)
     ref = as_written(model, T.BF16)

@@ -44,8 +44,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
     (clover.load packs each part then, so the stored forms of the whole model never sit beside the
     packed ones). `table_in_file` (on the CPU): a quantized, untied token embedding stays in the file,
     its rows read on lookup (embedding.py); its scales are still checked here. `repacks_parts`:
-    `on_filled` replaces every quantized matrix of its part (packs it), so their stored forms are
-    written into one scratch buffer that every part reuses (`PartScratch`)."""
+    `on_filled` packs its part (layers/packed.py: `pack_part`), so what packing replaces is written
+    into one scratch buffer that every part reuses (`checkpoint.PartScratch`)."""
     check_load_dtype(dtype)
     started = time.perf_counter()
     with GGUFFile(path) as f:
@@ -62,9 +62,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
 
         check_memory(_planned_nbytes(model, entries, quantized, dtype, skip=in_file), str(f.path), device)
         scratch = None
-        if repacks_parts and on_filled is not None:
-            scratch = PartScratch({name: (t.shape, t.dtype) for param, module in quantized.items()
-                                   for name, t in _stored(param, module)}, device)
+        if repacks_parts and on_filled is not None:           # what packing replaces goes into a reused scratch
+            from ..layers.packed import replaced_by_packing
+
+            planned = {name: (t.shape, t.dtype) for param, module in quantized.items() for name, t in _stored(param, module)}
+            planned.update({e.param: (e.layout.shape, dtype) for e in entries if e.param not in quantized
+                            and e.param not in defaults and e.param not in in_file and replaced_by_packing(model, e.param)})
+            scratch = PartScratch(planned, device)
         for param, module in quantized.items():
             if scratch is None or part_of(param) is None:
                 _allocate(module, device)
@@ -87,7 +91,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
                 specs.add(module.spec)
                 del module
             else:
-                tensor = torch.empty(entry.layout.shape, dtype=dtype, device=device)
+                tensor = scratch and scratch.room(entry.param, entry.layout.shape, dtype)
+                if tensor is None:
+                    tensor = torch.empty(entry.layout.shape, dtype=dtype, device=device)
                 _fill_float(f, entry, tensor)
                 _assign(model, entry.param, tensor)
             part = part_of(entry.param)
