@@ -106,7 +106,12 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
         packs = packing_available()
     load_dtype = torch.bfloat16 if packs else dtype
 
-    # 1. the source, read into a model (each loader: plan, model on meta, memory check, fill)
+    # 1. the source, read into a model (each loader: plan, model on meta, memory check, fill). Packed for the
+    # CPU: each layer as soon as it is filled, what packing replaces read into a scratch the next one reuses;
+    # an untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
+    from .layers.packed import pack_part
+
+    packer = pack_part if packs else None
     if parallel is not None:
         from .distributed.loading import load_tensor_parallel
 
@@ -114,17 +119,10 @@ def load(path=None, dtype=None, device="cpu", backend: str = "auto", pack: bool 
     elif gguf is not None:
         from .gguf import load_gguf
 
-        from .layers.packed import pack_part
-
-        # packed for the CPU: each layer once filled, its stored forms in a scratch the next one reuses; an
-        # untied token table stays in its file, rows read on lookup (layers/file_embedding.py)
-        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=pack_part if packs else None,
-                          table_in_file=packs, repacks_parts=packs)
+        model = load_gguf(gguf, dtype=load_dtype, device=device, on_filled=packer, table_in_file=packs,
+                          repacks_parts=packs)
     else:
-        from .layers.packed import pack_part
-
-        model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs,
-                           pack_part=pack_part if packs else None)
+        model = load_model(path, dtype=load_dtype, device=device, table_in_file=packs, pack_part=packer)
 
     # 2. transformed once for where it runs: packed for the CPU kernels, or the "cuda" backend
     if packs:
