@@ -1,6 +1,7 @@
 """In-process A/B of the engine against a git revision of itself, on one bench checkpoint.
 
     python -m benchmarks.ab --base HEAD~3 --variant small --rounds 16
+    python -m benchmarks.ab --base HEAD~3 --checkpoint model.gguf --threads 1    # any model clover.load reads
 
 The machine these benchmarks run on drifts by 10–25% over minutes, so two benchmark processes run one
 after the other cannot resolve a change of a few percent. Here the revision's package is extracted
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare the working tree against")
     ap.add_argument("--variant", default="small", choices=sorted(checkpoints.VARIANTS))
+    ap.add_argument("--checkpoint", default=None,
+                    help="a checkpoint directory or .gguf file instead of --variant's bench model (e.g. int4, Q4_K_M)")
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -99,12 +102,12 @@ def main(argv=None) -> int:
     flush_denormals(True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = checkpoints.ensure_checkpoint(args.variant)
-    config = checkpoints.load_config(path)
+    path = Path(args.checkpoint) if args.checkpoint else checkpoints.ensure_checkpoint(args.variant)
     with tempfile.TemporaryDirectory() as tmp:
         base = import_revision(args.base, Path(tmp))
         engines = {f"base ({args.base})": base.load(path, dtype=torch.bfloat16, pack=True),
                    "working tree": clover.load(path, dtype=torch.bfloat16, pack=True)}
+        config = engines["working tree"].config.to_dict()
         results: dict = {name: {} for name in engines}
         with torch.inference_mode():
             for rnd in progress(range(args.rounds), desc="rounds", unit="round"):
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
     keys = list(next(iter(results.values())))
     width = max(len(k) for k in keys)
     names = list(results)
-    print(f"{args.variant}, {torch.get_num_threads()} threads, median of {args.rounds} alternating rounds")
+    print(f"{args.checkpoint or args.variant}, {torch.get_num_threads()} threads, median of {args.rounds} alternating rounds")
     print(f"{'':{width}}  " + "  ".join(f"{n:>20}" for n in names) + "   change")
     for k in keys:
         a, b = (statistics.median(results[n][k]) for n in names)
