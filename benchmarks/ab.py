@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     keys = list(next(iter(results.values())))
     width = max(len(k) for k in keys)
     names = list(results)
-    print(f"{args.checkpoint or args.variant}, {torch.get_num_threads()} threads, median of {args.rounds} alternating rounds")
+    print(f"{args.checkpoint or args.variant}, {torch.get_num_threads()} threads, "
+          f"median of {args.rounds} alternating rounds")
     print(f"{'':{width}}  " + "  ".join(f"{n:>20}" for n in names) + "   change")
     for k in keys:
         a, b = (statistics.median(results[n][k]) for n in names)

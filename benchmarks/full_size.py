@@ -27,7 +27,8 @@ bandwidth (`common.measure_bandwidth`, 2N bytes counted), before the model loads
 (load time, split at `pack_for_cpu`; peak RSS = VmHWM, reset first where /proc allows); prefill of a
 `--prompt-len` prompt, AR decode, a 32-token block step at each `--expert-top-p` (distinct experts per
 layer from the MoE kernel), via `bench_clover.CloverEngine` and `common.bench_*` (medians of
-`--repeats`, block steps 2·repeats+3); the model freed, bandwidth again; then a whole `clover generate
+`--repeats`, block steps 2·repeats+3); `--batch` sequences decoding together against one alone
+(`bench_batched_decode`); the model freed, bandwidth again; then a whole `clover generate
 --model PATH PROMPT --max-new-tokens 32 --json` as a subprocess (its wall time and peak RSS).
 %BW = the weight bytes the operation must read (from the stored tensors: int4 codes + fp16 scales,
 bf16 elsewhere) / time / the median read bandwidth. Prints a table; writes JSON to `--out` after
@@ -37,6 +38,7 @@ every phase (`"complete": false` until the end).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -61,6 +63,7 @@ from benchmarks.common import (
     bench_prefill,
     block_repeats,
     cpu_busy_pct,
+    make_input_ids,
     measure_bandwidth,
     print_table,
     state_bytes,
@@ -407,6 +410,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--expert-top-p", default="0.7", help="comma-separated block_expert_top_p values")
+    ap.add_argument("--batch", type=int, default=8, help="rows of the batched decode (0: none)")
     ap.add_argument("--generate-tokens", type=int, default=32, help="--max-new-tokens of the `clover generate` run")
     ap.add_argument("--generate-timeout", type=float, default=3600)
     ap.add_argument("--no-generate", action="store_true")
@@ -491,6 +495,10 @@ def main(argv=None) -> int:
                             label=f"top_p={p}")
             r["weight_bytes"] = forward_bytes(rb, list(r["distinct_experts"]), args.block_size)
             ops.append(r)
+        if args.batch > 1:
+            log(f"decode of {args.batch} sequences together against one alone, after {T}")
+            res["batched_decode"] = bench_batched_decode(model, config, T, args.batch, args.decode_steps // 4,
+                                                         args.repeats)
     res["ops"] = ops
     res["peak_rss_run_bytes"] = vm("VmHWM")
     # (clear_refs resets ru_maxrss too: the process's peak is the larger of the two phases')
@@ -525,6 +533,45 @@ def main(argv=None) -> int:
     return 0
 
 
+def bench_batched_decode(model, config, prompt_len: int, batch: int, steps: int, repeats: int) -> dict:
+    """`batch` sequences decoding together, a token each a step, against the first of them decoding alone,
+    alternating. A step reads each expert its rows chose once, so tokens per second grow with the batch
+    only as far as the rows share experts (docs/performance.md, "Known bounds"). The rows start from one
+    cached prompt (cloned) and different first tokens, so their routing differs from the first step on.
+    Their greedy tokens are checked too: the first row's alone and in the batch must be the same."""
+    from clover.generation.sequence import greedy_candidates
+
+    state0 = model.make_cache(capacity=prompt_len + steps + 1)
+    model.step(make_input_ids(config, prompt_len), [state0], logits_at="last")
+    first = make_input_ids(config, batch, seed=5).view(batch, 1)
+
+    def run(rows: int) -> tuple[float, list]:
+        states = [copy.deepcopy(state0) for _ in range(rows)]
+        token, tokens = first[:rows], []
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = model.step(token, states, logits_at="last")[:, -1]
+            token = greedy_candidates(logits, with_confidence=False)[0][:, None]
+            tokens.append(token[0, 0].item())
+        return (time.perf_counter() - start) / steps, tokens
+
+    alone, together = [], []
+    run(1), run(batch)                                               # warm-up
+    for r in range(repeats):
+        if r % 2:
+            (sb, tb), (s1, t1) = run(batch), run(1)
+        else:
+            (s1, t1), (sb, tb) = run(1), run(batch)
+        alone.append(s1), together.append(sb)
+        if t1 != tb:
+            raise AssertionError(f"row 0 decoded {t1} alone but {tb} in a batch of {batch}")
+    one, many = statistics.median(alone), statistics.median(together)
+    return {"op": "batched decode", "rows": batch, "prompt": prompt_len, "steps": steps,
+            "step_ms_one": one * 1e3, "step_ms": {"median": many * 1e3, "min": min(together) * 1e3,
+                                                   "max": max(together) * 1e3},
+            "tokens_per_s": batch / many, "speedup_over_one": batch * one / many}
+
+
 def report(res: dict) -> None:
     """The run as one table: each figure's median, spread, weight bytes and share of the read bandwidth."""
     gb = lambda b: b / GB  # noqa: E731
@@ -548,6 +595,11 @@ def report(res: dict) -> None:
         rows.append({"measurement": what, "median": s["median"], "unit": unit,
                      "spread": f"{s['min']:.4g}–{s['max']:.4g}", "GB read": gb(r["weight_bytes"]),
                      "GB/s": r["achieved_gbps"], "%read BW": 100 * r["fraction_of_read_bandwidth"]})
+    b = res.get("batched_decode")
+    if b:
+        rows.append({"measurement": f"decode of {b['rows']} together (step {b['step_ms']['median']:.1f} ms; "
+                                    f"one alone {b['step_ms_one']:.1f} ms)", "median": b["tokens_per_s"],
+                     "unit": "tok/s", "spread": f"{b['speedup_over_one']:.2f}× one's tokens/s"})
     bw = res["bandwidth"]
     for key, what in (("read_gbps", "read bandwidth (sum, N bytes)"), ("copy_gbps", "copy bandwidth (2N bytes)")):
         rows.append({"measurement": what, "median": bw[key]["median"], "unit": "GB/s",
