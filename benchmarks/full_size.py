@@ -497,7 +497,7 @@ def main(argv=None) -> int:
             ops.append(r)
         if args.batch > 1:
             log(f"decode of {args.batch} sequences together against one alone, after {T}")
-            res["batched_decode"] = bench_batched_decode(model, config, T, args.batch, args.decode_steps // 4,
+            res["batched_decode"] = bench_batched_decode(model, config, T, args.batch, max(1, args.decode_steps // 4),
                                                          args.repeats)
     res["ops"] = ops
     res["peak_rss_run_bytes"] = vm("VmHWM")
