@@ -428,8 +428,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     tensors = read_tensors(plan, dtype, device, room=scratch and scratch.room)
     for k, (name, tensor) in enumerate(progress(tensors, total=len(names), desc=f"loading {path.name}", unit="tensor")):
         _assign(model, name, tensor)
-        part = part_of(name)
-        if scratch is not None and part is not None and (k + 1 == len(names) or part_of(names[k + 1]) != part):
+        part = part_ending_at(names, k)
+        if scratch is not None and part is not None:
             pack_part(model, part)
             scratch.reuse(model, part)
     if quant_buffers:
@@ -454,6 +454,12 @@ def part_of(name: str) -> str | None:
     if name.startswith("model.layers."):
         return ".".join(name.split(".")[:3])
     return None
+
+
+def part_ending_at(names: list[str], k: int) -> str | None:
+    """The part whose last tensor, in the order `names` are filled, is `names[k]`; else None."""
+    part = part_of(names[k])
+    return part if part is not None and (k + 1 == len(names) or part_of(names[k + 1]) != part) else None
 
 
 class PartScratch:

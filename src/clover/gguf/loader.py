@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import PartScratch, _clover_default, check_load_dtype, finish_loaded, model_on_meta, part_of
+from ..checkpoint import (PartScratch, _clover_default, check_load_dtype, finish_loaded, model_on_meta, part_of,
+                          part_ending_at)
 from ..progress import progress
 from ..quantization.format import QuantSpec, codes, pack_codes
 from ..quantization.modules import KEPT, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -74,6 +75,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
                 _allocate(module, device)
         specs, count = set(), len(quantized)
         ahead = _read_ahead_at(f, entries)
+        params = [e.param for e in entries]
         for k, entry in enumerate(progress(entries, desc=f"loading {f.path.name}", unit="tensor")):
             for info in ahead.get(k, ()):
                 f.read_ahead(info)
@@ -96,8 +98,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device="cpu", 
                     tensor = torch.empty(entry.layout.shape, dtype=dtype, device=device)
                 _fill_float(f, entry, tensor)
                 _assign(model, entry.param, tensor)
-            part = part_of(entry.param)
-            if on_filled is not None and part is not None and (k + 1 == len(entries) or part_of(entries[k + 1].param) != part):
+            part = part_ending_at(params, k)
+            if on_filled is not None and part is not None:
                 on_filled(model, part)
                 if scratch is not None:
                     scratch.reuse(model, part)
