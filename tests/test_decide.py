@@ -1,7 +1,7 @@
 """Greedy decisions in one native pass (kernels/decide.c) against the reference, `candidates`: the
-same tokens on ties, masked (−inf) ids, an excluded id and rows past a vector's end; probabilities within
-fp32 summation error of the exact (fp64) softmax; each row's result the same alone, in a batch and at any thread count; rows the kernel
-leaves (NaN, +inf, only −inf) decided by the reference."""
+same tokens on ties, masked (−inf) ids, an excluded id and rows past a vector's end; probabilities
+within fp32 summation error of the exact (fp64) softmax; each row's result the same alone, in a batch
+and at any thread count; rows the kernel leaves (NaN, +inf, only −inf) decided by the reference."""
 
 from __future__ import annotations
 
