@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from clover import kernels
 from clover.kernels.panels import PANEL
 from clover.quantization import QuantSpec, dequantize, quantize, quantize_model
 from clover.quantization.convert import QuantizeError, quantize_checkpoint
@@ -270,9 +271,10 @@ def _panel_bytes(u: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:
         return nibbles.reshape(c, P, -1)
     if bits == 5:     # per vector T = 2·half + set a 64-bit mask: bit b for its byte b = 4·column + input
-        fifth = (v >> 4).permute(0, 1, 4, 2, 5, 3, 6).reshape(c, P, K // 8, 4, 8, 8).to(torch.int32)
-        fifths = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
-        fifths = fifths.reshape(c, P, K // 8, 32)
+        fifth = (v >> 4).permute(0, 1, 4, 2, 5, 3, 6).reshape(c, P, K // 8, 4, 64).to(torch.int32)
+        if kernels.isa() == "avx2":       # bit planes: mask T's bit b in byte b % 32, bit 2T + b // 32
+            fifth = fifth.view(c, P, K // 8, 4, 2, 32).permute(0, 1, 2, 5, 3, 4)
+        fifths = (fifth.reshape(c, P, K // 8, 32, 8) << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
         return torch.cat([nibbles.reshape(c, P, K // 8, 128), fifths], dim=-1).reshape(c, P, -1)
     top = (v >> 4).permute(0, 1, 4, 3, 6, 2, 5)                # [c, P, K/8, 16, 4, half, set]
     crumbs = top[..., 0, 0] | (top[..., 0, 1] << 2) | (top[..., 1, 0] << 4) | (top[..., 1, 1] << 6)

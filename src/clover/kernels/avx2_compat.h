@@ -143,18 +143,6 @@ CLV_I(clv_dpbusd_nibbles_epi32)(__m512i acc, __m512i u, __m512i s, __m512i v, __
     return (__m512i){clv_dpbusd_nibbles8(acc.lo, u.lo, s.lo, v.lo, t.lo), clv_dpbusd_nibbles8(acc.hi, u.hi, s.hi, v.hi, t.hi)};
 }
 #define DPBUSD_NIBBLES clv_dpbusd_nibbles_epi32
-/* v | x in the bytes i (of 64) whose bit i of `bits` is set: an AVX-512 BW byte mask */
-static inline __m256i clv_bytes_where(uint32_t bits) {
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);     /* byte i: source byte i/8 */
-    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-}
-CLV_I(clv_or_where)(__m512i v, uint64_t bits, __m512i x) {
-    return (__m512i){_mm256_or_si256(v.lo, _mm256_and_si256(x.lo, clv_bytes_where((uint32_t)bits))),
-                     _mm256_or_si256(v.hi, _mm256_and_si256(x.hi, clv_bytes_where((uint32_t)(bits >> 32))))};
-}
 
 /* conversions */
 static inline __m512 clv_castsi512_ps(__m512i a) { return (__m512){_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }

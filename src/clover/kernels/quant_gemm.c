@@ -20,9 +20,11 @@
  *   int6: per 8 inputs the 128 bytes of int4 (the low 4 bits), then 64 bytes of top bits: byte 4j + i
  *         holds, in bit pairs from the lowest, those of half 0 input i, half 0 input 4 + i, half 1
  *         input i, half 1 input 4 + i;
- *   int5: per 8 inputs the 128 bytes of int4, then 32 bytes of fifth bits: for each of the 4 nibble
- *         vectors in turn (half 0 inputs i, half 0 inputs 4 + i, half 1 …) a 64-bit mask, bit 4j + i
- *         for its byte 4j + i (merged by a byte mask: no shifts, whose port the nibbles keep busy).
+ *   int5: per 8 inputs the 128 bytes of int4, then 32 bytes of fifth bits. AVX-512: for each of the 4
+ *         nibble vectors in turn (half 0 inputs i, half 0 inputs 4 + i, half 1 …) a 64-bit mask, bit
+ *         4j + i for its byte 4j + i (merged by a byte mask: no shifts, whose port the nibbles keep busy).
+ *         AVX2, which has no byte masks: bit planes, byte p's bit v the fifth bit of byte p of the v-th
+ *         32-byte vector (those 4 vectors' low then high halves), merged by a shift, an and and an or.
  * So one 64-byte load is 16 columns × 4 (or 8) inputs, and the input codes of those 4 inputs are one
  * broadcast 32-bit word. */
 #include <immintrin.h>
@@ -56,10 +58,26 @@ static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
 #define DPBUSD_NIBBLES(acc, u, s, v, t) dpbusd(dpbusd(acc, u, s), v, t)
 #endif
 #define QKERNEL_VARIANTS 6  /* kernels defined for 1..6 rows; the build uses 1..QROWS */
-#ifdef __AVX512F__           /* v | x in the bytes whose bit is set in a 64-bit mask (no shifts: their port is busy) */
-#define OR_WHERE(v, bits, x) _mm512_or_si512(v, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), x))
-#else
-#define OR_WHERE(v, bits, x) clv_or_where(v, bits, x)
+/* int5: the fifth bits at `f` (the layout above) as 0x10 into the nibble vectors l0, h0, l1, h1 */
+#ifdef __AVX512F__
+static inline void or_fifths(__m512i *l0, __m512i *h0, __m512i *l1, __m512i *h1, const uint8_t *f) {
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    uint64_t m[4];
+    memcpy(m, f, 32);
+    *l0 = _mm512_or_si512(*l0, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[0]), fifth));
+    *h0 = _mm512_or_si512(*h0, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[1]), fifth));
+    *l1 = _mm512_or_si512(*l1, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[2]), fifth));
+    *h1 = _mm512_or_si512(*h1, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[3]), fifth));
+}
+#else               /* plane v to bit 4 by a 16-bit shift of 4 − v: bit 4 of each byte comes from its own byte */
+#define FIFTH_PLANE(v, shifted) _mm256_or_si256(v, _mm256_and_si256(shifted, _mm256_set1_epi8(0x10)))
+static inline void or_fifths(__m512i *l0, __m512i *h0, __m512i *l1, __m512i *h1, const uint8_t *f) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)f);
+    l0->lo = FIFTH_PLANE(l0->lo, _mm256_slli_epi16(x, 4)), l0->hi = FIFTH_PLANE(l0->hi, _mm256_slli_epi16(x, 3));
+    h0->lo = FIFTH_PLANE(h0->lo, _mm256_slli_epi16(x, 2)), h0->hi = FIFTH_PLANE(h0->hi, _mm256_slli_epi16(x, 1));
+    l1->lo = FIFTH_PLANE(l1->lo, x), l1->hi = FIFTH_PLANE(l1->hi, _mm256_srli_epi16(x, 1));
+    h1->lo = FIFTH_PLANE(h1->lo, _mm256_srli_epi16(x, 2)), h1->hi = FIFTH_PLANE(h1->hi, _mm256_srli_epi16(x, 3));
+}
 #endif
 #define AHEAD_ROWS 1024     /* prefetch distance in bytes for several rows (the panel is reused from L1/L2) */
 
@@ -150,7 +168,6 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
     const int32_t *start = (const int32_t *)(blk + (long)R * K);                                          \
     const float *alpha = (const float *)(start + (long)groups * R), *offset = alpha + (long)groups * R;   \
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);                             \
-    const __m512i fifth = _mm512_set1_epi8(0x10);                                                         \
     __m512 facc[2 * R];                                                                                   \
     for (int i = 0; i < 2 * R; i++) facc[i] = _mm512_setzero_ps();                                        \
     for (int g = 0; g < groups; g++) {                                                                    \
@@ -200,12 +217,7 @@ static void qkernel_##BITS##_##R(const char *blk, int K, int group, const uint8_
                     l1 = _mm512_or_si512(l1, _mm512_and_si512(x, top));                                   \
                     h1 = _mm512_or_si512(h1, _mm512_and_si512(_mm512_srli_epi16(x, 2), top));             \
                 }                                                                                         \
-                if (BITS == 5) {                                                                          \
-                    uint64_t m[4];                                                                        \
-                    memcpy(m, W + 128, 32);                                                               \
-                    l0 = OR_WHERE(l0, m[0], fifth), h0 = OR_WHERE(h0, m[1], fifth);                     \
-                    l1 = OR_WHERE(l1, m[2], fifth), h1 = OR_WHERE(h1, m[3], fifth);                     \
-                }                                                                                         \
+                if (BITS == 5) or_fifths(&l0, &h0, &l1, &h1, W + 128);                                   \
                 W += BITS == 6 ? 192 : BITS == 5 ? 160 : 128;                                             \
                 _Pragma("GCC unroll 6")                                                                   \
                 for (int r = 0; r < R; r++) {                                                             \
@@ -614,17 +626,26 @@ int clover_quant_pack_panels(const uint8_t *q, long qrow, long qentry, int entri
             }
 #endif
             if (bits == 5) {                            /* fifths: per half, the masks of inputs 0-3 and 4-7, */
-                for (int h = 0; h < 2; h++) {           /* column j's bits at 4j … 4j + 3 */
-                    uint64_t first = 0, second = 0;
+                uint64_t m[4];                          /* column j's bits at 4j … 4j + 3 */
+                for (int h = 0; h < 2; h++) {
+                    m[2 * h] = m[2 * h + 1] = 0;
                     for (int j = 0; j < 16; j++) {
                         const uint8_t *row = src[16 * h + j];
                         uint64_t fifths = row ? row[K / 2 + k / 8] : 0;
-                        first |= (fifths & 15) << (4 * j);
-                        second |= (fifths >> 4) << (4 * j);
+                        m[2 * h] |= (fifths & 15) << (4 * j);
+                        m[2 * h + 1] |= (fifths >> 4) << (4 * j);
                     }
-                    memcpy(o + 128 + 16 * h, &first, 8);
-                    memcpy(o + 136 + 16 * h, &second, 8);
                 }
+#ifdef __AVX512F__
+                memcpy(o + 128, m, 32);
+#else                                           /* as bit planes: mask t's bit b to byte b % 32, bit 2t + b / 32 */
+                for (int b = 0; b < 32; b++) {
+                    unsigned plane = 0;
+                    for (int t = 0; t < 4; t++)
+                        plane |= (unsigned)((m[t] >> b) & 1) << (2 * t) | (unsigned)((m[t] >> (32 + b)) & 1) << (2 * t + 1);
+                    o[128 + b] = (uint8_t)plane;
+                }
+#endif
             }
             if (bits == 6) {                            /* tops: byte 4j + i, column j's pair (input i, 4 + i), */
                 for (int j = 0; j < 16; j++) {          /* column 16 + j's in the high nibble */
